@@ -1,0 +1,72 @@
+"""torch-fused: fused Triton kernels for LLM training, registered as ``torch.library`` ops.
+
+Every op lives in the ``fused`` namespace (``torch.ops.fused.<name>``); the functions here are
+the documented Python entry points over them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops as _ops  # noqa: F401  (registers the fused:: ops)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "selective_log_softmax",
+    "entropy_from_logits",
+    "logprobs_and_entropy",
+]
+
+
+def selective_log_softmax(
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """``log_softmax(logits / temperature, -1)`` gathered at ``index``, never materialized.
+
+    Args:
+        logits: ``[..., V]`` float16/bfloat16/float32/float64; any strides in the leading dims
+            (``logits[:, :-1]`` runs without a copy).
+        index: ``[...]`` (one id per row) or ``[..., K]`` (K ids per row), int32 or int64.
+        temperature: > 0, applied inside the kernel.
+        ignore_index: positions holding it give 0 and receive no gradient.
+
+    Returns:
+        float32 log-probs shaped like ``index`` (float64 for float64 logits). An index outside
+        ``[0, V)`` that is not ``ignore_index`` raises ``IndexError`` on CPU; on CUDA (where
+        checking would cost a device sync) it gives NaN at that position and a NaN gradient row.
+    """
+    return torch.ops.fused.selective_log_softmax(logits, index, temperature, ignore_index)
+
+
+def entropy_from_logits(
+    logits: torch.Tensor, chunk_size: int | None = None, *, temperature: float = 1.0
+) -> torch.Tensor:
+    """Shannon entropy (nats) of ``softmax(logits / temperature)`` per row, in one pass over V.
+
+    ``chunk_size`` exists so TRL's call form ``entropy_from_logits(logits, chunk_size)`` keeps
+    working; it is ignored (the kernel never materializes a chunk). Returns float32 (float64
+    for float64 logits) of shape ``logits.shape[:-1]``. Entries of ``-inf`` are masked
+    vocabulary and contribute nothing; a row of equal logits gives ``log V``.
+    """
+    del chunk_size
+    return torch.ops.fused.entropy_from_logits(logits, temperature)
+
+
+def logprobs_and_entropy(
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(selective_log_softmax(...), entropy_from_logits(...))`` from ONE read of the logits.
+
+    Same arguments and index semantics as :func:`selective_log_softmax`. The backward is one
+    fused pass for any combination of the two upstream gradients.
+    """
+    return torch.ops.fused.logprobs_and_entropy(logits, index, temperature, ignore_index)

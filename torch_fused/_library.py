@@ -1,0 +1,88 @@
+"""The ``fused`` op namespace and the small helpers every op shares.
+
+Kernel devices: Triton implementations are registered for CUDA. When the process runs with
+``TRITON_INTERPRET=1`` (set before this package is imported), they are registered for CPU
+tensors as well, so that the CPU test job runs whole ops through the real kernels in
+Triton's interpreter instead of the plain-PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+NAMESPACE = "fused"
+
+# One Library object for the ops defined with the low-level API (the composite public ops);
+# custom_op ops register themselves under the same namespace.
+LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+try:  # triton is a Linux-only dependency; the CPU reference path works without it
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only on platforms without triton
+    HAS_TRITON = False
+
+# Devices whose tensors go through the Triton kernels.
+TRITON_DEVICES: tuple[str, ...] = (("cuda", "cpu") if INTERPRET else ("cuda",)) if HAS_TRITON else ()
+# Devices served by the plain-PyTorch reference (everything the kernels don't take).
+REFERENCE_DEVICES: tuple[str, ...] = () if INTERPRET else ("cpu",)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation / output dtype of the reduction ops: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def rows_strides(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """Describe the leading dims of ``x`` (all but the last) as at most two strided dims.
+
+    Returns ``(inner_size, outer_stride, inner_stride)`` such that row ``r`` of the flattened
+    leading dims starts at element offset ``(r // inner_size) * outer_stride +
+    (r % inner_size) * inner_stride``, or ``None`` when the leading dims don't collapse to two
+    (the caller then copies). Adjacent dims merge when they are contiguous with each other;
+    size-1 dims are dropped. So ``x[:, :-1]`` of a ``[B, L+1, V]`` tensor and transposed
+    leading dims are described without a copy.
+    """
+    dims = [(s, st) for s, st in zip(x.shape[:-1], x.stride()[:-1]) if s != 1]
+    merged: list[list[int]] = []
+    for size, stride in dims:
+        if merged and merged[-1][1] == stride * size:
+            merged[-1][0] *= size
+            merged[-1][1] = stride
+        else:
+            merged.append([size, stride])
+    if not merged:
+        return 1, 0, 0
+    if len(merged) == 1:
+        return merged[0][0], 0, merged[0][1]
+    if len(merged) == 2:
+        return merged[1][0], merged[0][1], merged[1][1]
+    return None
+
+
+def numel_rows(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# Tests set this to True: every fresh output of an op is then filled with NaN (float) or a
+# sentinel (integer) before the kernel runs, so an element the kernel forgets can never pass.
+POISON = os.environ.get("TORCH_FUSED_POISON", "0") == "1"
+
+
+def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if POISON:
+        out.fill_(float("nan") if dtype.is_floating_point else -(2**30))
+    return out

@@ -1,0 +1,72 @@
+"""Input checks and fake (meta) implementations of the log-prob / entropy ops.
+
+``check_logits_index`` is the one validation function: the public ops call it before they
+dispatch, and the fake implementations call it again, so an eager call and a call traced by
+``torch.compile`` fail with the same message. It reads shapes and dtypes only, never data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._library import FLOAT_DTYPES, INDEX_DTYPES, acc_dtype
+
+
+def check_temperature(temperature: float) -> None:
+    torch._check(
+        temperature > 0,
+        lambda: f"temperature: expected a positive number, got {temperature}",
+    )
+
+
+def check_logits(logits: torch.Tensor) -> None:
+    torch._check(
+        logits.dtype in FLOAT_DTYPES,
+        lambda: f"logits: expected dtype float16, bfloat16, float32 or float64, got {logits.dtype}",
+    )
+    torch._check(logits.dim() >= 1, lambda: "logits: expected at least 1 dim [..., V], got a 0-dim tensor")
+    torch._check(
+        logits.shape[-1] >= 1,
+        lambda: f"logits: the last dim (vocabulary V) must be >= 1, got shape {tuple(logits.shape)}",
+    )
+
+
+def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, temperature: float) -> None:
+    check_logits(logits)
+    check_temperature(temperature)
+    if index is None:
+        return
+    torch._check(
+        index.dtype in INDEX_DTYPES,
+        lambda: f"index: expected dtype int32 or int64, got {index.dtype}",
+    )
+    torch._check(
+        index.device == logits.device,
+        lambda: f"index: expected device {logits.device} (the logits' device), got {index.device}",
+    )
+    lead = tuple(logits.shape[:-1])
+    ishape = tuple(index.shape)
+    torch._check(
+        ishape == lead or (len(ishape) == len(lead) + 1 and ishape[:-1] == lead),
+        lambda: (
+            f"index: expected shape {lead} (one id per row) or {lead + ('K',)} (K ids per row) "
+            f"for logits of shape {tuple(logits.shape)}, got {ishape}"
+        ),
+    )
+
+
+def logprobs_entropy_forward_fake(logits, index, temperature, ignore_index, compute_entropy):
+    check_logits_index(logits, index, temperature)
+    dt = acc_dtype(logits.dtype)
+    lead = logits.shape[:-1]
+    logp = logits.new_empty(index.shape if index is not None else (0,), dtype=dt)
+    ent = logits.new_empty(lead if compute_entropy else (0,), dtype=dt)
+    lse = logits.new_empty(lead, dtype=dt)
+    return logp, ent, lse
+
+
+def logprobs_entropy_backward_fake(
+    grad_logp, grad_entropy, logits, index, lse, entropy, temperature, ignore_index
+):
+    check_logits_index(logits, index, temperature)
+    return logits.new_empty(logits.shape)

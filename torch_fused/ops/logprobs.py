@@ -1,0 +1,210 @@
+"""The log-prob / entropy family: ``fused::selective_log_softmax``, ``fused::entropy_from_logits``
+and ``fused::logprobs_and_entropy``.
+
+The three public ops are thin ``CompositeImplicitAutograd`` definitions over one opaque core op,
+``fused::_logprobs_entropy_forward``, which returns (logp, entropy, lse) from ONE read of the
+logits. Its autograd formula calls ``fused::_logprobs_entropy_backward``, one fused pass that
+serves any combination of log-prob and entropy gradients. The core returns the log-sum-exp so
+that the backward saves only O(rows) tensors; the public ops hide it. Because the public ops
+are composite, ``torch.compile`` sees straight through them to the two opaque core nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._library import LIB, NAMESPACE, REFERENCE_DEVICES, TRITON_DEVICES, acc_dtype, rows_strides
+from .._library import new_output
+from .. import reference
+from ..meta import logprobs as meta
+
+_FWD = f"{NAMESPACE}::_logprobs_entropy_forward"
+_BWD = f"{NAMESPACE}::_logprobs_entropy_backward"
+
+
+@torch.library.custom_op(_FWD, mutates_args=())
+def logprobs_entropy_forward(
+    logits: torch.Tensor,
+    index: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    compute_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    meta.check_logits_index(logits, index, temperature)
+    return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy)
+
+
+@torch.library.custom_op(_BWD, mutates_args=())
+def logprobs_entropy_backward(
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    logits: torch.Tensor,
+    index: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+) -> torch.Tensor:
+    return reference.logprobs_entropy_backward(
+        grad_logp, grad_entropy, logits, index, lse, entropy, temperature, ignore_index
+    )
+
+
+logprobs_entropy_forward.register_fake(meta.logprobs_entropy_forward_fake)
+logprobs_entropy_backward.register_fake(meta.logprobs_entropy_backward_fake)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton implementations
+# ---------------------------------------------------------------------------------------------
+def _row_layout(logits: torch.Tensor):
+    """(logits, (inner_size, stride_outer, stride_inner)) without a copy whenever possible."""
+    layout = rows_strides(logits) if logits.stride(-1) == 1 else None
+    if layout is None:  # leading dims that don't collapse to two strided dims, or V strided
+        logits = logits.contiguous()
+        layout = rows_strides(logits)
+    return logits, layout
+
+
+def _index_rows(index: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+    k = index.numel() // rows if rows else 1
+    return index.reshape(rows, k).contiguous(), k
+
+
+def _forward_triton(logits, index, temperature, ignore_index, compute_entropy):
+    meta.check_logits_index(logits, index, temperature)
+    if logits.dtype == torch.float64:
+        # float64 is a validation dtype: the reference on the same device keeps fp64 accuracy
+        return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy)
+    from ..kernels import logprobs as K
+
+    dt = acc_dtype(logits.dtype)
+    lead = logits.shape[:-1]
+    v = logits.shape[-1]
+    rows = logits.numel() // v
+    logp = new_output(index.shape if index is not None else (0,), dt, logits.device)
+    ent = new_output(lead if compute_entropy else (0,), dt, logits.device)
+    lse = new_output(lead, dt, logits.device)
+    if rows == 0:
+        return logp, ent, lse
+    x, (inner, s_outer, s_inner) = _row_layout(logits)
+    if index is not None:
+        idx, k = _index_rows(index, rows)
+    else:
+        idx, k = lse, 1  # unused pointer
+    block_v, warps = K.pick_block(v, x.element_size())
+    K._logprobs_entropy_forward_kernel[(rows,)](
+        x, idx, logp, ent, lse,
+        v, k, inner, s_outer, s_inner,
+        K.LOG2E / temperature, ignore_index,
+        HAS_INDEX=index is not None, HAS_ENT=compute_entropy,
+        BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
+        num_warps=warps,
+    )
+    return logp, ent, lse
+
+
+def _backward_triton(grad_logp, grad_entropy, logits, index, lse, entropy, temperature, ignore_index):
+    if logits.dtype == torch.float64:
+        return reference.logprobs_entropy_backward(
+            grad_logp, grad_entropy, logits, index, lse, entropy, temperature, ignore_index
+        )
+    from ..kernels import logprobs as K
+
+    v = logits.shape[-1]
+    rows = logits.numel() // v
+    dx = new_output(logits.shape, logits.dtype, logits.device)
+    if rows == 0:
+        return dx
+    x, (inner, s_outer, s_inner) = _row_layout(logits)
+    has_glp = grad_logp is not None and index is not None
+    if has_glp:
+        idx, k = _index_rows(index, rows)
+        glp = grad_logp.reshape(rows, k).contiguous()
+    else:
+        idx, k, glp = lse, 1, lse
+    has_gh = grad_entropy is not None
+    gh = grad_entropy.reshape(rows).contiguous() if has_gh else lse
+    block_v, warps = K.pick_block(v, x.element_size())
+    K._logprobs_entropy_backward_kernel[(rows,)](
+        x, idx, glp, gh, lse, entropy if has_gh else lse, dx,
+        v, k, inner, s_outer, s_inner,
+        K.LOG2E / temperature, 1.0 / temperature, ignore_index,
+        HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1,
+        BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
+        num_warps=warps,
+    )
+    return dx
+
+
+if TRITON_DEVICES:
+    logprobs_entropy_forward.register_kernel(TRITON_DEVICES)(_forward_triton)
+    logprobs_entropy_backward.register_kernel(TRITON_DEVICES)(_backward_triton)
+_ = REFERENCE_DEVICES  # the default implementation above serves every other device
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd of the core op
+# ---------------------------------------------------------------------------------------------
+def _setup_context(ctx, inputs, output):
+    logits, index, temperature, ignore_index, compute_entropy = inputs
+    _, ent, lse = output
+    ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: skip its term
+    ctx.temperature = temperature
+    ctx.ignore_index = ignore_index
+    ctx.compute_entropy = compute_entropy
+    ctx.save_for_backward(logits, index, lse, ent)
+
+
+def _backward(ctx, g_logp, g_ent, g_lse):
+    logits, index, lse, ent = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None, None
+    torch._check(g_lse is None, lambda: "the log-sum-exp output of the core op is not differentiable")
+    if index is None:
+        g_logp = None
+    if not ctx.compute_entropy:
+        g_ent = None
+    if g_logp is None and g_ent is None:
+        return torch.zeros_like(logits), None, None, None, None
+    dx = torch.ops.fused._logprobs_entropy_backward(
+        g_logp, g_ent, logits, index, lse, ent, ctx.temperature, ctx.ignore_index
+    )
+    return dx, None, None, None, None
+
+
+logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public ops (composite over the core)
+# ---------------------------------------------------------------------------------------------
+LIB.define(
+    "selective_log_softmax(Tensor logits, Tensor index, float temperature=1.0, int ignore_index=-100) -> Tensor"
+)
+LIB.define("entropy_from_logits(Tensor logits, float temperature=1.0) -> Tensor")
+LIB.define(
+    "logprobs_and_entropy(Tensor logits, Tensor index, float temperature=1.0, int ignore_index=-100)"
+    " -> (Tensor, Tensor)"
+)
+
+
+def _selective_log_softmax(logits, index, temperature=1.0, ignore_index=-100):
+    meta.check_logits_index(logits, index, temperature)
+    return torch.ops.fused._logprobs_entropy_forward(logits, index, temperature, ignore_index, False)[0]
+
+
+def _entropy_from_logits(logits, temperature=1.0):
+    meta.check_logits_index(logits, None, temperature)
+    return torch.ops.fused._logprobs_entropy_forward(logits, None, temperature, -100, True)[1]
+
+
+def _logprobs_and_entropy(logits, index, temperature=1.0, ignore_index=-100):
+    meta.check_logits_index(logits, index, temperature)
+    logp, ent, _ = torch.ops.fused._logprobs_entropy_forward(logits, index, temperature, ignore_index, True)
+    return logp, ent
+
+
+LIB.impl("selective_log_softmax", _selective_log_softmax, "CompositeImplicitAutograd")
+LIB.impl("entropy_from_logits", _entropy_from_logits, "CompositeImplicitAutograd")
+LIB.impl("logprobs_and_entropy", _logprobs_and_entropy, "CompositeImplicitAutograd")

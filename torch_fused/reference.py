@@ -1,0 +1,150 @@
+"""Plain-PyTorch implementations: the CPU path of every op and the readable spec of what the
+Triton kernels compute.
+
+They work on row chunks (never a Python loop over single rows) so that a CPU call never holds
+more than a chunk's worth of float32 temporaries, and they accumulate in float32 (float64 for
+float64 input), exactly like the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._library import acc_dtype
+
+# Rows per chunk are chosen so that one chunk's float temporaries stay near this many elements.
+_CHUNK_ELEMS = 1 << 22
+
+
+def _chunks(rows: int, v: int):
+    step = max(1, _CHUNK_ELEMS // max(v, 1))
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+def _index_2d(index: torch.Tensor | None, lead_shape) -> tuple[torch.Tensor | None, bool]:
+    """Index as [rows, K] int64, and whether it had a K dim."""
+    if index is None:
+        return None, False
+    has_k = index.dim() == len(lead_shape) + 1
+    rows = math.prod(lead_shape)
+    k = index.shape[-1] if has_k else 1
+    return index.reshape(rows, k).long(), has_k
+
+
+def check_index_range(index: torch.Tensor, v: int, ignore_index: int) -> None:
+    """Raise a clear error for an index outside [0, V) that is not ignore_index.
+
+    Only called where reading the index costs no device sync (CPU tensors)."""
+    if index.numel() == 0:
+        return
+    bad = ((index < 0) | (index >= v)) & (index != ignore_index)
+    if bool(bad.any()):
+        first = index[bad].reshape(-1)[0].item()
+        raise IndexError(
+            f"index: value {first} is outside [0, V={v}) and is not ignore_index={ignore_index}"
+        )
+
+
+def logprobs_entropy_forward(
+    logits: torch.Tensor,
+    index: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    compute_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (logp shaped like index or empty, entropy [lead] or empty, lse [lead]).
+
+    logp = z[index] - lse with z = logits / T; entropy = lse - sum(softmax(z) * z), computed
+    relative to the row max so that |z| ~ 1e4 keeps full precision; ignore_index gives 0.
+    """
+    lead = logits.shape[:-1]
+    v = logits.shape[-1]
+    rows = math.prod(lead)
+    dt = acc_dtype(logits.dtype)
+    idx2, _ = _index_2d(index, lead)
+    if idx2 is not None and logits.device.type == "cpu":
+        check_index_range(idx2, v, ignore_index)
+    x2 = logits.reshape(rows, v)
+    lse = torch.empty(rows, dtype=dt, device=logits.device)
+    ent = torch.empty(rows if compute_entropy else 0, dtype=dt, device=logits.device)
+    logp = None
+    if idx2 is not None:
+        logp = torch.empty(idx2.shape, dtype=dt, device=logits.device)
+    inv_t = 1.0 / temperature
+    for a, b in _chunks(rows, v):
+        z = x2[a:b].to(dt) * inv_t
+        m = z.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf row: lse = -inf
+        e = torch.exp(z - m)
+        s = e.sum(-1)
+        lse[a:b] = torch.log(s) + m.squeeze(-1)
+        if compute_entropy:
+            zm = torch.where(e > 0, z - m, torch.zeros_like(z))
+            ent[a:b] = torch.log(s) - (e * zm).sum(-1) / s
+        if idx2 is not None:
+            ib = idx2[a:b]
+            valid = (ib >= 0) & (ib < v)
+            g = torch.gather(z, 1, ib.clamp(0, max(v - 1, 0))) - lse[a:b, None]
+            g = torch.where(valid, g, torch.full_like(g, float("nan")))
+            logp[a:b] = torch.where(ib == ignore_index, torch.zeros_like(g), g)
+    logp_out = logp.reshape(index.shape) if logp is not None else lse.new_empty(0)
+    return logp_out, ent.reshape(lead) if compute_entropy else ent, lse.reshape(lead)
+
+
+def logprobs_entropy_backward(
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    logits: torch.Tensor,
+    index: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+) -> torch.Tensor:
+    """d logits of sum(grad_logp * logp) + sum(grad_entropy * entropy).
+
+    With p = softmax(z), lp = z - lse, H the entropy and G = sum of grad_logp over the row's
+    valid indices:  d z_j = sum_k g_k [j == idx_k] - p_j * (G + gH * (lp_j + H)),
+    and d logits = d z / T. Nothing but lse and H is saved from the forward.
+    """
+    lead = logits.shape[:-1]
+    v = logits.shape[-1]
+    rows = math.prod(lead)
+    dt = acc_dtype(logits.dtype)
+    x2 = logits.reshape(rows, v)
+    out = torch.empty((rows, v), dtype=logits.dtype, device=logits.device)
+    lse2 = lse.reshape(rows).to(dt)
+    idx2, _ = _index_2d(index, lead)
+    if grad_logp is not None and idx2 is not None:
+        g2 = grad_logp.reshape(idx2.shape).to(dt)
+        valid = idx2 != ignore_index
+        g2 = torch.where(valid, g2, torch.zeros_like(g2))
+        inb = (idx2 >= 0) & (idx2 < v)
+        # an out-of-range index gave NaN forward; its row's gradient is NaN too
+        g2 = torch.where(valid & ~inb, torch.full_like(g2, float("nan")), g2)
+        gsum = g2.sum(-1)
+    else:
+        g2 = None
+        gsum = torch.zeros(rows, dtype=dt, device=logits.device)
+    if grad_entropy is not None:
+        gh = grad_entropy.reshape(rows).to(dt)
+        h = entropy.reshape(rows).to(dt)
+    inv_t = 1.0 / temperature
+    for a, b in _chunks(rows, v):
+        z = x2[a:b].to(dt) * inv_t
+        lp = z - lse2[a:b, None]
+        p = torch.exp(lp)
+        coef = gsum[a:b, None].expand_as(p)
+        if grad_entropy is not None:
+            lp_safe = torch.where(p > 0, lp, torch.zeros_like(lp))
+            coef = coef + gh[a:b, None] * (lp_safe + h[a:b, None])
+        dz = -p * coef
+        if g2 is not None:
+            ib = idx2[a:b]
+            inb = (ib >= 0) & (ib < v)
+            dz.scatter_add_(1, torch.where(inb, ib, torch.zeros_like(ib)), torch.where(inb, g2[a:b], torch.zeros_like(g2[a:b])))
+        out[a:b] = (dz * inv_t).to(logits.dtype)
+    return out.reshape(logits.shape)
