@@ -2,8 +2,8 @@
 Triton kernels compute.
 
 They work on row chunks (never a Python loop over single rows) so that a CPU call never holds
-more than a chunk's worth of float32 temporaries, and they accumulate in float32 (float64 for
-float64 input), exactly like the kernels.
+more than a chunk's worth of temporaries. They use the kernels' formulas, with intermediates in
+float64 (the kernels accumulate in fp32); outputs have the kernels' dtypes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from ._library import acc_dtype
 
 # Rows per chunk are chosen so that one chunk's float temporaries stay near this many elements.
-_CHUNK_ELEMS = 1 << 22
+_CHUNK_ELEMS = 1 << 21
 
 
 def _chunks(rows: int, v: int):
@@ -48,6 +48,10 @@ def check_index_range(index: torch.Tensor, v: int, ignore_index: int) -> None:
         )
 
 
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
 def logprobs_entropy_forward(
     logits: torch.Tensor,
     index: torch.Tensor | None,
@@ -55,10 +59,13 @@ def logprobs_entropy_forward(
     ignore_index: int,
     compute_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (logp shaped like index or empty, entropy [lead] or empty, lse [lead]).
+    """Returns (logp shaped like index or empty, entropy [lead] or empty, stats [lead, 2]).
 
-    logp = z[index] - lse with z = logits / T; entropy = lse - sum(softmax(z) * z), computed
-    relative to the row max so that |z| ~ 1e4 keeps full precision; ignore_index gives 0.
+    With c = log2(e) / T, m the row max of the logits and d = (x - m) c:
+    stats = (m, log2 s) with s = sum 2^d; logp = (d[index] - log2 s) ln2 (0 at ignore_index,
+    NaN at an index outside [0, V) on devices that cannot check it); entropy
+    H = (log2 s - sum 2^d d / s) ln2. Intermediates are float64 here (the kernels use fp32 and
+    the same formulas); outputs are float32, float64 for float64 logits.
     """
     lead = logits.shape[:-1]
     v = logits.shape[-1]
@@ -68,30 +75,33 @@ def logprobs_entropy_forward(
     if idx2 is not None and logits.device.type == "cpu":
         check_index_range(idx2, v, ignore_index)
     x2 = logits.reshape(rows, v)
-    lse = torch.empty(rows, dtype=dt, device=logits.device)
+    stats = torch.empty(rows, 2, dtype=dt, device=logits.device)
     ent = torch.empty(rows if compute_entropy else 0, dtype=dt, device=logits.device)
     logp = None
     if idx2 is not None:
         logp = torch.empty(idx2.shape, dtype=dt, device=logits.device)
-    inv_t = 1.0 / temperature
+    c = _LOG2E / temperature
     for a, b in _chunks(rows, v):
-        z = x2[a:b].to(dt) * inv_t
-        m = z.amax(dim=-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf row: lse = -inf
-        e = torch.exp(z - m)
+        x = x2[a:b].double()
+        m = x.amax(dim=-1, keepdim=True)
+        m = torch.where(m == float("-inf"), torch.zeros_like(m), m).to(dt).double()
+        d = (x - m) * c
+        e = torch.exp2(d)
         s = e.sum(-1)
-        lse[a:b] = torch.log(s) + m.squeeze(-1)
+        log2s = torch.log2(s)
+        stats[a:b, 0] = m.squeeze(-1).to(dt)
+        stats[a:b, 1] = log2s.to(dt)
         if compute_entropy:
-            zm = torch.where(e > 0, z - m, torch.zeros_like(z))
-            ent[a:b] = torch.log(s) - (e * zm).sum(-1) / s
+            t = torch.where(e > 0, e * d, torch.zeros_like(d)).sum(-1)
+            ent[a:b] = ((log2s - t / s) * _LN2).to(dt)
         if idx2 is not None:
             ib = idx2[a:b]
             valid = (ib >= 0) & (ib < v)
-            g = torch.gather(z, 1, ib.clamp(0, max(v - 1, 0))) - lse[a:b, None]
+            g = (torch.gather(d, 1, ib.clamp(0, max(v - 1, 0))) - log2s[:, None]) * _LN2
             g = torch.where(valid, g, torch.full_like(g, float("nan")))
-            logp[a:b] = torch.where(ib == ignore_index, torch.zeros_like(g), g)
-    logp_out = logp.reshape(index.shape) if logp is not None else lse.new_empty(0)
-    return logp_out, ent.reshape(lead) if compute_entropy else ent, lse.reshape(lead)
+            logp[a:b] = torch.where(ib == ignore_index, torch.zeros_like(g), g).to(dt)
+    logp_out = logp.reshape(index.shape) if logp is not None else stats.new_empty(0)
+    return logp_out, ent.reshape(lead) if compute_entropy else ent, stats.reshape(*lead, 2)
 
 
 def logprobs_entropy_backward(
@@ -99,27 +109,26 @@ def logprobs_entropy_backward(
     grad_entropy: torch.Tensor | None,
     logits: torch.Tensor,
     index: torch.Tensor | None,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     entropy: torch.Tensor,
     temperature: float,
     ignore_index: int,
 ) -> torch.Tensor:
     """d logits of sum(grad_logp * logp) + sum(grad_entropy * entropy).
 
-    With p = softmax(z), lp = z - lse, H the entropy and G = sum of grad_logp over the row's
-    valid indices:  d z_j = sum_k g_k [j == idx_k] - p_j * (G + gH * (lp_j + H)),
-    and d logits = d z / T. Nothing but lse and H is saved from the forward.
+    With p = softmax(z), lp = log p, H the entropy, gH its gradient and G the sum of grad_logp
+    over the row's valid indices:  d z_j = sum_k g_k [j == idx_k] - p_j (G + gH (lp_j + H)),
+    and d logits = d z / T. Only stats and H are saved from the forward.
     """
     lead = logits.shape[:-1]
     v = logits.shape[-1]
     rows = math.prod(lead)
-    dt = acc_dtype(logits.dtype)
     x2 = logits.reshape(rows, v)
     out = torch.empty((rows, v), dtype=logits.dtype, device=logits.device)
-    lse2 = lse.reshape(rows).to(dt)
+    st = stats.reshape(rows, 2).double()
     idx2, _ = _index_2d(index, lead)
     if grad_logp is not None and idx2 is not None:
-        g2 = grad_logp.reshape(idx2.shape).to(dt)
+        g2 = grad_logp.reshape(idx2.shape).double()
         valid = idx2 != ignore_index
         g2 = torch.where(valid, g2, torch.zeros_like(g2))
         inb = (idx2 >= 0) & (idx2 < v)
@@ -128,14 +137,14 @@ def logprobs_entropy_backward(
         gsum = g2.sum(-1)
     else:
         g2 = None
-        gsum = torch.zeros(rows, dtype=dt, device=logits.device)
+        gsum = torch.zeros(rows, dtype=torch.float64, device=logits.device)
     if grad_entropy is not None:
-        gh = grad_entropy.reshape(rows).to(dt)
-        h = entropy.reshape(rows).to(dt)
+        gh = grad_entropy.reshape(rows).double()
+        h = entropy.reshape(rows).double()
+    c = _LOG2E / temperature
     inv_t = 1.0 / temperature
     for a, b in _chunks(rows, v):
-        z = x2[a:b].to(dt) * inv_t
-        lp = z - lse2[a:b, None]
+        lp = ((x2[a:b].double() - st[a:b, :1]) * c - st[a:b, 1:]) * _LN2
         p = torch.exp(lp)
         coef = gsum[a:b, None].expand_as(p)
         if grad_entropy is not None:

@@ -4,11 +4,14 @@ Conventions (after flash-linear-attention): ``p_`` pointers, ``b_`` blocks, int6
 One program handles one row of V logits in a single streaming pass; a row may start anywhere,
 given by two (size, stride) pairs for the leading dims, so strided views run without a copy.
 
-Forward, one read of the logits. Work is in base 2: y = x * log2(e) / T. Per lane of the block
-we keep s = sum 2^(y - M) and, for the entropy, t = sum 2^(y - M) * (y - M), against one running
-scalar max M of the row (one exp2 per element; a rescale of the lane vectors when M grows).
-Then, in nats, lse = ln2 * (M + log2 s) and H = ln2 * (log2 s - t / s): the entropy never forms
-lse - E[z], which would cancel catastrophically for |z| ~ 1e4.
+Numerics. Work is in base 2 with c = log2(e) / T. The row keeps its running max m of the raw
+logits and per lane of the block s = sum 2^(d) and, for the entropy, t = sum 2^(d) * d, with
+d = (x - m) c: the subtraction of two fp32 numbers close together is exact, so d carries only a
+relative rounding of itself. The row statistics saved for the backward are the pair (m, log2 s),
+never lse = m c + log2 s as one fp32 number: for |z| ~ 1e4 that sum would carry a rounding of
+~1e-3, which every log-prob and gradient would inherit. In nats:
+logp = ((x_i - m) c - log2 s) ln2 and H = (log2 s - t / s) ln2 (no lse - E[z] cancellation).
+One exp2 per element; the lane vectors are rescaled when the row max grows.
 """
 
 from __future__ import annotations
@@ -27,16 +30,16 @@ def _row_base(p_x, row, inner_size, stride_outer, stride_inner):
 
 @triton.jit
 def _logprobs_entropy_forward_kernel(
-    p_x, p_idx, p_logp, p_ent, p_lse,
+    p_x, p_idx, p_logp, p_ent, p_stats,
     V, K, inner_size, stride_outer, stride_inner,
-    scale,  # log2(e) / T, fp32
+    scale,  # c = log2(e) / T: a Python float at launch, so fp32 in the kernel
     ignore_index,
     HAS_INDEX: tl.constexpr, HAS_ENT: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
-    c = scale  # a Python float at launch: fp32 in the kernel
+    c = scale
     NEG_INF: tl.constexpr = float("-inf")
 
     if HAS_INDEX:
@@ -53,28 +56,30 @@ def _logprobs_entropy_forward_kernel(
     m = tl.full([], NEG_INF, tl.float32)
     for start in range(0, V, BLOCK_V):
         o = start + o_v
-        b_y = tl.load(p_row + o, mask=o < V, other=NEG_INF).to(tl.float32) * c
-        m_new = tl.maximum(m, tl.max(b_y, axis=0))
-        # all-(-inf) so far: keep the reference at 0 so no inf - inf appears
+        b_x = tl.load(p_row + o, mask=o < V, other=NEG_INF).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(b_x, axis=0))
+        # all -inf so far: shift by 0 so that no inf - inf appears
         m_ref = tl.where(m_new == NEG_INF, 0.0, m_new)
-        alpha = tl.exp2(m - m_ref)
-        b_e = tl.exp2(b_y - m_ref)
+        dm = (m - m_ref) * c  # <= 0; -inf on the first finite block
+        alpha = tl.exp2(dm)
+        b_d = (b_x - m_ref) * c
+        b_e = tl.exp2(b_d)
         if HAS_ENT:
-            dm = tl.where(m == NEG_INF, 0.0, m - m_ref)
-            b_t = alpha * (b_t + dm * b_s) + tl.where(b_e > 0.0, b_e * (b_y - m_ref), 0.0)
+            dm = tl.where(m == NEG_INF, 0.0, dm)
+            b_t = alpha * (b_t + dm * b_s) + tl.where(b_e > 0.0, b_e * b_d, 0.0)
         b_s = b_s * alpha + b_e
         m = m_new
 
-    s = tl.sum(b_s, axis=0)
-    m_ref = tl.where(m == NEG_INF, 0.0, m)
-    log2s = tl.log2(s)
-    lse2 = m_ref + log2s  # base-2 log-sum-exp of y
-    tl.store(p_lse + row, lse2 * LN2)
+    m = tl.where(m == NEG_INF, 0.0, m)
+    log2s = tl.log2(tl.sum(b_s, axis=0))
+    tl.store(p_stats + row * 2, m)
+    tl.store(p_stats + row * 2 + 1, log2s)
     if HAS_ENT:
+        s = tl.sum(b_s, axis=0)
         t = tl.sum(b_t, axis=0)
         tl.store(p_ent + row, (log2s - t / s) * LN2)
     if HAS_INDEX:
-        b_lp = (b_xi * c - lse2) * LN2
+        b_lp = ((b_xi - m) * c - log2s) * LN2
         b_lp = tl.where(inb, b_lp, float("nan"))
         b_lp = tl.where(b_idx == ignore_index, 0.0, b_lp)
         tl.store(p_logp + row * K + o_k, b_lp, mask=m_k)
@@ -82,21 +87,24 @@ def _logprobs_entropy_forward_kernel(
 
 @triton.jit
 def _logprobs_entropy_backward_kernel(
-    p_x, p_idx, p_glp, p_gh, p_lse, p_ent, p_dx,
+    p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx,
     V, K, inner_size, stride_outer, stride_inner,
-    scale,  # log2(e) / T
+    scale,  # c = log2(e) / T
     inv_t,  # 1 / T
     ignore_index,
     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """d z_j = sum_k g_k [j == idx_k] - p_j * (G + gH * (lp_j + H));  d x = d z / T."""
+    """d z_j = sum_k g_k [j == idx_k] - p_j * (G + gH * (lp_j + H));  d x = d z / T.
+
+    G: sum of the row's valid log-prob gradients; gH: the entropy gradient; lp_j = log p_j = ((x_j - m) c - log2 s) ln2."""
     row = tl.program_id(0).to(tl.int64)
     p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
     p_drow = p_dx + row * V
-    c = scale  # a Python float at launch: fp32 in the kernel
+    c = scale
     it = inv_t
-    lse2 = tl.load(p_lse + row).to(tl.float32) * (1.0 / LN2)
+    m = tl.load(p_stats + row * 2).to(tl.float32)
+    log2s = tl.load(p_stats + row * 2 + 1).to(tl.float32)
 
     gsum = 0.0
     if HAS_GLP:
@@ -112,13 +120,12 @@ def _logprobs_entropy_backward_kernel(
         if SINGLE_K:
             idx0 = tl.sum(tl.where(o_k == 0, b_idx, 0), axis=0)
             g0 = tl.sum(tl.where(o_k == 0, b_g, 0.0), axis=0) * it
-    # d x_j = -p_j * (a + b * y_j') + scatter, with the constants folded per row
+    # d x_j = -p_j * (a + b * d_j) + scatter, d_j = log2 p_j, constants folded per row
     a = gsum
     b = 0.0
     if HAS_GH:
         gh = tl.load(p_gh + row).to(tl.float32)
         h = tl.load(p_ent + row).to(tl.float32)
-        # gH * (lp + H) with lp = (y - lse2) * ln2
         a = a + gh * h
         b = gh * LN2
     a = a * it
@@ -128,7 +135,7 @@ def _logprobs_entropy_backward_kernel(
     for start in range(0, V, BLOCK_V):
         o = start + o_v
         msk = o < V
-        b_d = tl.load(p_row + o, mask=msk, other=0.0).to(tl.float32) * c - lse2
+        b_d = (tl.load(p_row + o, mask=msk, other=0.0).to(tl.float32) - m) * c - log2s
         b_p = tl.exp2(b_d)
         if HAS_GH:
             b_dx = -b_p * (a + b * tl.where(b_p > 0.0, b_d, 0.0))

@@ -58,15 +58,15 @@ def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, tempera
 def logprobs_entropy_forward_fake(logits, index, temperature, ignore_index, compute_entropy):
     check_logits_index(logits, index, temperature)
     dt = acc_dtype(logits.dtype)
-    lead = logits.shape[:-1]
+    lead = tuple(logits.shape[:-1])
     logp = logits.new_empty(index.shape if index is not None else (0,), dtype=dt)
     ent = logits.new_empty(lead if compute_entropy else (0,), dtype=dt)
-    lse = logits.new_empty(lead, dtype=dt)
-    return logp, ent, lse
+    stats = logits.new_empty(lead + (2,), dtype=dt)
+    return logp, ent, stats
 
 
 def logprobs_entropy_backward_fake(
-    grad_logp, grad_entropy, logits, index, lse, entropy, temperature, ignore_index
+    grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index
 ):
     check_logits_index(logits, index, temperature)
     return logits.new_empty(logits.shape)

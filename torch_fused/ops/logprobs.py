@@ -2,10 +2,12 @@
 and ``fused::logprobs_and_entropy``.
 
 The three public ops are thin ``CompositeImplicitAutograd`` definitions over one opaque core op,
-``fused::_logprobs_entropy_forward``, which returns (logp, entropy, lse) from ONE read of the
+``fused::_logprobs_entropy_forward``, which returns (logp, entropy, stats) from ONE read of the
 logits. Its autograd formula calls ``fused::_logprobs_entropy_backward``, one fused pass that
-serves any combination of log-prob and entropy gradients. The core returns the log-sum-exp so
-that the backward saves only O(rows) tensors; the public ops hide it. Because the public ops
+serves any combination of log-prob and entropy gradients. The core also returns the row
+statistics ``stats[..., 2]`` = (row max of the logits, log2 of the shifted sum of exponentials;
+see kernels/logprobs.py for why they are kept apart), so that the backward saves only O(rows)
+tensors; the public ops hide them. Because the public ops
 are composite, ``torch.compile`` sees straight through them to the two opaque core nodes.
 """
 
@@ -40,13 +42,13 @@ def logprobs_entropy_backward(
     grad_entropy: torch.Tensor | None,
     logits: torch.Tensor,
     index: torch.Tensor | None,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     entropy: torch.Tensor,
     temperature: float,
     ignore_index: int,
 ) -> torch.Tensor:
     return reference.logprobs_entropy_backward(
-        grad_logp, grad_entropy, logits, index, lse, entropy, temperature, ignore_index
+        grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index
     )
 
 
@@ -84,30 +86,30 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy):
     rows = logits.numel() // v
     logp = new_output(index.shape if index is not None else (0,), dt, logits.device)
     ent = new_output(lead if compute_entropy else (0,), dt, logits.device)
-    lse = new_output(lead, dt, logits.device)
+    stats = new_output(tuple(lead) + (2,), dt, logits.device)
     if rows == 0:
-        return logp, ent, lse
+        return logp, ent, stats
     x, (inner, s_outer, s_inner) = _row_layout(logits)
     if index is not None:
         idx, k = _index_rows(index, rows)
     else:
-        idx, k = lse, 1  # unused pointer
+        idx, k = stats, 1  # unused pointer
     block_v, warps = K.pick_block(v, x.element_size())
     K._logprobs_entropy_forward_kernel[(rows,)](
-        x, idx, logp, ent, lse,
+        x, idx, logp, ent, stats,
         v, k, inner, s_outer, s_inner,
         K.LOG2E / temperature, ignore_index,
         HAS_INDEX=index is not None, HAS_ENT=compute_entropy,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
         num_warps=warps,
     )
-    return logp, ent, lse
+    return logp, ent, stats
 
 
-def _backward_triton(grad_logp, grad_entropy, logits, index, lse, entropy, temperature, ignore_index):
+def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index):
     if logits.dtype == torch.float64:
         return reference.logprobs_entropy_backward(
-            grad_logp, grad_entropy, logits, index, lse, entropy, temperature, ignore_index
+            grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index
         )
     from ..kernels import logprobs as K
 
@@ -122,12 +124,12 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, lse, entropy, tempe
         idx, k = _index_rows(index, rows)
         glp = grad_logp.reshape(rows, k).contiguous()
     else:
-        idx, k, glp = lse, 1, lse
+        idx, k, glp = stats, 1, stats  # unused pointers
     has_gh = grad_entropy is not None
-    gh = grad_entropy.reshape(rows).contiguous() if has_gh else lse
+    gh = grad_entropy.reshape(rows).contiguous() if has_gh else stats
     block_v, warps = K.pick_block(v, x.element_size())
     K._logprobs_entropy_backward_kernel[(rows,)](
-        x, idx, glp, gh, lse, entropy if has_gh else lse, dx,
+        x, idx, glp, gh, stats, entropy if has_gh else stats, dx,
         v, k, inner, s_outer, s_inner,
         K.LOG2E / temperature, 1.0 / temperature, ignore_index,
         HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1,
@@ -148,19 +150,19 @@ _ = REFERENCE_DEVICES  # the default implementation above serves every other dev
 # ---------------------------------------------------------------------------------------------
 def _setup_context(ctx, inputs, output):
     logits, index, temperature, ignore_index, compute_entropy = inputs
-    _, ent, lse = output
+    _, ent, stats = output
+    ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: skip its term
     ctx.temperature = temperature
     ctx.ignore_index = ignore_index
     ctx.compute_entropy = compute_entropy
-    ctx.save_for_backward(logits, index, lse, ent)
+    ctx.save_for_backward(logits, index, stats, ent)
 
 
-def _backward(ctx, g_logp, g_ent, g_lse):
-    logits, index, lse, ent = ctx.saved_tensors
+def _backward(ctx, g_logp, g_ent, _g_stats):
+    logits, index, stats, ent = ctx.saved_tensors
     if not ctx.needs_input_grad[0]:
         return None, None, None, None, None
-    torch._check(g_lse is None, lambda: "the log-sum-exp output of the core op is not differentiable")
     if index is None:
         g_logp = None
     if not ctx.compute_entropy:
@@ -168,7 +170,7 @@ def _backward(ctx, g_logp, g_ent, g_lse):
     if g_logp is None and g_ent is None:
         return torch.zeros_like(logits), None, None, None, None
     dx = torch.ops.fused._logprobs_entropy_backward(
-        g_logp, g_ent, logits, index, lse, ent, ctx.temperature, ctx.ignore_index
+        g_logp, g_ent, logits, index, stats, ent, ctx.temperature, ctx.ignore_index
     )
     return dx, None, None, None, None
 

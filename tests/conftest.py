@@ -1,0 +1,47 @@
+import os
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import torch_fused  # noqa: F401  (registers the ops)
+from torch_fused import _library
+
+INTERPRET = _library.INTERPRET
+HAS_CUDA = torch.cuda.is_available()
+
+# Bounded example counts keep the CPU job within minutes; the interpreter runs the real kernels
+# one program at a time in Python, so it gets fewer (and smaller) examples.
+settings.register_profile(
+    "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.register_profile(
+    "interpret", max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.register_profile("cuda", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "interpret" if INTERPRET else "ci"))
+
+# numpy warns about inf * 0 in lanes the interpreter computes and then masks off
+warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs():
+    """Fill every fresh op output with NaN before the kernel writes it (FLA's trick)."""
+    old = _library.POISON
+    _library.POISON = True
+    yield
+    _library.POISON = old
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs CUDA (runs on the lent H200)")
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_cuda)
+
+
+def devices():
+    """Devices a test runs on: CPU always, CUDA where present (marked, so -m cuda selects it)."""
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]

@@ -1,0 +1,155 @@
+"""Registration-level tests of the log-prob/entropy ops: opcheck, gradcheck, torch.compile,
+pinned schemas and input errors (eager and compiled alike)."""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+
+import torch_fused
+from _helpers import DEVICES, make_logits
+
+OPS = torch.ops.fused
+
+
+def _samples(device):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        x = make_logits((2, 3), 37, dtype, device, "sliced", gen=g).requires_grad_(True)
+        idx = torch.randint(0, 37, (2, 3), generator=g).to(device)
+        idxk = torch.randint(0, 37, (2, 3, 2), generator=g).to(device)
+        out.append((x, idx, idxk))
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_all_ops(device):
+    for x, idx, idxk in _samples(device):
+        torch.library.opcheck(OPS.selective_log_softmax, (x, idx), {"temperature": 0.8})
+        torch.library.opcheck(OPS.selective_log_softmax, (x, idxk, 1.0, 5))
+        torch.library.opcheck(OPS.entropy_from_logits, (x,), {"temperature": 1.3})
+        torch.library.opcheck(OPS.logprobs_and_entropy, (x, idx, 0.9, -100))
+        torch.library.opcheck(OPS._logprobs_entropy_forward, (x, idxk, 1.0, -100, True))
+        torch.library.opcheck(OPS._logprobs_entropy_forward, (x, None, 2.0, -100, True))
+        lp, ent, stats = OPS._logprobs_entropy_forward(x.detach(), idx, 1.0, -100, True)
+        g1 = torch.randn_like(lp)
+        g2 = torch.randn_like(ent)
+        for gl, gh in [(g1, g2), (g1, None), (None, g2)]:
+            torch.library.opcheck(
+                OPS._logprobs_entropy_backward, (gl, gh, x.detach(), idx, stats, ent, 1.0, -100)
+            )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_float64(device):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(2, 3, 13, generator=g, dtype=torch.float64) * 2).to(device).requires_grad_(True)
+    idx = torch.randint(0, 13, (2, 3), generator=g).to(device)
+    idx[0, 1] = -100
+    idxk = torch.randint(0, 13, (2, 3, 3), generator=g).to(device)
+    assert torch.autograd.gradcheck(lambda t: torch_fused.selective_log_softmax(t, idx, temperature=0.7), (x,))
+    assert torch.autograd.gradcheck(lambda t: torch_fused.selective_log_softmax(t, idxk), (x,))
+    assert torch.autograd.gradcheck(lambda t: torch_fused.entropy_from_logits(t, temperature=1.9), (x,))
+    assert torch.autograd.gradcheck(lambda t: torch_fused.logprobs_and_entropy(t, idx, temperature=1.1), (x,))
+
+
+def _pg_loss(logits, index, adv, beta):
+    logp, ent = torch.ops.fused.logprobs_and_entropy(logits[:, :-1], index, 1.0, -100)
+    return -(adv[:, None] * logp).mean() - beta * ent.mean()
+
+
+def test_compile_fullgraph_dynamic_length_no_recompile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("inductor")
+    step = torch.compile(_pg_loss, fullgraph=True, backend=cnt, dynamic=True)
+    for length in (9, 17, 33):
+        g = torch.Generator().manual_seed(length)
+        logits = torch.randn(2, length + 1, 50, generator=g, requires_grad=True)
+        index = torch.randint(0, 50, (2, length), generator=g)
+        adv = torch.randn(2, generator=g)
+        loss = step(logits, index, adv, 0.01)
+        loss.backward()
+        ref_logits = logits.detach().clone().requires_grad_(True)
+        ref = _pg_loss(ref_logits, index, adv, 0.01)
+        ref.backward()
+        torch.testing.assert_close(loss, ref)
+        torch.testing.assert_close(logits.grad, ref_logits.grad)
+    assert cnt.frame_count == 1, f"recompiled across sequence lengths: {cnt.frame_count} frames"
+
+
+def test_compile_graph_holds_opaque_core_ops():
+    """The public ops decompose to the two opaque core nodes; nothing else of ours is traced."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    rec = EagerAndRecordGraphs()
+    f = torch.compile(lambda x, i: torch_fused.selective_log_softmax(x, i).sum(), fullgraph=True, backend=rec)
+    f(torch.randn(3, 20), torch.randint(0, 20, (3,)))
+    code = rec.graphs[0].code
+    assert "fused.selective_log_softmax" in code or "fused._logprobs_entropy_forward" in code
+
+
+class TestSchemas(expecttest.TestCase):
+    def test_pinned_schemas(self):
+        self.assertExpectedInline(
+            str(OPS.selective_log_softmax.default._schema),
+            """fused::selective_log_softmax(Tensor logits, Tensor index, float temperature=1., int ignore_index=-100) -> Tensor""",
+        )
+        self.assertExpectedInline(
+            str(OPS.entropy_from_logits.default._schema),
+            """fused::entropy_from_logits(Tensor logits, float temperature=1.) -> Tensor""",
+        )
+        self.assertExpectedInline(
+            str(OPS.logprobs_and_entropy.default._schema),
+            """fused::logprobs_and_entropy(Tensor logits, Tensor index, float temperature=1., int ignore_index=-100) -> (Tensor, Tensor)""",
+        )
+        self.assertExpectedInline(
+            str(OPS._logprobs_entropy_forward.default._schema),
+            """fused::_logprobs_entropy_forward(Tensor logits, Tensor? index, float temperature, SymInt ignore_index, bool compute_entropy) -> (Tensor, Tensor, Tensor)""",
+        )
+        self.assertExpectedInline(
+            str(OPS._logprobs_entropy_backward.default._schema),
+            """fused::_logprobs_entropy_backward(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor? index, Tensor stats, Tensor entropy, float temperature, SymInt ignore_index) -> Tensor""",
+        )
+
+
+BAD_INPUTS = [
+    ("int logits", lambda: (torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, dtype=torch.long), 1.0),
+     r"logits: expected dtype float16, bfloat16, float32 or float64, got torch.int64"),
+    ("float index", lambda: (torch.randn(2, 5), torch.zeros(2), 1.0), r"index: expected dtype int32 or int64, got torch.float32"),
+    ("shape mismatch", lambda: (torch.randn(2, 3, 5), torch.zeros(2, 4, dtype=torch.long), 1.0),
+     r"index: expected shape \(2, 3\) \(one id per row\) or \(2, 3, 'K'\)"),
+    ("zero temperature", lambda: (torch.randn(2, 5), torch.zeros(2, dtype=torch.long), 0.0),
+     r"temperature: expected a positive number, got 0.0"),
+    ("negative temperature", lambda: (torch.randn(2, 5), torch.zeros(2, dtype=torch.long), -1.0),
+     r"temperature: expected a positive number, got -1.0"),
+    ("empty vocab", lambda: (torch.randn(2, 0), torch.zeros(2, dtype=torch.long), 1.0),
+     r"logits: the last dim \(vocabulary V\) must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("name,make,msg", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_bad_input_clear_error(name, make, msg, mode):
+    logits, index, t = make()
+
+    def f(x, i):
+        return torch_fused.selective_log_softmax(x, i, temperature=t)
+
+    if mode == "compiled":
+        torch._dynamo.reset()
+        f = torch.compile(f, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=msg):
+        f(logits, index)
+    if name not in ("float index", "shape mismatch"):
+        def g(x):
+            return torch_fused.entropy_from_logits(x, temperature=t)
+
+        if mode == "compiled":
+            g = torch.compile(g, fullgraph=True, backend="aot_eager")
+        with pytest.raises(Exception, match=msg):
+            g(logits)
