@@ -1,0 +1,1 @@
+"""``python -m torch_fused.bench``: benchmarks against same-run baselines (CUDA only)."""

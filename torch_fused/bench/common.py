@@ -1,0 +1,134 @@
+"""Benchmark harness: same-run copy bandwidth, timing, peak memory, and the result files.
+
+Every row reports the fraction of the memory floor: the fewest bytes the op must move (each
+input read once, each output written once) over the device-to-device copy bandwidth measured
+in the same run, divided by the measured time. A ratio to a same-run measurement survives a
+noisy or differently clocked machine; an absolute time does not.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Row:
+    group: str  # e.g. "selective_log_softmax fwd"
+    shape: str  # e.g. "B8 L1024 V151936 strided"
+    impl: str  # e.g. "torch_fused", "torch eager"
+    ms: float
+    floor_bytes: int
+    floor_ms: float = 0.0
+    frac_floor: float = 0.0
+    gbps: float = 0.0
+    peak_extra_mb: float | None = None
+    note: str = ""
+
+    def finish(self, copy_gbps: float) -> "Row":
+        self.floor_ms = self.floor_bytes / (copy_gbps * 1e9) * 1e3
+        self.frac_floor = self.floor_ms / self.ms if self.ms > 0 else 0.0
+        self.gbps = self.floor_bytes / (self.ms * 1e-3) / 1e9 if self.ms > 0 else 0.0
+        return self
+
+
+@dataclass
+class Report:
+    device: str = ""
+    torch: str = torch.__version__
+    triton: str = ""
+    copy_gbps: float = 0.0
+    rows: list[Row] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+
+def bench_ms(fn, warmup=25, rep=100) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def copy_bandwidth_gbps(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    ms = bench_ms(lambda: b.copy_(a))
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def peak_extra_mb(fn) -> float:
+    """Peak memory above what was allocated before the call (outputs included), in MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del out
+    return (peak - base) / 2**20
+
+
+def new_report() -> Report:
+    import triton
+
+    r = Report()
+    r.device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    r.triton = triton.__version__
+    return r
+
+
+def markdown(report: Report) -> str:
+    lines = [
+        f"Device: {report.device}; torch {report.torch}; triton {report.triton}; "
+        f"copy bandwidth (read+write) measured in this run: {report.copy_gbps:.0f} GB/s",
+        "",
+        "| group | shape | impl | ms | GB/s (floor bytes) | fraction of floor | peak extra MiB | note |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in report.rows:
+        pk = "" if r.peak_extra_mb is None else f"{r.peak_extra_mb:.0f}"
+        lines.append(
+            f"| {r.group} | {r.shape} | {r.impl} | {r.ms:.3f} | {r.gbps:.0f} | {r.frac_floor:.3f} | {pk} | {r.note} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def save(report: Report, out_dir: Path, name: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = asdict(report)
+    (out_dir / f"{name}.json").write_text(json.dumps(data, indent=1))
+    (out_dir / f"{name}.md").write_text(markdown(report))
+    try:
+        plot(report, out_dir / f"{name}.png")
+    except Exception as e:  # matplotlib missing on the device: the JSON is enough to plot here
+        print(f"(no plot: {e})")
+
+
+def plot(report: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys(r.group for r in report.rows))
+    fig, axes = plt.subplots(len(groups), 1, figsize=(11, 2.2 + 0.9 * len(groups) * 2), squeeze=False)
+    for ax, g in zip(axes[:, 0], groups):
+        rows = [r for r in report.rows if r.group == g]
+        labels = [f"{r.shape} | {r.impl}" for r in rows]
+        ax.barh(range(len(rows)), [r.frac_floor for r in rows],
+                color=["tab:green" if r.impl == "torch_fused" else "tab:gray" for r in rows])
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels(labels, fontsize=6)
+        ax.axvline(1.0, color="k", lw=0.5)
+        ax.set_xlim(0, 1.1)
+        ax.set_title(f"{g}: fraction of memory floor (higher is better)", fontsize=8)
+        ax.invert_yaxis()
+    fig.suptitle(f"{report.device}, copy {report.copy_gbps:.0f} GB/s", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
