@@ -33,6 +33,18 @@ TRITON_DEVICES: tuple[str, ...] = (("cuda", "cpu") if INTERPRET else ("cuda",)) 
 REFERENCE_DEVICES: tuple[str, ...] = () if INTERPRET else ("cpu",)
 
 
+def check(cond, message) -> None:
+    """``torch._check`` with a fast path: a plain ``True`` costs one comparison.
+
+    ``cond`` may be a SymBool while tracing (then torch._check records the guard); ``message``
+    is a zero-argument callable that names the argument, the expectation and the actual value.
+    Raises RuntimeError, in eager and compiled calls alike.
+    """
+    if cond is True:
+        return
+    torch._check(cond, message)
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation / output dtype of the reduction ops: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

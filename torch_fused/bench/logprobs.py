@@ -124,6 +124,21 @@ def run(report, copy_gbps, quick=False):
     us2 = bench_ms(lambda: plain_selective(x, idx)) * 1e3
     report.extra["small_call_us_torch_eager_64x1024"] = us2
     print(f"small call 64x1024: torch_fused {us:.1f} us, torch eager {us2:.1f} us")
+    # where the host time of a small call goes
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        torch_fused.selective_log_softmax(x, idx)
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    report.extra["small_call_profile"] = buf.getvalue()[-4000:]
+    print(buf.getvalue()[-2500:])
 
 
 def sweep(copy_gbps, b=4, l=4096, v=151936):

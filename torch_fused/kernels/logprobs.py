@@ -11,7 +11,13 @@ relative rounding of itself. The row statistics saved for the backward are the p
 never lse = m c + log2 s as one fp32 number: for |z| ~ 1e4 that sum would carry a rounding of
 ~1e-3, which every log-prob and gradient would inherit. In nats:
 logp = ((x_i - m) c - log2 s) ln2 and H = (log2 s - t / s) ln2 (no lse - E[z] cancellation).
-One exp2 per element; the lane vectors are rescaled when the row max grows.
+
+Cost per element is what bounds these kernels once loads are wide (an H200 streams ~2e12 bf16
+elements/s, leaving ~16 fp32 instructions per element): one exp2, a block max, and two or three
+FMAs. Full blocks run unmasked; the lane sums are rescaled only in the (rare) blocks where the
+row max grows; in the backward the index term touches only the block that holds the index.
+Non-finite input: a NaN or +inf logit makes its row NaN; -inf is a masked entry (probability 0);
+a row of only -inf gives NaN.
 """
 
 from __future__ import annotations
@@ -19,13 +25,44 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634  # Python float, for the launchers
+LN2 = tl.constexpr(0.6931471805599453)  # a constexpr global: usable inside @triton.jit
 
 
 @triton.jit
 def _row_base(p_x, row, inner_size, stride_outer, stride_inner):
     return p_x + (row // inner_size) * stride_outer + (row % inner_size) * stride_inner
+
+
+# exp2(-200) is 0 in fp32: clamping d there makes -inf logits contribute exactly 0 to s and to
+# t = sum e * d (no 0 * inf), with one max instead of a compare and a select. NaN propagates.
+D_MIN = tl.constexpr(-200.0)
+
+
+@triton.jit
+def _forward_block(p_row, start, V, c, m, b_s, b_t,
+                   HAS_ENT: tl.constexpr, MASKED: tl.constexpr, BLOCK_V: tl.constexpr):
+    o = start + tl.arange(0, BLOCK_V)
+    if MASKED:
+        b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
+    else:  # full blocks: no per-element mask, 16-byte loads
+        b_x = tl.load(p_row + o).to(tl.float32)
+    m_blk = tl.max(b_x, axis=0)
+    if m_blk > m:
+        # the row max grew (rare after the first blocks): rescale the lane sums to the new shift
+        dm = tl.where(m == float("-inf"), 0.0, (m - m_blk) * c)
+        alpha = tl.exp2(dm)
+        if HAS_ENT:
+            b_t = alpha * (b_t + dm * b_s)
+        b_s = b_s * alpha
+        m = m_blk
+    m_ref = tl.where(m == float("-inf"), 0.0, m)  # all -inf so far: shift by 0, no inf - inf
+    b_d = tl.maximum((b_x - m_ref) * c, D_MIN, propagate_nan=tl.PropagateNan.ALL)
+    b_e = tl.exp2(b_d)
+    b_s += b_e
+    if HAS_ENT:
+        b_t += b_e * b_d
+    return m, b_s, b_t
 
 
 @triton.jit
@@ -40,7 +77,6 @@ def _logprobs_entropy_forward_kernel(
     row = tl.program_id(0).to(tl.int64)
     p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
     c = scale
-    NEG_INF: tl.constexpr = float("-inf")
 
     if HAS_INDEX:
         # issue the few scattered loads first so their latency hides under the stream
@@ -50,32 +86,21 @@ def _logprobs_entropy_forward_kernel(
         inb = (b_idx >= 0) & (b_idx < V)
         b_xi = tl.load(p_row + b_idx, mask=m_k & inb, other=0.0).to(tl.float32)
 
-    o_v = tl.arange(0, BLOCK_V)
     b_s = tl.zeros([BLOCK_V], dtype=tl.float32)
     b_t = tl.zeros([BLOCK_V], dtype=tl.float32)
-    m = tl.full([], NEG_INF, tl.float32)
-    for start in range(0, V, BLOCK_V):
-        o = start + o_v
-        b_x = tl.load(p_row + o, mask=o < V, other=NEG_INF).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(b_x, axis=0))
-        # all -inf so far: shift by 0 so that no inf - inf appears
-        m_ref = tl.where(m_new == NEG_INF, 0.0, m_new)
-        dm = (m - m_ref) * c  # <= 0; -inf on the first finite block
-        alpha = tl.exp2(dm)
-        b_d = (b_x - m_ref) * c
-        b_e = tl.exp2(b_d)
-        if HAS_ENT:
-            dm = tl.where(m == NEG_INF, 0.0, dm)
-            b_t = alpha * (b_t + dm * b_s) + tl.where(b_e > 0.0, b_e * b_d, 0.0)
-        b_s = b_s * alpha + b_e
-        m = m_new
+    m = tl.full([], float("-inf"), tl.float32)
+    v_full = V - V % BLOCK_V
+    for start in range(0, v_full, BLOCK_V):
+        m, b_s, b_t = _forward_block(p_row, start, V, c, m, b_s, b_t, HAS_ENT, False, BLOCK_V)
+    if v_full < V:
+        m, b_s, b_t = _forward_block(p_row, v_full, V, c, m, b_s, b_t, HAS_ENT, True, BLOCK_V)
 
-    m = tl.where(m == NEG_INF, 0.0, m)
-    log2s = tl.log2(tl.sum(b_s, axis=0))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(b_s, axis=0)
+    log2s = tl.log2(s)
     tl.store(p_stats + row * 2, m)
     tl.store(p_stats + row * 2 + 1, log2s)
     if HAS_ENT:
-        s = tl.sum(b_s, axis=0)
         t = tl.sum(b_t, axis=0)
         tl.store(p_ent + row, (log2s - t / s) * LN2)
     if HAS_INDEX:
@@ -83,6 +108,38 @@ def _logprobs_entropy_forward_kernel(
         b_lp = tl.where(inb, b_lp, float("nan"))
         b_lp = tl.where(b_idx == ignore_index, 0.0, b_lp)
         tl.store(p_logp + row * K + o_k, b_lp, mask=m_k)
+
+
+@triton.jit
+def _backward_block(p_row, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s, a, b, it,
+                    idx0, g0, ignore_index,
+                    HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
+                    MASKED: tl.constexpr, BLOCK_V: tl.constexpr):
+    o = start + tl.arange(0, BLOCK_V)
+    if MASKED:
+        b_x = tl.load(p_row + o, mask=o < V, other=0.0).to(tl.float32)
+    else:
+        b_x = tl.load(p_row + o).to(tl.float32)
+    b_d = (b_x - m) * c - log2s  # log2 p
+    b_p = tl.exp2(b_d)
+    if HAS_GH:
+        b_dx = -b_p * (a + b * tl.maximum(b_d, D_MIN, propagate_nan=tl.PropagateNan.ALL))
+    else:
+        b_dx = -b_p * a
+    if HAS_GLP:
+        if SINGLE_K:
+            if (idx0 >= start) & (idx0 < start + BLOCK_V):  # only the block holding the id
+                b_dx += tl.where(o == idx0, g0, 0.0)
+        else:
+            for k in range(0, K):
+                i_k = tl.load(p_idx_row + k).to(tl.int64)
+                g_k = tl.load(p_g_row + k).to(tl.float32)
+                g_k = tl.where(i_k == ignore_index, 0.0, g_k) * it
+                b_dx += tl.where(o == i_k, g_k, 0.0)
+    if MASKED:
+        tl.store(p_drow + o, b_dx.to(p_drow.dtype.element_ty), mask=o < V)
+    else:
+        tl.store(p_drow + o, b_dx.to(p_drow.dtype.element_ty))
 
 
 @triton.jit
@@ -97,7 +154,8 @@ def _logprobs_entropy_backward_kernel(
 ):
     """d z_j = sum_k g_k [j == idx_k] - p_j * (G + gH * (lp_j + H));  d x = d z / T.
 
-    G: sum of the row's valid log-prob gradients; gH: the entropy gradient; lp_j = log p_j = ((x_j - m) c - log2 s) ln2."""
+    G: sum of the row's valid log-prob gradients; gH: the entropy gradient;
+    lp_j = log p_j = ((x_j - m) c - log2 s) ln2."""
     row = tl.program_id(0).to(tl.int64)
     p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
     p_drow = p_dx + row * V
@@ -107,6 +165,8 @@ def _logprobs_entropy_backward_kernel(
     log2s = tl.load(p_stats + row * 2 + 1).to(tl.float32)
 
     gsum = 0.0
+    idx0 = -1
+    g0 = 0.0
     if HAS_GLP:
         o_k = tl.arange(0, BLOCK_K)
         m_k = o_k < K
@@ -131,26 +191,15 @@ def _logprobs_entropy_backward_kernel(
     a = a * it
     b = b * it
 
-    o_v = tl.arange(0, BLOCK_V)
-    for start in range(0, V, BLOCK_V):
-        o = start + o_v
-        msk = o < V
-        b_d = (tl.load(p_row + o, mask=msk, other=0.0).to(tl.float32) - m) * c - log2s
-        b_p = tl.exp2(b_d)
-        if HAS_GH:
-            b_dx = -b_p * (a + b * tl.where(b_p > 0.0, b_d, 0.0))
-        else:
-            b_dx = -b_p * a
-        if HAS_GLP:
-            if SINGLE_K:
-                b_dx += tl.where(o == idx0, g0, 0.0)
-            else:
-                for k in range(0, K):
-                    i_k = tl.load(p_idx + row * K + k).to(tl.int64)
-                    g_k = tl.load(p_glp + row * K + k).to(tl.float32)
-                    g_k = tl.where(i_k == ignore_index, 0.0, g_k) * it
-                    b_dx += tl.where(o == i_k, g_k, 0.0)
-        tl.store(p_drow + o, b_dx.to(p_dx.dtype.element_ty), mask=msk)
+    p_idx_row = p_idx + row * K
+    p_g_row = p_glp + row * K
+    v_full = V - V % BLOCK_V
+    for start in range(0, v_full, BLOCK_V):
+        _backward_block(p_row, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s, a, b, it, idx0, g0,
+                        ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False, BLOCK_V)
+    if v_full < V:
+        _backward_block(p_row, p_drow, p_idx_row, p_g_row, v_full, V, K, c, m, log2s, a, b, it, idx0, g0,
+                        ignore_index, HAS_GLP, HAS_GH, SINGLE_K, True, BLOCK_V)
 
 
 def pick_block(v: int, elem_size: int) -> tuple[int, int]:

@@ -9,23 +9,23 @@ from __future__ import annotations
 
 import torch
 
-from .._library import FLOAT_DTYPES, INDEX_DTYPES, acc_dtype
+from .._library import FLOAT_DTYPES, INDEX_DTYPES, acc_dtype, check
 
 
 def check_temperature(temperature: float) -> None:
-    torch._check(
+    check(
         temperature > 0,
         lambda: f"temperature: expected a positive number, got {temperature}",
     )
 
 
 def check_logits(logits: torch.Tensor) -> None:
-    torch._check(
+    check(
         logits.dtype in FLOAT_DTYPES,
         lambda: f"logits: expected dtype float16, bfloat16, float32 or float64, got {logits.dtype}",
     )
-    torch._check(logits.dim() >= 1, lambda: "logits: expected at least 1 dim [..., V], got a 0-dim tensor")
-    torch._check(
+    check(logits.dim() >= 1, lambda: "logits: expected at least 1 dim [..., V], got a 0-dim tensor")
+    check(
         logits.shape[-1] >= 1,
         lambda: f"logits: the last dim (vocabulary V) must be >= 1, got shape {tuple(logits.shape)}",
     )
@@ -36,17 +36,17 @@ def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, tempera
     check_temperature(temperature)
     if index is None:
         return
-    torch._check(
+    check(
         index.dtype in INDEX_DTYPES,
         lambda: f"index: expected dtype int32 or int64, got {index.dtype}",
     )
-    torch._check(
+    check(
         index.device == logits.device,
         lambda: f"index: expected device {logits.device} (the logits' device), got {index.device}",
     )
     lead = tuple(logits.shape[:-1])
     ishape = tuple(index.shape)
-    torch._check(
+    check(
         ishape == lead or (len(ishape) == len(lead) + 1 and ishape[:-1] == lead),
         lambda: (
             f"index: expected shape {lead} (one id per row) or {lead + ('K',)} (K ids per row) "
