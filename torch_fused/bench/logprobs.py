@@ -142,26 +142,29 @@ def run(report, copy_gbps, quick=False):
 
 
 def sweep(copy_gbps, b=4, l=4096, v=151936):
-    """Time the forward and backward kernels over (BLOCK_V, num_warps) on one shape."""
+    """Time each kernel over (BLOCK_V, num_warps) on one strided bf16 shape: log-probs forward,
+    log-probs + entropy forward, and the backward (fwd+bwd minus fwd)."""
     from ..kernels import logprobs as K
 
     x, idx = _inputs(b, l, v, "strided")
     xg = x.detach().requires_grad_(True)
-    nbytes = x.numel() * x.element_size()
+    floor_ms = x.numel() * x.element_size() / (copy_gbps * 1e9) * 1e3
     orig = K.pick_block
     results = []
-    for block in (2048, 4096, 8192, 16384):
-        for warps in (4, 8, 16):
-            K.pick_block = lambda v_, e_, _b=block, _w=warps: (min(_b, K.triton.next_power_of_2(v_)), _w)
+    for block in (1024, 2048, 4096, 8192):
+        for warps in (2, 4, 8):
+            K.pick_block = lambda v_, e_, kind="fwd", _b=block, _w=warps: (min(_b, K.triton.next_power_of_2(v_)), _w)
             try:
-                f = bench_ms(lambda: torch_fused.logprobs_and_entropy(x, idx))
-                fb = bench_ms(_fwdbwd(lambda t: torch_fused.logprobs_and_entropy(t, idx), xg, 2))
+                f = bench_ms(lambda: torch_fused.selective_log_softmax(x, idx))
+                fe = bench_ms(lambda: torch_fused.logprobs_and_entropy(x, idx))
+                fb = bench_ms(_fwdbwd(lambda t: torch_fused.selective_log_softmax(t, idx), xg))
             except Exception as e:  # too many registers / shared memory for this config
                 print(f"block {block} warps {warps}: {type(e).__name__}")
                 continue
-            ff = nbytes / (copy_gbps * 1e9) * 1e3 / f
-            fbf = 3 * nbytes / (copy_gbps * 1e9) * 1e3 / fb
-            results.append(dict(block=block, warps=warps, fwd_ms=f, fwdbwd_ms=fb, fwd_floor=ff, fwdbwd_floor=fbf))
-            print(f"block {block:6d} warps {warps:2d}: fwd {f:.3f} ms ({ff:.3f}), fwd+bwd {fb:.3f} ms ({fbf:.3f})", flush=True)
+            r = dict(block=block, warps=warps, fwd=floor_ms / f, fwd_ent=floor_ms / fe, bwd=2 * floor_ms / (fb - f),
+                     fwd_ms=f, fwd_ent_ms=fe, fwdbwd_ms=fb)
+            results.append(r)
+            print(f"block {block:5d} warps {warps}: fraction of floor: fwd {r['fwd']:.3f}  fwd_ent {r['fwd_ent']:.3f}  "
+                  f"bwd {r['bwd']:.3f}", flush=True)
     K.pick_block = orig
     return results

@@ -14,8 +14,10 @@ logp = ((x_i - m) c - log2 s) ln2 and H = (log2 s - t / s) ln2 (no lse - E[z] ca
 
 Cost per element is what bounds these kernels once loads are wide (an H200 streams ~2e12 bf16
 elements/s, leaving ~16 fp32 instructions per element): one exp2, a block max, and two or three
-FMAs. Full blocks run unmasked; the lane sums are rescaled only in the (rare) blocks where the
-row max grows; in the backward the index term touches only the block that holds the index.
+FMAs. Full blocks run unmasked, with the next block's load issued before the current block's
+math (one row per program leaves no other source of loads in flight); the lane sums are rescaled
+only in the (rare) blocks where the row max grows; in the backward the index term touches only
+the block that holds the index.
 Non-finite input: a NaN or +inf logit makes its row NaN; -inf is a masked entry (probability 0);
 a row of only -inf gives NaN.
 """
@@ -34,19 +36,13 @@ def _row_base(p_x, row, inner_size, stride_outer, stride_inner):
     return p_x + (row // inner_size) * stride_outer + (row % inner_size) * stride_inner
 
 
-# exp2(-200) is 0 in fp32: clamping d there makes -inf logits contribute exactly 0 to s and to
-# t = sum e * d (no 0 * inf), with one max instead of a compare and a select. NaN propagates.
+# exp2(-200) is 0 in fp32: the entropy sum t = sum e * max(d, D_MIN) then takes exactly 0 from
+# a -inf logit (no 0 * inf). A NaN logit still poisons its row through e = exp2(NaN).
 D_MIN = tl.constexpr(-200.0)
 
 
 @triton.jit
-def _forward_block(p_row, start, V, c, m, b_s, b_t,
-                   HAS_ENT: tl.constexpr, MASKED: tl.constexpr, BLOCK_V: tl.constexpr):
-    o = start + tl.arange(0, BLOCK_V)
-    if MASKED:
-        b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
-    else:  # full blocks: no per-element mask, 16-byte loads
-        b_x = tl.load(p_row + o).to(tl.float32)
+def _forward_update(b_x, c, m, b_s, b_t, HAS_ENT: tl.constexpr):
     m_blk = tl.max(b_x, axis=0)
     if m_blk > m:
         # the row max grew (rare after the first blocks): rescale the lane sums to the new shift
@@ -57,11 +53,11 @@ def _forward_block(p_row, start, V, c, m, b_s, b_t,
         b_s = b_s * alpha
         m = m_blk
     m_ref = tl.where(m == float("-inf"), 0.0, m)  # all -inf so far: shift by 0, no inf - inf
-    b_d = tl.maximum((b_x - m_ref) * c, D_MIN, propagate_nan=tl.PropagateNan.ALL)
+    b_d = (b_x - m_ref) * c
     b_e = tl.exp2(b_d)
     b_s += b_e
     if HAS_ENT:
-        b_t += b_e * b_d
+        b_t += b_e * tl.maximum(b_d, D_MIN)
     return m, b_s, b_t
 
 
@@ -86,14 +82,23 @@ def _logprobs_entropy_forward_kernel(
         inb = (b_idx >= 0) & (b_idx < V)
         b_xi = tl.load(p_row + b_idx, mask=m_k & inb, other=0.0).to(tl.float32)
 
+    o_v = tl.arange(0, BLOCK_V)
     b_s = tl.zeros([BLOCK_V], dtype=tl.float32)
     b_t = tl.zeros([BLOCK_V], dtype=tl.float32)
     m = tl.full([], float("-inf"), tl.float32)
     v_full = V - V % BLOCK_V
-    for start in range(0, v_full, BLOCK_V):
-        m, b_s, b_t = _forward_block(p_row, start, V, c, m, b_s, b_t, HAS_ENT, False, BLOCK_V)
+    if v_full > 0:
+        # full blocks, unmasked, with the next block's load issued before this block's math
+        b_x = tl.load(p_row + o_v).to(tl.float32)
+        for start in range(BLOCK_V, v_full, BLOCK_V):
+            b_nx = tl.load(p_row + start + o_v).to(tl.float32)
+            m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT)
+            b_x = b_nx
+        m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT)
     if v_full < V:
-        m, b_s, b_t = _forward_block(p_row, v_full, V, c, m, b_s, b_t, HAS_ENT, True, BLOCK_V)
+        o = v_full + o_v
+        b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
+        m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT)
 
     m = tl.where(m == float("-inf"), 0.0, m)
     s = tl.sum(b_s, axis=0)
@@ -111,19 +116,14 @@ def _logprobs_entropy_forward_kernel(
 
 
 @triton.jit
-def _backward_block(p_row, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s, a, b, it,
+def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s, a, b, it,
                     idx0, g0, ignore_index,
                     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
                     MASKED: tl.constexpr, BLOCK_V: tl.constexpr):
-    o = start + tl.arange(0, BLOCK_V)
-    if MASKED:
-        b_x = tl.load(p_row + o, mask=o < V, other=0.0).to(tl.float32)
-    else:
-        b_x = tl.load(p_row + o).to(tl.float32)
     b_d = (b_x - m) * c - log2s  # log2 p
     b_p = tl.exp2(b_d)
     if HAS_GH:
-        b_dx = -b_p * (a + b * tl.maximum(b_d, D_MIN, propagate_nan=tl.PropagateNan.ALL))
+        b_dx = -b_p * (a + b * tl.maximum(b_d, D_MIN))
     else:
         b_dx = -b_p * a
     if HAS_GLP:
@@ -193,18 +193,34 @@ def _logprobs_entropy_backward_kernel(
 
     p_idx_row = p_idx + row * K
     p_g_row = p_glp + row * K
+    o_v = tl.arange(0, BLOCK_V)
     v_full = V - V % BLOCK_V
-    for start in range(0, v_full, BLOCK_V):
-        _backward_block(p_row, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s, a, b, it, idx0, g0,
-                        ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False, BLOCK_V)
+    if v_full > 0:
+        b_x = tl.load(p_row + o_v).to(tl.float32)
+        for start in range(BLOCK_V, v_full, BLOCK_V):
+            b_nx = tl.load(p_row + start + o_v).to(tl.float32)  # prefetch the next block
+            _backward_block(b_x, start - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, start - BLOCK_V, V, K, c,
+                            m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False, BLOCK_V)
+            b_x = b_nx
+        _backward_block(b_x, v_full - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, v_full - BLOCK_V, V, K, c,
+                        m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False, BLOCK_V)
     if v_full < V:
-        _backward_block(p_row, p_drow, p_idx_row, p_g_row, v_full, V, K, c, m, log2s, a, b, it, idx0, g0,
-                        ignore_index, HAS_GLP, HAS_GH, SINGLE_K, True, BLOCK_V)
+        o = v_full + o_v
+        b_x = tl.load(p_row + o, mask=o < V, other=0.0).to(tl.float32)
+        _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, v_full, V, K, c,
+                        m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, True, BLOCK_V)
 
 
-def pick_block(v: int, elem_size: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for a row of v elements: 16 bytes x 2 loads per thread in flight."""
-    target = 8192 if elem_size <= 2 else 4096
-    block = min(target, triton.next_power_of_2(max(v, 16)))
-    warps = 8 if block >= 4096 else (4 if block >= 1024 else 2)
-    return block, warps
+# (BLOCK_V, num_warps) per kernel, from the sweep in torch_fused.bench (H200, bf16, V=151936):
+# small blocks with 4 warps keep many rows in flight per SM, which is what a streaming pass needs.
+_CONFIGS = {"fwd": (4096, 4), "fwd_ent": (2048, 4), "bwd": (2048, 4)}
+
+
+def pick_block(v: int, elem_size: int, kind: str = "fwd") -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for a row of v elements of elem_size bytes; kind is 'fwd'
+    (log-probs only), 'fwd_ent' (with the entropy) or 'bwd'."""
+    block, warps = _CONFIGS[kind]
+    if elem_size > 2:
+        block //= 2  # same bytes per load
+    block = min(block, triton.next_power_of_2(max(v, 16)))
+    return block, min(warps, max(1, block // 256))

@@ -94,7 +94,7 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy):
         idx, k = _index_rows(index, rows)
     else:
         idx, k = stats, 1  # unused pointer
-    block_v, warps = K.pick_block(v, x.element_size())
+    block_v, warps = K.pick_block(v, x.element_size(), "fwd_ent" if compute_entropy else "fwd")
     K._logprobs_entropy_forward_kernel[(rows,)](
         x, idx, logp, ent, stats,
         v, k, inner, s_outer, s_inner,
@@ -127,7 +127,7 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
         idx, k, glp = stats, 1, stats  # unused pointers
     has_gh = grad_entropy is not None
     gh = grad_entropy.reshape(rows).contiguous() if has_gh else stats
-    block_v, warps = K.pick_block(v, x.element_size())
+    block_v, warps = K.pick_block(v, x.element_size(), "bwd")
     K._logprobs_entropy_backward_kernel[(rows,)](
         x, idx, glp, gh, stats, entropy if has_gh else stats, dx,
         v, k, inner, s_outer, s_inner,
