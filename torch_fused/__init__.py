@@ -12,10 +12,16 @@ from . import ops as _ops  # noqa: F401  (registers the fused:: ops)
 
 __version__ = "0.1.0"
 
+from .masked import aggregate_loss, mask_reduce, mask_reduce_cost, masked_mean  # noqa: E402
+
 __all__ = [
     "selective_log_softmax",
     "entropy_from_logits",
     "logprobs_and_entropy",
+    "mask_reduce",
+    "mask_reduce_cost",
+    "masked_mean",
+    "aggregate_loss",
 ]
 
 

@@ -157,3 +157,81 @@ def logprobs_entropy_backward(
             dz.scatter_add_(1, torch.where(inb, ib, torch.zeros_like(ib)), torch.where(inb, g2[a:b], torch.zeros_like(g2[a:b])))
         out[a:b] = (dz * inv_t).to(logits.dtype)
     return out.reshape(logits.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# mask_reduce
+# ---------------------------------------------------------------------------------------------
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """The stored elements of a broadcast view: every stride-0 dim shrunk to size 1.
+
+    Same data, no copy; broadcasting it against the original shape gives the view back, so
+    elementwise work on it (``compact(mask) != 0``) costs the stored size, not the logical one."""
+    size = [1 if st == 0 else s for s, st in zip(t.shape, t.stride())]
+    return t.as_strided(size, t.stride())
+
+
+def _broadcast_operand(t: torch.Tensor | None, shape) -> torch.Tensor | None:
+    return None if t is None else compact(torch.broadcast_to(t, shape))
+
+
+def mask_reduce_forward(x, dim, mask=None, scale=None, out_dtype=None):
+    """sum over dim of where(mask != 0, x * scale, 0), accumulated in float32 (float64 for
+    float64 x), in chunks of the leading dim so that no x-sized float temporary exists at once.
+    Broadcast mask/scale are used through their stored elements only."""
+    out_dtype = out_dtype or x.dtype
+    acc = acc_dtype(x.dtype)
+    dim = dim % x.dim()
+    shape = x.shape
+    m = _broadcast_operand(mask, shape)
+    s = _broadcast_operand(scale, shape)
+    out_shape = shape[:dim] + shape[dim + 1:]
+    out = torch.empty(out_shape, dtype=out_dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    # chunk over the first non-reduced dim (x is at most 4-D)
+    cdim = 0 if dim != 0 else (1 if x.dim() > 1 else None)
+    n = shape[cdim] if cdim is not None else 1
+    per = max(1, x.numel() // max(n, 1))
+    step = max(1, _CHUNK_ELEMS // max(per, 1))
+    for a in range(0, n, step):
+        b = min(n, a + step)
+
+        def part(t):
+            if t is None or cdim is None:
+                return t
+            return t if t.shape[cdim] == 1 else t.narrow(cdim, a, b - a)
+
+        xs, ms, ss = part(x), part(m), part(s)
+        v = xs.to(acc)
+        if ss is not None:
+            v = v * ss.to(acc)
+        if ms is not None:
+            v = torch.where(ms != 0, v, torch.zeros((), dtype=acc, device=x.device))
+        r = v.sum(dim)
+        if cdim is None:
+            out.copy_(r.to(out_dtype))
+        else:
+            out.narrow(0, a, b - a).copy_(r.to(out_dtype))  # the chunked dim is out's dim 0
+    return out
+
+
+def mask_reduce_backward(grad, x, dim, mask=None, scale=None):
+    """dx = grad broadcast over dim, times scale, 0 where the mask drops the element; x.dtype."""
+    dim = dim % x.dim()
+    shape = x.shape
+    m = _broadcast_operand(mask, shape)
+    s = _broadcast_operand(scale, shape)
+    g = grad.unsqueeze(dim)
+    dx = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if dx.numel() == 0:
+        return dx
+    if s is not None:
+        acc = acc_dtype(x.dtype)
+        val = g.to(acc) * s.to(acc)  # broadcasts only to the union of g's and scale's dims
+    else:
+        val = g
+    if m is not None:
+        val = torch.where(m != 0, val, torch.zeros((), dtype=val.dtype, device=x.device))
+    dx.copy_(torch.broadcast_to(val, shape))
+    return dx

@@ -1,3 +1,4 @@
 """Op definitions (schemas, device implementations, autograd). Importing registers them."""
 
 from . import logprobs  # noqa: F401
+from . import mask_reduce  # noqa: F401

@@ -1,0 +1,59 @@
+"""Benchmarks of fused::mask_reduce against torch.where(...).sum and its torch.compile.
+
+Floor: x read once + the mask's (and scale's) stored elements + y written, from
+torch_fused.mask_reduce_cost, over the copy bandwidth of the same run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import torch_fused
+
+from .common import Row, bench_ms, peak_extra_mb
+
+# (B, M, N), mask pattern, reduce dim 1
+CASES = [
+    ((65536, 4, 8192), "B M 1 expanded"),
+    ((8192, 4, 8192), "full"),
+    ((8, 4096, 4096), "1 M N expanded"),
+]
+
+
+def plain(x, mask):
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(1)
+
+
+def _mask(shape, pattern, g):
+    b, m, n = shape
+    if pattern == "full":
+        return torch.rand(shape, device="cuda", generator=g) > 0.5
+    if pattern == "B M 1 expanded":
+        return (torch.rand(b, m, 1, device="cuda", generator=g) > 0.5).expand(shape)
+    return (torch.rand(1, m, n, device="cuda", generator=g) > 0.5).expand(shape)
+
+
+def run(report, copy_gbps, quick=False):
+    compiled = torch.compile(plain)
+    for shape, pattern in CASES[:1] if quick else CASES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+        mask = _mask(shape, pattern, g)
+        cost = torch_fused.mask_reduce_cost(x, 1, mask)
+        floor = cost["floor_bytes"]
+        name = f"{shape[0]}x{shape[1]}x{shape[2]} mask {pattern}"
+        y = torch_fused.mask_reduce(x, 1, mask)
+        ref = plain(x.float(), mask)
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        for impl, fn in [("torch_fused", lambda: torch_fused.mask_reduce(x, 1, mask)),
+                         ("torch.where eager", lambda: plain(x, mask)),
+                         ("torch.compile where", lambda: compiled(x, mask))]:
+            ms = bench_ms(fn)
+            pk = peak_extra_mb(fn)
+            note = f"rel err {err:.1e}; out {y.numel() * 2 / 2**20:.0f} MiB" if impl == "torch_fused" else ""
+            report.rows.append(Row("mask_reduce dim 1", name, impl, ms, floor, peak_extra_mb=pk, note=note).finish(copy_gbps))
+            r = report.rows[-1]
+            print(f"mask_reduce {name:34s} {impl:22s} {ms:8.3f} ms  {r.frac_floor:.3f} of floor  peak {pk:.0f} MiB", flush=True)
+        report.extra[name] = cost
+        del x, mask
+        torch.cuda.empty_cache()

@@ -1,0 +1,142 @@
+"""Helpers built on fused::mask_reduce: the op's cost model, masked means and the RL loss
+aggregations. None of them materializes a broadcast mask."""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import compact
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def mask_reduce(x, dim, mask=None, scale=None, *, out_dtype=None):
+    """Sum over ``dim`` of ``x * scale`` where ``mask != 0``.
+
+    Args:
+        x: 1 to 4 dims; float16, bfloat16, float32 or float64.
+        dim: the dim to reduce.
+        mask: bool or integer, broadcastable to ``x`` (any strides, stride 0 included: an
+            ``expand``ed view is read from its stored elements only). ``None`` keeps everything.
+        scale: floating, broadcastable to ``x``, same rules. ``None`` means 1.
+        out_dtype: dtype of the result; default ``x.dtype``. Accumulation is float32 (float64
+            for float64 x) whatever the output dtype.
+
+    Masked-off elements are never read: a NaN or inf there does not reach the result.
+    Gradient flows to ``x`` only (``dx = dy`` broadcast over ``dim``, times ``scale``, 0 where
+    masked); ``mask`` and ``scale`` get none.
+    """
+    return torch.ops.fused.mask_reduce(x, dim, mask, scale, out_dtype)
+
+
+def _stored(t: torch.Tensor | None, shape) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return compact(torch.broadcast_to(t, shape))
+
+
+def mask_reduce_cost(x: torch.Tensor, dim: int, mask: torch.Tensor | None = None,
+                     scale: torch.Tensor | None = None) -> dict:
+    """What ``mask_reduce(x, dim, mask, scale)`` loads, adds and moves, counted on the stored
+    elements of broadcast views (a stride-0 dim is counted once and multiplied by its repeats);
+    nothing of the logical size is allocated. Reads the mask's stored values (a device sync on
+    CUDA) to count the kept elements.
+
+    Returns a dict:
+        elements: x.numel(); kept: elements where mask != 0 (x loads and adds performed);
+        mask_stored / scale_stored: stored elements read for mask / scale;
+        loads: kept + mask_stored + scale_stored; adds: kept;
+        floor_bytes: x read once + stored mask and scale bytes + y written (the benchmark floor);
+        bytes: the same with only the kept x elements read (what the kernel moves at best);
+        materialized_mask_bytes: what a copy of the broadcast mask alone would take.
+    """
+    shape = tuple(x.shape)
+    d = dim % x.dim()
+    out_elems = 1
+    for i, s in enumerate(shape):
+        if i != d:
+            out_elems *= s
+    m = _stored(mask, shape)
+    s = _stored(scale, shape)
+    if m is None:
+        kept = x.numel()
+    else:
+        repeats = x.numel() // max(m.numel(), 1) if m.numel() else 0
+        kept = int((m != 0).sum().item()) * repeats
+    mask_stored = 0 if m is None else m.numel()
+    scale_stored = 0 if s is None else s.numel()
+    side = mask_stored * (mask.element_size() if mask is not None else 0) + scale_stored * (
+        scale.element_size() if scale is not None else 0)
+    y_bytes = out_elems * x.element_size()
+    return dict(
+        elements=x.numel(),
+        kept=kept,
+        mask_stored=mask_stored,
+        scale_stored=scale_stored,
+        loads=kept + mask_stored + scale_stored,
+        adds=kept,
+        floor_bytes=x.numel() * x.element_size() + side + y_bytes,
+        bytes=kept * x.element_size() + side + y_bytes,
+        materialized_mask_bytes=0 if mask is None else x.numel() * mask.element_size(),
+    )
+
+
+def _count(mask: torch.Tensor, shape, dim: int) -> torch.Tensor:
+    """Number of mask != 0 entries along dim, shaped like the reduction; float32. Works on the
+    stored elements only."""
+    m = _stored(mask, shape)
+    d = dim % len(shape)
+    c = (m != 0).sum(d, dtype=torch.float32)
+    if m.shape[d] == 1:
+        c = c * shape[d]
+    out_shape = tuple(shape[:d]) + tuple(shape[d + 1:])
+    return torch.broadcast_to(c, out_shape)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` where ``mask != 0``, over ``dim`` (all elements when None).
+
+    float32 result (float64 for float64 values). Where the mask keeps nothing the mean is 0,
+    never NaN (TRL's masked_mean would give NaN there)."""
+    out_dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+    shape = tuple(values.shape)
+    if dim is None:
+        if values.dim() == 0:
+            values = values.reshape(1)
+            mask = torch.broadcast_to(mask, (1,))
+            shape = (1,)
+        total = mask_reduce(values, values.dim() - 1, mask, out_dtype=out_dtype)
+        count = _count(mask, shape, values.dim() - 1)
+        return total.sum() / count.sum().clamp_min(1)
+    total = mask_reduce(values, dim, mask, out_dtype=out_dtype)
+    return total / _count(mask, shape, dim).to(out_dtype).clamp_min(1)
+
+
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+    """Reduce a per-token loss ``[B, L]`` under a ``[B, L]`` (or broadcastable) mask to a scalar.
+
+    With S_b = sum_t mask * loss over row b, N_b = its kept-token count, B rows, L = loss.shape[-1]:
+        token-mean:               sum_b S_b / max(sum_b N_b, 1)
+        seq-mean-token-mean:      sum over rows with N_b > 0 of S_b / N_b, divided by
+                                  max(#rows with N_b > 0, 1)  (empty rows are left out)
+        seq-mean-token-sum:       sum_b S_b / B
+        seq-mean-token-sum-norm:  sum_b S_b / L  (Dr. GRPO / veRL: a constant normalizer)
+    No mode gives NaN for rows whose mask is all zero.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"mode: expected one of {AGG_MODES}, got {mode!r}")
+    if loss.dim() != 2:
+        raise ValueError(f"loss: expected a [B, L] tensor, got shape {tuple(loss.shape)}")
+    out_dtype = torch.float64 if loss.dtype == torch.float64 else torch.float32
+    shape = tuple(loss.shape)
+    s = mask_reduce(loss, 1, mask, out_dtype=out_dtype)  # [B]
+    if mode == "seq-mean-token-sum":
+        return s.sum() / max(shape[0], 1)
+    if mode == "seq-mean-token-sum-norm":
+        return s.sum() / max(shape[1], 1)
+    n = _count(mask, shape, 1).to(out_dtype)
+    if mode == "token-mean":
+        return s.sum() / n.sum().clamp_min(1)
+    nonempty = n > 0
+    per_row = torch.where(nonempty, s / n.clamp_min(1), torch.zeros_like(s))
+    return per_row.sum() / nonempty.sum().clamp_min(1)

@@ -1,0 +1,109 @@
+"""fused::mask_reduce: sum over one dim of x * scale where mask != 0; broadcast (stride-0)
+mask and scale are never materialized, in the kernel or around it.
+
+Gradient: d x only (dx = dy broadcast over dim, times scale, 0 where masked). mask and scale get
+no gradient: the mask is discrete, and scale in the MoE-combine and loss-weighting uses is a
+routing weight or a constant whose gradient users take from their own graph if they need it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._library import NAMESPACE, TRITON_DEVICES, acc_dtype, new_output
+from .. import reference
+from ..meta import mask_reduce as meta
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mask_reduce", mutates_args=())
+def mask_reduce(
+    x: torch.Tensor,
+    dim: int,
+    mask: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    meta.check_mask_reduce(x, dim, mask, scale, out_dtype)
+    return reference.mask_reduce_forward(x, dim, mask, scale, out_dtype)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mask_reduce_backward", mutates_args=())
+def mask_reduce_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    dim: int,
+    mask: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return reference.mask_reduce_backward(grad, x, dim, mask, scale)
+
+
+mask_reduce.register_fake(meta.mask_reduce_fake)
+mask_reduce_backward.register_fake(meta.mask_reduce_backward_fake)
+
+
+def _operand(t, shape, d):
+    """(tensor, (stride_r, stride_0, stride_1, stride_i)) of t broadcast to shape, reduce dim d
+    first; outer output dims padded in front to two. Views only, stride 0 kept."""
+    t = torch.broadcast_to(t, shape)
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    st = list(t.stride())
+    r = st.pop(d)
+    while len(st) < 3:
+        st.insert(0, 0)
+    return t, (r, *st)
+
+
+def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
+    d = meta.check_mask_reduce(x, dim, mask, scale, out_dtype)
+    from ..kernels import mask_reduce as K
+
+    shape = tuple(x.shape)
+    out_shape = shape[:d] + shape[d + 1:]
+    y = new_output(out_shape, out_dtype or x.dtype, x.device)
+    if y.numel() == 0:
+        return y
+    if shape[d] == 0:
+        return y.zero_()
+    osz = list(out_shape)
+    while len(osz) < 3:
+        osz.insert(0, 1)
+    o0, o1, i = osz
+    r = shape[d]
+    xt, sx = _operand(x, shape, d)
+    mt, sm = _operand(mask, shape, d) if mask is not None else (x, (0, 0, 0, 0))
+    sc, ss = _operand(scale, shape, d) if scale is not None else (x, (0, 0, 0, 0))
+    r_contig = sx[0] == 1 and sx[3] != 1
+    block_r, block_i, warps = K.pick_blocks(r, i, o0 * o1, r_contig)
+    n_iblk = K.triton.cdiv(i, block_i)
+    K._mask_reduce_forward_kernel[(o0 * o1 * n_iblk,)](
+        xt, mt, sc, y,
+        r, o1, i, n_iblk,
+        *sx, *sm, *ss,
+        HAS_MASK=mask is not None, HAS_SCALE=scale is not None,
+        ACC_F64=acc_dtype(x.dtype) == torch.float64,
+        BLOCK_R=block_r, BLOCK_I=block_i, num_warps=warps,
+    )
+    return y
+
+
+if TRITON_DEVICES:
+    mask_reduce.register_kernel(TRITON_DEVICES)(_mask_reduce_triton)
+
+
+def _setup_context(ctx, inputs, output):
+    x, dim, mask, scale, _ = inputs
+    ctx.dim = dim
+    ctx.save_for_backward(x, mask, scale)
+
+
+def _backward(ctx, grad):
+    x, mask, scale = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None, None
+    dx = torch.ops.fused.mask_reduce_backward(grad, x, ctx.dim, mask, scale)
+    return dx, None, None, None, None
+
+
+mask_reduce.register_autograd(_backward, setup_context=_setup_context)
