@@ -29,21 +29,24 @@ def _cases():
            "scale": "fp32", "ignore_index": "i32"}
     for hi, he in [(True, True), (True, False), (False, True)]:
         yield (f"lp_fwd idx={hi} ent={he}", LP._logprobs_entropy_forward_kernel, fwd,
-               {"HAS_INDEX": hi, "HAS_ENT": he, "BLOCK_V": 2048, "BLOCK_K": 2}, 4)
+               {"HAS_INDEX": hi, "HAS_ENT": he, "EXACT_SHIFT": False, "BLOCK_V": 2048, "BLOCK_K": 2}, 4)
     bwd = {"p_x": "*fp16", "p_idx": "*i32", "p_glp": "*fp32", "p_gh": "*fp32", "p_stats": "*fp32",
            "p_ent": "*fp32", "p_dx": "*fp16", "V": "i32", "K": "i32", "inner_size": "i32",
            "stride_outer": "i64", "stride_inner": "i64", "scale": "fp32", "inv_t": "fp32", "ignore_index": "i32"}
     for glp, gh, sk in [(True, True, True), (True, False, False), (False, True, True)]:
         yield (f"lp_bwd glp={glp} gh={gh} single={sk}", LP._logprobs_entropy_backward_kernel, bwd,
-               {"HAS_GLP": glp, "HAS_GH": gh, "SINGLE_K": sk, "BLOCK_V": 2048, "BLOCK_K": 4}, 4)
+               {"HAS_GLP": glp, "HAS_GH": gh, "SINGLE_K": sk, "EXACT_SHIFT": False, "BLOCK_V": 2048, "BLOCK_K": 4}, 4)
     mr = {"p_x": "*bf16", "p_m": "*u8", "p_s": "*fp32", "p_y": "*bf16", "R": "i32", "O1": "i32", "I": "i32",
           "n_iblk": "i32"}
     for pre in ("sx", "sm", "ss"):
         for suf in ("r", "0", "1", "i"):
             mr[f"{pre}_{suf}"] = "i64"
-    for hm, hs, f64 in [(True, True, False), (False, False, True), (True, False, False)]:
-        yield (f"mask_reduce mask={hm} scale={hs} f64={f64}", MR._mask_reduce_forward_kernel, mr,
-               {"HAS_MASK": hm, "HAS_SCALE": hs, "ACC_F64": f64, "BLOCK_R": 4, "BLOCK_I": 1024}, 4)
+    for hm, hs, f64, mb, sb, wide in [(True, True, False, (False, True), (True, False), False),
+                                      (False, False, True, (False, False), (False, False), True),
+                                      (True, True, False, (False, False), (False, True), False)]:
+        yield (f"mask_reduce mask={hm}{mb} scale={hs}{sb} f64={f64} wide={wide}", MR._mask_reduce_forward_kernel, mr,
+               {"HAS_MASK": hm, "HAS_SCALE": hs, "ACC_F64": f64, "M_BCAST_R": mb[0], "M_BCAST_I": mb[1],
+                "S_BCAST_R": sb[0], "S_BCAST_I": sb[1], "WIDE": wide, "BLOCK_R": 4, "BLOCK_I": 1024}, 4)
     try:
         from torch_fused.kernels import sinkgd as SG
     except ImportError:

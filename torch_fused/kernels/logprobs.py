@@ -6,11 +6,10 @@ given by two (size, stride) pairs for the leading dims, so strided views run wit
 
 Numerics. Work is in base 2 with c = log2(e) / T. The row keeps its running max m of the raw
 logits and per lane of the block s = sum 2^(d) and, for the entropy, t = sum 2^(d) * d, with
-d = (x - m) c: the subtraction of two fp32 numbers close together is exact, so d carries only a
-relative rounding of itself. The row statistics saved for the backward are the pair (m, log2 s),
+d = x c - m c formed by one fma (see _shifted), so d carries only a relative rounding of itself. The row statistics saved for the backward are the pair (m, log2 s),
 never lse = m c + log2 s as one fp32 number: for |z| ~ 1e4 that sum would carry a rounding of
 ~1e-3, which every log-prob and gradient would inherit. In nats:
-logp = ((x_i - m) c - log2 s) ln2 and H = (log2 s - t / s) ln2 (no lse - E[z] cancellation).
+logp = (d_i - log2 s) ln2 and H = (log2 s - t / s) ln2 (no lse - E[z] cancellation).
 
 Cost per element is what bounds these kernels once loads are wide (an H200 streams ~2e12 bf16
 elements/s, leaving ~16 fp32 instructions per element): one exp2, a block max, and two or three
@@ -42,18 +41,30 @@ D_MIN = tl.constexpr(-200.0)
 
 
 @triton.jit
-def _forward_update(b_x, c, m, b_s, b_t, HAS_ENT: tl.constexpr):
+def _shifted(b_x, m, c, EXACT_SHIFT: tl.constexpr):
+    """d = x c - m c in base-2 units. On the GPU one fma (exact product, one rounding) against
+    the rounded shift m c; every kernel forms m c the same way, so that rounding is a constant
+    shift of the whole row and cancels in log2 s. Triton's interpreter has no single-rounding
+    fma, so there (EXACT_SHIFT) the equally exact (x - m) c is used."""
+    if EXACT_SHIFT:
+        return (b_x - m) * c
+    else:
+        return tl.fma(b_x, c, -(m * c))
+
+
+@triton.jit
+def _forward_update(b_x, c, m, b_s, b_t, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr):
     m_blk = tl.max(b_x, axis=0)
     if m_blk > m:
         # the row max grew (rare after the first blocks): rescale the lane sums to the new shift
-        dm = tl.where(m == float("-inf"), 0.0, (m - m_blk) * c)
+        dm = tl.where(m == float("-inf"), 0.0, m * c - m_blk * c)
         alpha = tl.exp2(dm)
         if HAS_ENT:
             b_t = alpha * (b_t + dm * b_s)
         b_s = b_s * alpha
         m = m_blk
     m_ref = tl.where(m == float("-inf"), 0.0, m)  # all -inf so far: shift by 0, no inf - inf
-    b_d = (b_x - m_ref) * c
+    b_d = _shifted(b_x, m_ref, c, EXACT_SHIFT)
     b_e = tl.exp2(b_d)
     b_s += b_e
     if HAS_ENT:
@@ -67,7 +78,7 @@ def _logprobs_entropy_forward_kernel(
     V, K, inner_size, stride_outer, stride_inner,
     scale,  # c = log2(e) / T: a Python float at launch, so fp32 in the kernel
     ignore_index,
-    HAS_INDEX: tl.constexpr, HAS_ENT: tl.constexpr,
+    HAS_INDEX: tl.constexpr, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -92,13 +103,13 @@ def _logprobs_entropy_forward_kernel(
         b_x = tl.load(p_row + o_v).to(tl.float32)
         for start in range(BLOCK_V, v_full, BLOCK_V):
             b_nx = tl.load(p_row + start + o_v).to(tl.float32)
-            m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT)
+            m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT, EXACT_SHIFT)
             b_x = b_nx
-        m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT)
+        m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT, EXACT_SHIFT)
     if v_full < V:
         o = v_full + o_v
         b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
-        m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT)
+        m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT, EXACT_SHIFT)
 
     m = tl.where(m == float("-inf"), 0.0, m)
     s = tl.sum(b_s, axis=0)
@@ -109,7 +120,7 @@ def _logprobs_entropy_forward_kernel(
         t = tl.sum(b_t, axis=0)
         tl.store(p_ent + row, (log2s - t / s) * LN2)
     if HAS_INDEX:
-        b_lp = ((b_xi - m) * c - log2s) * LN2
+        b_lp = (_shifted(b_xi, m, c, EXACT_SHIFT) - log2s) * LN2
         b_lp = tl.where(inb, b_lp, float("nan"))
         b_lp = tl.where(b_idx == ignore_index, 0.0, b_lp)
         tl.store(p_logp + row * K + o_k, b_lp, mask=m_k)
@@ -119,8 +130,8 @@ def _logprobs_entropy_forward_kernel(
 def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s, a, b, it,
                     idx0, g0, ignore_index,
                     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
-                    MASKED: tl.constexpr, BLOCK_V: tl.constexpr):
-    b_d = (b_x - m) * c - log2s  # log2 p
+                    MASKED: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_V: tl.constexpr):
+    b_d = _shifted(b_x, m, c, EXACT_SHIFT) - log2s  # log2 p
     b_p = tl.exp2(b_d)
     if HAS_GH:
         b_dx = -b_p * (a + b * tl.maximum(b_d, D_MIN))
@@ -149,7 +160,7 @@ def _logprobs_entropy_backward_kernel(
     scale,  # c = log2(e) / T
     inv_t,  # 1 / T
     ignore_index,
-    HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
+    HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr, EXACT_SHIFT: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """d z_j = sum_k g_k [j == idx_k] - p_j * (G + gH * (lp_j + H));  d x = d z / T.
@@ -200,20 +211,20 @@ def _logprobs_entropy_backward_kernel(
         for start in range(BLOCK_V, v_full, BLOCK_V):
             b_nx = tl.load(p_row + start + o_v).to(tl.float32)  # prefetch the next block
             _backward_block(b_x, start - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, start - BLOCK_V, V, K, c,
-                            m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False, BLOCK_V)
+                            m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False, EXACT_SHIFT, BLOCK_V)
             b_x = b_nx
         _backward_block(b_x, v_full - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, v_full - BLOCK_V, V, K, c,
-                        m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False, BLOCK_V)
+                        m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False, EXACT_SHIFT, BLOCK_V)
     if v_full < V:
         o = v_full + o_v
         b_x = tl.load(p_row + o, mask=o < V, other=0.0).to(tl.float32)
         _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, v_full, V, K, c,
-                        m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, True, BLOCK_V)
+                        m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, True, EXACT_SHIFT, BLOCK_V)
 
 
 # (BLOCK_V, num_warps) per kernel, from the sweep in torch_fused.bench (H200, bf16, V=151936):
 # small blocks with 4 warps keep many rows in flight per SM, which is what a streaming pass needs.
-_CONFIGS = {"fwd": (4096, 4), "fwd_ent": (2048, 4), "bwd": (2048, 4)}
+_CONFIGS = {"fwd": (1024, 2), "fwd_ent": (1024, 2), "bwd": (2048, 4)}
 
 
 def pick_block(v: int, elem_size: int, kind: str = "fwd") -> tuple[int, int]:

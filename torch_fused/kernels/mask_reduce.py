@@ -19,6 +19,25 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_offsets(s_r, s_i, BCAST_R: tl.constexpr, BCAST_I: tl.constexpr, WIDE: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    """In-tile element offsets of one operand: [BLOCK_R, BLOCK_I], or [1, BLOCK_I] / [BLOCK_R, 1]
+    when the operand is broadcast (stride 0) along r / i, so a broadcast mask is loaded once per
+    distinct stored element instead of once per lane. int32 unless WIDE."""
+    o_r = tl.arange(0, BLOCK_R)
+    o_i = tl.arange(0, BLOCK_I)
+    if WIDE:
+        o_r = o_r.to(tl.int64)
+        o_i = o_i.to(tl.int64)
+    if BCAST_R:
+        return (o_i * s_i)[None, :]
+    elif BCAST_I:
+        return (o_r * s_r)[:, None]
+    else:
+        return o_r[:, None] * s_r + o_i[None, :] * s_i
+
+
+@triton.jit
 def _mask_reduce_forward_kernel(
     p_x, p_m, p_s, p_y,
     R, O1, I, n_iblk,
@@ -26,37 +45,53 @@ def _mask_reduce_forward_kernel(
     sm_r, sm_0, sm_1, sm_i,
     ss_r, ss_0, ss_1, ss_i,
     HAS_MASK: tl.constexpr, HAS_SCALE: tl.constexpr, ACC_F64: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
+    M_BCAST_R: tl.constexpr, M_BCAST_I: tl.constexpr, S_BCAST_R: tl.constexpr, S_BCAST_I: tl.constexpr,
+    WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     blk_i = pid % n_iblk
     outer = pid // n_iblk
     a = outer // O1
     b = outer % O1
-    o_i = (blk_i * BLOCK_I + tl.arange(0, BLOCK_I)).to(tl.int64)
-    m_i = o_i < I
-    o_rb = tl.arange(0, BLOCK_R).to(tl.int64)
-    p_xt = p_x + a * sx_0 + b * sx_1 + o_i[None, :] * sx_i
+    i0 = blk_i * BLOCK_I
+    o_r = tl.arange(0, BLOCK_R)
+    m_i = (i0 + tl.arange(0, BLOCK_I)) < I
+    # scalar int64 bases; per-tile offsets stay 32-bit (host sets WIDE when they could not)
+    p_xt = p_x + a * sx_0 + b * sx_1 + i0 * sx_i
+    t_x = _tile_offsets(sx_r, sx_i, False, False, WIDE, BLOCK_R, BLOCK_I)
     if HAS_MASK:
-        p_mt = p_m + a * sm_0 + b * sm_1 + o_i[None, :] * sm_i
+        p_mt = p_m + a * sm_0 + b * sm_1 + i0 * sm_i
+        t_m = _tile_offsets(sm_r, sm_i, M_BCAST_R, M_BCAST_I, WIDE, BLOCK_R, BLOCK_I)
     if HAS_SCALE:
-        p_st = p_s + a * ss_0 + b * ss_1 + o_i[None, :] * ss_i
+        p_st = p_s + a * ss_0 + b * ss_1 + i0 * ss_i
+        t_s = _tile_offsets(ss_r, ss_i, S_BCAST_R, S_BCAST_I, WIDE, BLOCK_R, BLOCK_I)
     if ACC_F64:
         acc = tl.zeros([BLOCK_R, BLOCK_I], dtype=tl.float64)
     else:
         acc = tl.zeros([BLOCK_R, BLOCK_I], dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
-        o_r = r0 + o_rb
-        msk = (o_r < R)[:, None] & m_i[None, :]
+        m_r = (r0 + o_r) < R
+        msk = m_r[:, None] & m_i[None, :]
         if HAS_MASK:
-            keep = tl.load(p_mt + o_r[:, None] * sm_r, mask=msk, other=0)
-            msk = msk & (keep != 0)
-        b_x = tl.load(p_xt + o_r[:, None] * sx_r, mask=msk, other=0.0).to(acc.dtype)
+            if M_BCAST_R:
+                keep = tl.load(p_mt + t_m, mask=m_i[None, :], other=0) != 0
+            elif M_BCAST_I:
+                keep = tl.load(p_mt + r0 * sm_r + t_m, mask=m_r[:, None], other=0) != 0
+            else:
+                keep = tl.load(p_mt + r0 * sm_r + t_m, mask=msk, other=0) != 0
+            msk = msk & keep
+        b_x = tl.load(p_xt + r0 * sx_r + t_x, mask=msk, other=0.0).to(acc.dtype)
         if HAS_SCALE:
-            b_x = b_x * tl.load(p_st + o_r[:, None] * ss_r, mask=msk, other=0.0).to(acc.dtype)
+            if S_BCAST_R:
+                b_sc = tl.load(p_st + t_s, mask=m_i[None, :], other=0.0)
+            elif S_BCAST_I:
+                b_sc = tl.load(p_st + r0 * ss_r + t_s, mask=m_r[:, None], other=0.0)
+            else:
+                b_sc = tl.load(p_st + r0 * ss_r + t_s, mask=msk, other=0.0)
+            b_x = b_x * b_sc.to(acc.dtype)
         acc += b_x
     y = tl.sum(acc, axis=0)
-    tl.store(p_y + outer * I + o_i, y.to(p_y.dtype.element_ty), mask=m_i)
+    tl.store(p_y + outer * I + i0 + tl.arange(0, BLOCK_I), y.to(p_y.dtype.element_ty), mask=m_i)
 
 
 def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool) -> tuple[int, int, int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .._library import LIB, NAMESPACE, REFERENCE_DEVICES, TRITON_DEVICES, acc_dtype, rows_strides
+from .._library import INTERPRET, LIB, NAMESPACE, REFERENCE_DEVICES, TRITON_DEVICES, acc_dtype, rows_strides
 from .._library import new_output
 from .. import reference
 from ..meta import logprobs as meta
@@ -99,7 +99,7 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy):
         x, idx, logp, ent, stats,
         v, k, inner, s_outer, s_inner,
         K.LOG2E / temperature, ignore_index,
-        HAS_INDEX=index is not None, HAS_ENT=compute_entropy,
+        HAS_INDEX=index is not None, HAS_ENT=compute_entropy, EXACT_SHIFT=INTERPRET,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
         num_warps=warps,
     )
@@ -132,7 +132,7 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
         x, idx, glp, gh, stats, entropy if has_gh else stats, dx,
         v, k, inner, s_outer, s_inner,
         K.LOG2E / temperature, 1.0 / temperature, ignore_index,
-        HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1,
+        HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1, EXACT_SHIFT=INTERPRET,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
         num_warps=warps,
     )

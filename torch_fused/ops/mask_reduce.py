@@ -77,13 +77,16 @@ def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
     r_contig = sx[0] == 1 and sx[3] != 1
     block_r, block_i, warps = K.pick_blocks(r, i, o0 * o1, r_contig)
     n_iblk = K.triton.cdiv(i, block_i)
+    # in-tile offsets fit 32 bits unless a tile spans more than 2**31 elements of some operand
+    span = max(abs(st[0]) * block_r + abs(st[3]) * block_i for st in (sx, sm, ss))
     K._mask_reduce_forward_kernel[(o0 * o1 * n_iblk,)](
         xt, mt, sc, y,
         r, o1, i, n_iblk,
         *sx, *sm, *ss,
         HAS_MASK=mask is not None, HAS_SCALE=scale is not None,
         ACC_F64=acc_dtype(x.dtype) == torch.float64,
-        BLOCK_R=block_r, BLOCK_I=block_i, num_warps=warps,
+        M_BCAST_R=sm[0] == 0, M_BCAST_I=sm[3] == 0, S_BCAST_R=ss[0] == 0, S_BCAST_I=ss[3] == 0,
+        WIDE=span >= 2**31, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=warps,
     )
     return y
 
