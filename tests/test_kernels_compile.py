@@ -46,7 +46,7 @@ def _cases():
                                       (True, True, False, (False, False), (False, True), False)]:
         yield (f"mask_reduce mask={hm}{mb} scale={hs}{sb} f64={f64} wide={wide}", MR._mask_reduce_forward_kernel, mr,
                {"HAS_MASK": hm, "HAS_SCALE": hs, "ACC_F64": f64, "M_BCAST_R": mb[0], "M_BCAST_I": mb[1],
-                "S_BCAST_R": sb[0], "S_BCAST_I": sb[1], "WIDE": wide, "BLOCK_R": 4, "BLOCK_I": 1024}, 4)
+                "S_BCAST_R": sb[0], "S_BCAST_I": sb[1], "PRED_X": mb[1], "WIDE": wide, "BLOCK_R": 4, "BLOCK_I": 1024}, 4)
     try:
         from torch_fused.kernels import sinkgd as SG
     except ImportError:

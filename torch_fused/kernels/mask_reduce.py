@@ -4,8 +4,11 @@ The launcher hands every operand as (pointer, 4 strides): the reduce dim r, two 
 and the innermost output dim i. Broadcast operands keep stride 0, so a mask expanded over the
 hidden size is read from its few stored elements and never materialized. A program owns a
 [BLOCK_R, BLOCK_I] tile of one output row block, walks r, and accumulates into a tile-shaped
-register accumulator (one cross-lane reduction at the end). x is loaded only where the mask
-keeps it, so masked-off rows of x cost no memory traffic, and a NaN there never reaches y.
+register accumulator (one cross-lane reduction at the end). Where the mask is constant along
+the fast (contiguous) axis, as a [T, k, 1] keep-mask is along the hidden size, the x load is
+predicated on it and masked-off rows of x cost no memory traffic; a mask that varies along the
+fast axis would break the vectorized load into scalar ones, so there x is loaded whole and the
+mask applied by a select. Either way a NaN under the mask never reaches y.
 Whichever of r or i has stride 1 is specialized by Triton (integer arguments equal to 1 are
 compile-time constants) and becomes the fast axis of the tile, so both the MoE combine
 (reduce a small middle dim, contiguous hidden size) and token losses (reduce the contiguous
@@ -46,7 +49,7 @@ def _mask_reduce_forward_kernel(
     ss_r, ss_0, ss_1, ss_i,
     HAS_MASK: tl.constexpr, HAS_SCALE: tl.constexpr, ACC_F64: tl.constexpr,
     M_BCAST_R: tl.constexpr, M_BCAST_I: tl.constexpr, S_BCAST_R: tl.constexpr, S_BCAST_I: tl.constexpr,
-    WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
+    PRED_X: tl.constexpr, WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     blk_i = pid % n_iblk
@@ -79,6 +82,9 @@ def _mask_reduce_forward_kernel(
                 keep = tl.load(p_mt + r0 * sm_r + t_m, mask=m_r[:, None], other=0) != 0
             else:
                 keep = tl.load(p_mt + r0 * sm_r + t_m, mask=msk, other=0) != 0
+        if HAS_MASK and PRED_X:
+            # the mask is constant along the fast axis: predicate the (still vectorized) x load,
+            # so masked-off rows of x are never read
             msk = msk & keep
         b_x = tl.load(p_xt + r0 * sx_r + t_x, mask=msk, other=0.0).to(acc.dtype)
         if HAS_SCALE:
@@ -89,6 +95,8 @@ def _mask_reduce_forward_kernel(
             else:
                 b_sc = tl.load(p_st + r0 * ss_r + t_s, mask=msk, other=0.0)
             b_x = b_x * b_sc.to(acc.dtype)
+        if HAS_MASK:
+            b_x = tl.where(keep, b_x, 0.0)  # a select: NaN/inf under the mask never reaches y
         acc += b_x
     y = tl.sum(acc, axis=0)
     tl.store(p_y + outer * I + i0 + tl.arange(0, BLOCK_I), y.to(p_y.dtype.element_ty), mask=m_i)
@@ -104,8 +112,11 @@ def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool) -> tuple[int, 
         block_i = max(1, min(np2(max(i, 1)), 4096 // block_r))
     else:
         block_i = min(np2(max(i, 1)), 1024)
-        while block_i > 32 and n_outer * triton.cdiv(i, block_i) < 2048:
+        while block_i > 64 and n_outer * triton.cdiv(i, block_i) < 1024:
             block_i //= 2
-        block_r = max(1, min(np2(max(r, 1)), 4096 // block_i))
-    warps = 4 if block_r * block_i >= 2048 else (2 if block_r * block_i >= 512 else 1)
+        # few programs (a long reduce dim, few outputs): bigger tiles keep more bytes in flight
+        tile = 4096 if n_outer * triton.cdiv(i, block_i) >= 1024 else 8192
+        block_r = max(1, min(np2(max(r, 1)), tile // block_i))
+    n = block_r * block_i
+    warps = 8 if n >= 8192 else (4 if n >= 2048 else (2 if n >= 512 else 1))
     return block_r, block_i, warps

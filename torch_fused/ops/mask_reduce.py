@@ -75,6 +75,8 @@ def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
     mt, sm = _operand(mask, shape, d) if mask is not None else (x, (0, 0, 0, 0))
     sc, ss = _operand(scale, shape, d) if scale is not None else (x, (0, 0, 0, 0))
     r_contig = sx[0] == 1 and sx[3] != 1
+    # predicate x on the mask only where the mask is constant along x's fast axis
+    pred_x = (sm[0] == 0) if r_contig else (sm[3] == 0)
     block_r, block_i, warps = K.pick_blocks(r, i, o0 * o1, r_contig)
     n_iblk = K.triton.cdiv(i, block_i)
     # in-tile offsets fit 32 bits unless a tile spans more than 2**31 elements of some operand
@@ -86,7 +88,7 @@ def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
         HAS_MASK=mask is not None, HAS_SCALE=scale is not None,
         ACC_F64=acc_dtype(x.dtype) == torch.float64,
         M_BCAST_R=sm[0] == 0, M_BCAST_I=sm[3] == 0, S_BCAST_R=ss[0] == 0, S_BCAST_I=ss[3] == 0,
-        WIDE=span >= 2**31, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=warps,
+        PRED_X=pred_x, WIDE=span >= 2**31, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=warps,
     )
     return y
 
