@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(SUITES))
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--sweep", action="store_true", help="block-size sweep of the log-prob kernels")
+    ap.add_argument("--sweep-shape", default="4,4096,151936", help="B,L,V of the sweep")
     ap.add_argument("--quick", action="store_true", help="first shape of each suite only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -32,9 +33,11 @@ def main() -> None:
     if args.sweep:
         from . import logprobs
 
-        res = logprobs.sweep(copy)
+        b, l, v = (int(t) for t in args.sweep_shape.split(","))
+        res = logprobs.sweep(copy, b, l, v)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "sweep_logprobs.json").write_text(json.dumps(dict(copy_gbps=copy, results=res), indent=1))
+        (out / f"sweep_logprobs_V{v}.json").write_text(
+            json.dumps(dict(copy_gbps=copy, shape=[b, l, v], results=res), indent=1))
     for suite in [s for s in args.only.split(",") if s]:
         if suite not in SUITES:
             raise SystemExit(f"--only: unknown suite {suite!r}; choose from {SUITES}")
