@@ -69,11 +69,14 @@ def _inputs(b, l, v, layout, gen_seed=0):
 
 
 def run(report, copy_gbps, quick=False):
-    compiled_sel = torch.compile(plain_selective)
-    compiled_ent = torch.compile(plain_entropy)
     shapes = SHAPES[:1] if quick else SHAPES
     for b, l, v in shapes:
         for layout in ("contiguous", "strided"):
+            # fresh compiled baselines per shape and layout: a shared cache would hit dynamo's
+            # recompile limit (8) across shapes x grad modes and silently fall back to eager
+            torch._dynamo.reset()
+            compiled_sel = torch.compile(plain_selective)
+            compiled_ent = torch.compile(plain_entropy)
             x, idx = _inputs(b, l, v, layout)
             xg = x.detach().requires_grad_(True)  # a leaf with the same strides
             shape = f"B{b} L{l} V{v} {layout}"
