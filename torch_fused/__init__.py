@@ -13,6 +13,7 @@ from . import ops as _ops  # noqa: F401  (registers the fused:: ops)
 __version__ = "0.1.0"
 
 from .masked import aggregate_loss, mask_reduce, mask_reduce_cost, masked_mean  # noqa: E402
+from . import optim  # noqa: E402,F401
 
 __all__ = [
     "selective_log_softmax",

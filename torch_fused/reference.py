@@ -235,3 +235,62 @@ def mask_reduce_backward(grad, x, dim, mask=None, scale=None):
         val = torch.where(m != 0, val, torch.zeros((), dtype=val.dtype, device=x.device))
     dx.copy_(torch.broadcast_to(val, shape))
     return dx
+
+
+# ---------------------------------------------------------------------------------------------
+# SinkGD
+# ---------------------------------------------------------------------------------------------
+def sinkgd_scales(g: torch.Tensor, iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column scales r [B, m], c [B, n] with X = diag(r) G diag(c) after ``iters``
+    SR-Sinkhorn iterations (rows to l2 norm sqrt(n), then columns to sqrt(m)); fp32 math on a
+    [B, m, n] gradient. The scales are clamped at 1e30 so that a (near-)zero row or column, whose
+    scale would grow by sqrt(n)/eps every iteration, never overflows into inf * 0 = NaN."""
+    b, m, n = g.shape
+    gf = g.float()
+    r = torch.ones(b, m, dtype=torch.float32, device=g.device)
+    c = torch.ones(b, n, dtype=torch.float32, device=g.device)
+
+    def x2():  # (r_i g_ij c_j)^2: X stays bounded even where r or c is huge, r^2 alone need not
+        return (r[:, :, None] * gf * c[:, None, :]).square()
+
+    for _ in range(iters):
+        r = (r * math.sqrt(n) / x2().sum(2).sqrt().clamp_min(eps)).clamp_max(1e30)
+        c = (c * math.sqrt(m) / x2().sum(1).sqrt().clamp_min(eps)).clamp_max(1e30)
+    return r, c
+
+
+def _mv(g: torch.Tensor, x: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """[B, m, n] gradient times a [B, n] (or, transposed, [B, m]) fp32 vector, in row chunks so
+    that no fp32 copy of the whole gradient exists."""
+    b, m, n = g.shape
+    step = max(1, _CHUNK_ELEMS // max(n, 1))
+    if transpose:
+        out = torch.zeros(b, n, dtype=torch.float32, device=g.device)
+        for a in range(0, m, step):
+            out += torch.einsum("bmn,bm->bn", g[:, a:a + step].float(), x[:, a:a + step])
+        return out
+    out = torch.empty(b, m, dtype=torch.float32, device=g.device)
+    for a in range(0, m, step):
+        out[:, a:a + step] = torch.einsum("bmn,bn->bm", g[:, a:a + step].float(), x)
+    return out
+
+
+def sinkgd_spectral_scale(g, r, c, v, iters: int, target: float, eps: float) -> torch.Tensor:
+    """Power iteration on X = diag(r) G diag(c), warm-started from v [B, n] (updated in place):
+    repeat iters: u = X v / max(|X v|, eps); w = X^T u; sigma = |w|; v = w / max(sigma, eps).
+    Returns target / max(sigma, eps) per matrix, [B]."""
+    sigma = torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
+    for _ in range(iters):
+        u = r * _mv(g, c * v, False)
+        u = u / u.norm(dim=1, keepdim=True).clamp_min(eps)
+        w = c * _mv(g, r * u, True)
+        sigma = w.norm(dim=1)
+        v.copy_(w / sigma[:, None].clamp_min(eps))
+    return target / sigma.clamp_min(eps)
+
+
+def sinkgd_update_(w, g, r, c, coef_x, coef_w) -> None:
+    """w <- w - coef_x[b] * (r_i c_j g_ij) - coef_w * w, in fp32, stored in w's dtype."""
+    x = r[:, :, None] * g.float() * c[:, None, :]
+    new = w.float() - coef_x[:, None, None] * x - coef_w * w.float()
+    w.copy_(new.to(w.dtype))

@@ -2,3 +2,4 @@
 
 from . import logprobs  # noqa: F401
 from . import mask_reduce  # noqa: F401
+from . import sinkgd  # noqa: F401

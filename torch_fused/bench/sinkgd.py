@@ -1,0 +1,77 @@
+"""Benchmarks of one optimizer step: SinkGD (fused::sinkgd_step) vs torch.optim.AdamW(fused=True)
+and a torch.compile'd per-parameter loop of the SinkGD formula, bf16 params and grads.
+
+Floor: read G, read W, write W (3 x the bf16 parameter bytes) over the same-run copy bandwidth;
+a SinkGD step with L iterations moves 2L + 3 such passes in this implementation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..optim import SinkGD
+from .common import Row, bench_ms, peak_extra_mb
+
+LLAMA_LAYER = [(4096, 4096), (4096, 4096), (1024, 4096), (1024, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
+GPT2_SMALL = [(50257, 768), (1024, 768)] + [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12
+
+
+def _params(shapes, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ps = []
+    for s in shapes:
+        p = torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02)
+        p.grad = torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=g) * 1e-3
+        ps.append(p)
+    return ps
+
+
+def formula_step(ws, gs, lr: float, iters: int, lr_scale=0.05, eps=1e-8):
+    """The SinkGD formula, per parameter, in fp32 (what a user would torch.compile)."""
+    for w, g in zip(ws, gs):
+        m, n = w.shape[-2:]
+        x = g.float()
+        for _ in range(iters):
+            x = math.sqrt(n) * x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
+            x = math.sqrt(m) * x / x.norm(dim=-2, keepdim=True).clamp_min(eps)
+        w.copy_((w.float() - lr * lr_scale * x).to(w.dtype))
+
+
+def run(report, copy_gbps, quick=False):
+    cases = [("Llama-3-8B x1 layer", LLAMA_LAYER), ("GPT-2 small 2-D weights", GPT2_SMALL)]
+    if not quick:
+        cases.insert(1, ("Llama-3-8B x4 layers", LLAMA_LAYER * 4))
+    for name, shapes in cases:
+        params = _params(shapes)
+        nbytes = sum(p.numel() for p in params) * 2
+        floor = 3 * nbytes
+        adam = torch.optim.AdamW(params, lr=1e-4, fused=True)
+        adam.step()  # initialize the state outside the timing
+        adam_ms = bench_ms(adam.step)
+        rows = [("torch AdamW fused", adam_ms, peak_extra_mb(adam.step))]
+        for label, kw in [("SinkGD L=5", dict(sinkhorn_iters=5)),
+                          ("SinkGD L=5 spectral", dict(sinkhorn_iters=5, spectral_norm=True)),
+                          ("SinkGD L=1", dict(sinkhorn_iters=1))]:
+            opt = SinkGD(params, lr=torch.tensor(1e-3, device="cuda"), **kw)
+            opt.step()
+            ms = bench_ms(opt.step)
+            rows.append((label, ms, peak_extra_mb(opt.step)))
+        if name == "Llama-3-8B x1 layer" or name.startswith("GPT-2"):
+            ws = [p.data for p in params]
+            gs = [p.grad for p in params]
+            torch._dynamo.reset()
+            comp = torch.compile(formula_step)
+            comp(ws, gs, 1e-3, 5)
+            ms = bench_ms(lambda: comp(ws, gs, 1e-3, 5))
+            rows.append(("torch.compile loop L=5", ms, peak_extra_mb(lambda: comp(ws, gs, 1e-3, 5))))
+        for impl, ms, pk in rows:
+            note = f"{ms / adam_ms:.2f}x AdamW fused" if impl != "torch AdamW fused" else ""
+            report.rows.append(Row("optimizer step", f"{name} ({len(shapes)} mats, {nbytes / 2**30:.2f} GiB bf16)",
+                                   impl, ms, floor, peak_extra_mb=pk, note=note).finish(copy_gbps))
+            r = report.rows[-1]
+            print(f"sinkgd {name:26s} {impl:24s} {ms:8.3f} ms  {r.frac_floor:.3f} of floor  {note}  peak {pk:.0f} MiB",
+                  flush=True)
+        del params, adam
+        torch.cuda.empty_cache()

@@ -1,0 +1,51 @@
+"""Input checks and the fake implementation of fused::sinkgd_step (shapes and dtypes only)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._library import check
+
+PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SPECTRAL_TARGETS = ("unit", "muon")
+
+
+def check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
+                 spectral_iters, eps, seed) -> None:
+    check(len(params) == len(grads),
+          lambda: f"grads: expected one gradient per parameter ({len(params)}), got {len(grads)}")
+    check(lr.dim() == 0, lambda: f"lr: expected a 0-dim tensor, got shape {tuple(lr.shape)}")
+    check(seed.dim() == 0, lambda: f"seed: expected a 0-dim tensor (a step count), got shape {tuple(seed.shape)}")
+    check(sinkhorn_iters >= 0, lambda: f"sinkhorn_iters: expected >= 0, got {sinkhorn_iters}")
+    check(eps > 0, lambda: f"eps: expected > 0, got {eps}")
+    check(spectral_target in SPECTRAL_TARGETS,
+          lambda: f"spectral_target: expected one of {SPECTRAL_TARGETS}, got {spectral_target!r}")
+    if spectral_norm:
+        check(len(spectral_vecs) == len(params),
+              lambda: f"spectral_vecs: expected one vector per parameter ({len(params)}), got {len(spectral_vecs)}")
+        check(spectral_iters >= 1, lambda: f"spectral_iters: expected >= 1, got {spectral_iters}")
+    for i, (p, g) in enumerate(zip(params, grads)):
+        check(p.dim() >= 2, lambda: f"params[{i}]: SinkGD needs a matrix [..., m, n], got shape {tuple(p.shape)}")
+        check(p.dtype in PARAM_DTYPES, lambda: f"params[{i}]: expected a floating dtype, got {p.dtype}")
+        check(p.layout == torch.strided and g.layout == torch.strided,
+              lambda: f"params[{i}]: sparse parameters or gradients are not supported")
+        check(p.is_contiguous(),
+              lambda: f"params[{i}]: expected a contiguous parameter, got strides {tuple(p.stride())}"
+                      f" for shape {tuple(p.shape)}")
+        check(tuple(g.shape) == tuple(p.shape),
+              lambda: f"grads[{i}]: shape {tuple(g.shape)} does not match its parameter's {tuple(p.shape)}")
+        check(g.device == p.device, lambda: f"grads[{i}]: device {g.device} differs from its parameter's {p.device}")
+        if spectral_norm:
+            v = spectral_vecs[i]
+            b = p.numel() // (p.shape[-2] * p.shape[-1]) if p.numel() else 0
+            check(tuple(v.shape) == (b, p.shape[-1]) and v.dtype == torch.float32,
+                  lambda: f"spectral_vecs[{i}]: expected float32 of shape {(b, p.shape[-1])}, got {v.dtype} "
+                          f"{tuple(v.shape)}")
+
+
+def sinkgd_step_fake(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters,
+                     spectral_norm, spectral_target, spectral_iters, base_width, width_exponent,
+                     stochastic_round, seed) -> None:
+    check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
+                 spectral_iters, eps, seed)
+    return None
