@@ -92,11 +92,14 @@ class SinkGD(Optimizer):
             m1.append(st["exp_avg"])
             m2.append(st["exp_avg_sq"])
             steps.append(st["step"])
-        fused = all(p.is_cuda for p in params) and not torch.compiler.is_compiling()
+        on_cuda = all(p.is_cuda for p in params)
+        compiling = torch.compiler.is_compiling()
+        fused = on_cuda and not compiling
         _ADAMW(
             params, grads, m1, m2, [], steps, amsgrad=False, beta1=kw["betas"][0], beta2=kw["betas"][1],
             lr=f_lr, weight_decay=kw["weight_decay"], eps=kw["eps"], maximize=False,
-            foreach=None if fused else False, fused=True if fused else None, capturable=False,
+            foreach=None if fused else False, fused=True if fused else None,
+            capturable=on_cuda and compiling,  # step counts stay on the device: no sync in a graph
             differentiable=False, has_complex=False)
 
     @torch.no_grad()
