@@ -58,7 +58,7 @@ def run(report, copy_gbps, quick=False):
             opt.step()
             ms = bench_ms(opt.step)
             rows.append((label, ms, peak_extra_mb(opt.step)))
-        if name == "Llama-3-8B x1 layer" or name.startswith("GPT-2"):
+        if name == "Llama-3-8B x1 layer":  # compile time of the unrolled loop grows with the param count
             ws = [p.data for p in params]
             gs = [p.grad for p in params]
             torch._dynamo.reset()
