@@ -293,3 +293,22 @@ def test_interpreter_bf16_cast_truncates():
     y = torch.empty(2, dtype=torch.bfloat16)
     cast[(1,)](x, y)
     assert y.float().tolist() == [1.0, -1.0]  # round-to-nearest would give +-1.0078125
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_list_step_equals_single_steps(device):
+    """One multi-tensor launch per stage serves a list of mixed shapes and dtypes exactly as
+    separate calls do (each matrix's sums are its own: bitwise equal)."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(3, 70), (65, 9), (2, 17, 33), (1, 1), (40, 1030), (5, 5)]
+    dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.float16]
+    ws = [torch.randn(s, generator=gen).to(dt).to(device) for s, dt in zip(shapes, dtypes)]
+    gs = [torch.randn(s, generator=gen).to(dt).to(device) for s, dt in zip(shapes, dtypes)]
+    args = (torch.tensor(0.3), 0.05, 0.02, 1e-8, 3, False, "unit", 1, 32.0, 0.5, False, SEED)
+    together = [w.clone() for w in ws]
+    OPS.sinkgd_step(together, gs, [], *args)
+    for w, g, t in zip(ws, gs, together):
+        single = w.clone()
+        OPS.sinkgd_step([single], [g], [], *args)
+        assert torch.equal(single, t)
+        assert not torch.equal(single, w)
