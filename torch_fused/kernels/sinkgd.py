@@ -62,20 +62,27 @@ def _find_matrix(p_first, n_mats, pid):
 
 
 @triton.jit
-def _sinkgd_sums_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
-                        AXIS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _tile(p_meta, p_first, n_mats, kernel, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's matrix (its meta row, m, n) and tile (batch b, tile coords t_m, t_n)."""
     pid = tl.program_id(0).to(tl.int64)
-    mat, local = _find_matrix(p_first + AXIS * (n_mats + 1), n_mats, pid)
+    mat, local = _find_matrix(p_first + kernel * (n_mats + 1), n_mats, pid)
     row = p_meta + mat * META_COLS
-    p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
     m = tl.load(row + M)
     n = tl.load(row + N)
     tiles_m = tl.cdiv(m, BM)
     tiles_n = tl.cdiv(n, BN)
     b = local // (tiles_m * tiles_n)
     rem = local % (tiles_m * tiles_n)
-    t_m = rem // tiles_n
-    t_n = rem % tiles_n
+    return mat, row, m, n, b, rem // tiles_n, rem % tiles_n
+
+
+@triton.jit
+def _sinkgd_sums_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
+                        AXIS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    mat, row, m, n, b, t_m, t_n = _tile(p_meta, p_first, n_mats, AXIS, BM, BN)
+    p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
+    tiles_m = tl.cdiv(m, BM)
+    tiles_n = tl.cdiv(n, BN)
     o_m = t_m * BM + tl.arange(0, BM)
     o_n = t_n * BN + tl.arange(0, BN)
     m_m = o_m < m
@@ -131,19 +138,11 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
 @triton.jit
 def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_coef_x, p_coef_w, p_seed,
                           STOCHASTIC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    mat, local = _find_matrix(p_first + 4 * (n_mats + 1), n_mats, pid)
-    row = p_meta + mat * META_COLS
+    mat, row, m, n, b, t_m, t_n = _tile(p_meta, p_first, n_mats, 4, BM, BN)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
     p_w = tl.load(row + W_PTR).to(tl.pointer_type(p_wdt.dtype.element_ty))
-    m = tl.load(row + M)
-    n = tl.load(row + N)
-    tiles_m = tl.cdiv(m, BM)
-    tiles_n = tl.cdiv(n, BN)
-    b = local // (tiles_m * tiles_n)
-    rem = local % (tiles_m * tiles_n)
-    o_m = (rem // tiles_n) * BM + tl.arange(0, BM)
-    o_n = (rem % tiles_n) * BN + tl.arange(0, BN)
+    o_m = t_m * BM + tl.arange(0, BM)
+    o_n = t_n * BN + tl.arange(0, BN)
     m_m = o_m < m
     m_n = o_n < n
     msk = m_m[:, None] & m_n[None, :]
