@@ -29,8 +29,6 @@ except ImportError:  # pragma: no cover - exercised only on platforms without tr
 
 # Devices whose tensors go through the Triton kernels.
 TRITON_DEVICES: tuple[str, ...] = (("cuda", "cpu") if INTERPRET else ("cuda",)) if HAS_TRITON else ()
-# Devices served by the plain-PyTorch reference (everything the kernels don't take).
-REFERENCE_DEVICES: tuple[str, ...] = () if INTERPRET else ("cpu",)
 
 
 def check(cond, message) -> None:

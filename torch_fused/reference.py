@@ -24,14 +24,12 @@ def _chunks(rows: int, v: int):
         yield start, min(rows, start + step)
 
 
-def _index_2d(index: torch.Tensor | None, lead_shape) -> tuple[torch.Tensor | None, bool]:
-    """Index as [rows, K] int64, and whether it had a K dim."""
+def _index_2d(index: torch.Tensor | None, lead_shape) -> torch.Tensor | None:
+    """Index as [rows, K] int64 (K = 1 for one id per row)."""
     if index is None:
-        return None, False
-    has_k = index.dim() == len(lead_shape) + 1
-    rows = math.prod(lead_shape)
-    k = index.shape[-1] if has_k else 1
-    return index.reshape(rows, k).long(), has_k
+        return None
+    k = index.shape[-1] if index.dim() == len(lead_shape) + 1 else 1
+    return index.reshape(math.prod(lead_shape), k).long()
 
 
 def check_index_range(index: torch.Tensor, v: int, ignore_index: int) -> None:
@@ -71,7 +69,7 @@ def logprobs_entropy_forward(
     v = logits.shape[-1]
     rows = math.prod(lead)
     dt = acc_dtype(logits.dtype)
-    idx2, _ = _index_2d(index, lead)
+    idx2 = _index_2d(index, lead)
     if idx2 is not None and logits.device.type == "cpu":
         check_index_range(idx2, v, ignore_index)
     x2 = logits.reshape(rows, v)
@@ -126,7 +124,7 @@ def logprobs_entropy_backward(
     x2 = logits.reshape(rows, v)
     out = torch.empty((rows, v), dtype=logits.dtype, device=logits.device)
     st = stats.reshape(rows, 2).double()
-    idx2, _ = _index_2d(index, lead)
+    idx2 = _index_2d(index, lead)
     if grad_logp is not None and idx2 is not None:
         g2 = grad_logp.reshape(idx2.shape).double()
         valid = idx2 != ignore_index

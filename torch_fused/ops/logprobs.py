@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .._library import INTERPRET, LIB, NAMESPACE, REFERENCE_DEVICES, TRITON_DEVICES, acc_dtype, rows_strides
+from .._library import INTERPRET, LIB, NAMESPACE, TRITON_DEVICES, acc_dtype, rows_strides
 from .._library import new_output
 from .. import reference
 from ..meta import logprobs as meta
@@ -142,7 +142,7 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
 if TRITON_DEVICES:
     logprobs_entropy_forward.register_kernel(TRITON_DEVICES)(_forward_triton)
     logprobs_entropy_backward.register_kernel(TRITON_DEVICES)(_backward_triton)
-_ = REFERENCE_DEVICES  # the default implementation above serves every other device
+# the default (reference) implementation above serves every other device
 
 
 # ---------------------------------------------------------------------------------------------
