@@ -179,7 +179,8 @@ logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_conte
 
 
 # ---------------------------------------------------------------------------------------------
-# Public ops (composite over the core)
+# Public ops (composite over the core). Inputs are checked once, by the core op's
+# implementations and its fake: the same message in eager and compiled calls.
 # ---------------------------------------------------------------------------------------------
 LIB.define(
     "selective_log_softmax(Tensor logits, Tensor index, float temperature=1.0, int ignore_index=-100) -> Tensor"
@@ -192,17 +193,14 @@ LIB.define(
 
 
 def _selective_log_softmax(logits, index, temperature=1.0, ignore_index=-100):
-    meta.check_logits_index(logits, index, temperature)
     return torch.ops.fused._logprobs_entropy_forward(logits, index, temperature, ignore_index, False)[0]
 
 
 def _entropy_from_logits(logits, temperature=1.0):
-    meta.check_logits_index(logits, None, temperature)
     return torch.ops.fused._logprobs_entropy_forward(logits, None, temperature, -100, True)[1]
 
 
 def _logprobs_and_entropy(logits, index, temperature=1.0, ignore_index=-100):
-    meta.check_logits_index(logits, index, temperature)
     logp, ent, _ = torch.ops.fused._logprobs_entropy_forward(logits, index, temperature, ignore_index, True)
     return logp, ent
 
