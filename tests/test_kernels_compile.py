@@ -24,18 +24,21 @@ def _cases():
     from torch_fused.kernels import logprobs as LP
     from torch_fused.kernels import mask_reduce as MR
 
-    fwd = {"p_x": "*bf16", "p_idx": "*i64", "p_logp": "*fp32", "p_ent": "*fp32", "p_stats": "*fp32",
+    fwd = {"p_x": "*bf16", "p_idx": "*i64", "p_logp": "*fp32", "p_ent": "*fp32", "p_stats": "*fp32", "p_temp": "*fp32",
            "V": "i32", "K": "i32", "inner_size": "i32", "stride_outer": "i64", "stride_inner": "i64",
            "scale": "fp32", "ignore_index": "i32"}
-    for hi, he in [(True, True), (True, False), (False, True)]:
-        yield (f"lp_fwd idx={hi} ent={he}", LP._logprobs_entropy_forward_kernel, fwd,
-               {"HAS_INDEX": hi, "HAS_ENT": he, "EXACT_SHIFT": False, "BLOCK_V": 2048, "BLOCK_K": 2}, 4)
+    for hi, he, tp in [(True, True, False), (True, False, False), (False, True, False), (True, True, True)]:
+        yield (f"lp_fwd idx={hi} ent={he} t_ptr={tp}", LP._logprobs_entropy_forward_kernel, fwd,
+               {"HAS_INDEX": hi, "HAS_ENT": he, "EXACT_SHIFT": False, "T_FROM_PTR": tp, "BLOCK_V": 2048,
+                "BLOCK_K": 2}, 4)
     bwd = {"p_x": "*fp16", "p_idx": "*i32", "p_glp": "*fp32", "p_gh": "*fp32", "p_stats": "*fp32",
-           "p_ent": "*fp32", "p_dx": "*fp16", "V": "i32", "K": "i32", "inner_size": "i32",
+           "p_ent": "*fp32", "p_dx": "*fp16", "p_temp": "*fp32", "p_xdx": "*fp32", "V": "i32", "K": "i32", "inner_size": "i32",
            "stride_outer": "i64", "stride_inner": "i64", "scale": "fp32", "inv_t": "fp32", "ignore_index": "i32"}
-    for glp, gh, sk in [(True, True, True), (True, False, False), (False, True, True)]:
-        yield (f"lp_bwd glp={glp} gh={gh} single={sk}", LP._logprobs_entropy_backward_kernel, bwd,
-               {"HAS_GLP": glp, "HAS_GH": gh, "SINGLE_K": sk, "EXACT_SHIFT": False, "BLOCK_V": 2048, "BLOCK_K": 4}, 4)
+    for glp, gh, sk, dt in [(True, True, True, False), (True, False, False, False), (False, True, True, False),
+                            (True, True, True, True)]:
+        yield (f"lp_bwd glp={glp} gh={gh} single={sk} dt={dt}", LP._logprobs_entropy_backward_kernel, bwd,
+               {"HAS_GLP": glp, "HAS_GH": gh, "SINGLE_K": sk, "EXACT_SHIFT": False, "T_FROM_PTR": dt,
+                "HAS_DT": dt, "BLOCK_V": 2048, "BLOCK_K": 4}, 4)
     mr = {"p_x": "*bf16", "p_m": "*u8", "p_s": "*fp32", "p_y": "*bf16", "R": "i32", "O1": "i32", "I": "i32",
           "n_iblk": "i32"}
     for pre in ("sx", "sm", "ss"):

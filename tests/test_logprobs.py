@@ -15,7 +15,7 @@ from hypothesis import given, strategies as st
 
 import torch_fused
 from torch_fused._library import INTERPRET
-from _helpers import DEVICES, GRAD_RTOL, SMALL, assert_fp32_close, make_logits, ref_logprobs_entropy, rel_err
+from _helpers import DEVICES, GRAD_RTOL, SMALL, assert_fp32_close, make_logits, ref_logprobs_entropy, rel_err  # noqa: E501
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 # vocab sizes: 1, primes, around and above one block, and a real vocabulary (rows kept few)
@@ -224,3 +224,59 @@ def test_no_copy_of_strided_views(device, monkeypatch):
         assert_fp32_close(lp, rlp, 10.0, layout)
     if device == "cuda" or INTERPRET:
         assert calls == []  # the Triton launcher made no contiguous copy of the logits
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensor_temperature_is_differentiated(device, dtype):
+    """A 0-dim tensor temperature is read on the device and gets d T = -(1/T) sum x dx from the
+    same backward pass; logits gradients and values agree with the float path."""
+    gen = torch.Generator().manual_seed(4)
+    x = make_logits((2, 5), 300, dtype, device, "sliced", scale=2.0, gen=gen)  # (-inf: NaN in the f64 autograd ref)
+    idx = torch.randint(0, 300, (2, 5), generator=gen).to(device)
+    idx[0, 1] = -100
+    g1 = torch.randn(2, 5, generator=gen, dtype=torch.float64)
+    g2 = torch.randn(2, 5, generator=gen, dtype=torch.float64)
+    for which in ("both", "selective", "entropy"):
+        xt = x.detach().requires_grad_(True)
+        t = torch.tensor(0.8, requires_grad=True)
+        if which == "selective":
+            loss = (torch_fused.selective_log_softmax(xt, idx, temperature=t).double().cpu() * g1).sum()
+        elif which == "entropy":
+            loss = (torch_fused.entropy_from_logits(xt, temperature=t).double().cpu() * g2).sum()
+        else:
+            lp, ent = torch_fused.logprobs_and_entropy(xt, idx, temperature=t)
+            loss = (lp.double().cpu() * g1).sum() + (ent.double().cpu() * g2).sum()
+        dx, dt = torch.autograd.grad(loss, (xt, t))
+        xr = x.detach().cpu().double().requires_grad_(True)
+        tr = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
+        rlp, rent = ref_logprobs_entropy(xr, idx.cpu(), tr)
+        rl = {"selective": (rlp * g1).sum(), "entropy": (rent * g2).sum(),
+              "both": (rlp * g1).sum() + (rent * g2).sum()}[which]
+        rdx, rdt = torch.autograd.grad(rl, (xr, tr))
+        assert rel_err(dx, rdx) <= GRAD_RTOL[dtype], which
+        # d T sums x * dx over every element: fp32 terms, bf16-rounded x (exact) but the kernel's
+        # dx before rounding, so it is held to fp32-accumulation accuracy relative to its terms
+        scale = (xr.detach().abs().nan_to_num(0, 0, 0) * rdx.abs()).sum().item() / 0.8
+        assert abs(dt.item() - rdt.item()) <= 1e-4 * scale + 1e-6, (which, dt.item(), rdt.item())
+        # the value path is the float path's
+        if which == "both":
+            assert_fp32_close(lp, rlp.detach(), 10.0, "logp (tensor T)")
+    with pytest.raises((ValueError, RuntimeError), match="temperature"):
+        torch_fused.selective_log_softmax(x, idx, temperature=torch.tensor([0.5, 1.0]))
+
+
+def test_tensor_temperature_gradcheck_and_compile():
+    x = torch.randn(2, 3, 11, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(0, 11, (2, 3))
+    t = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: torch_fused.logprobs_and_entropy(a, idx, temperature=b), (x, t))
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b: torch_fused.logprobs_and_entropy(a, idx, temperature=b)[1].sum(),
+                      fullgraph=True, backend="aot_eager")
+    out = f(x, t)
+    (g,) = torch.autograd.grad(out, t)
+    (g_ref,) = torch.autograd.grad(torch_fused.logprobs_and_entropy(x, idx, temperature=t)[1].sum(), t)
+    torch.testing.assert_close(g, g_ref)
+    with pytest.raises(ValueError, match="temperature: expected a positive number"):
+        torch_fused.selective_log_softmax(x.detach(), idx, temperature=torch.tensor(-1.0, dtype=torch.float64))

@@ -109,11 +109,11 @@ class TestSchemas(expecttest.TestCase):
         )
         self.assertExpectedInline(
             str(OPS._logprobs_entropy_forward.default._schema),
-            """fused::_logprobs_entropy_forward(Tensor logits, Tensor? index, float temperature, SymInt ignore_index, bool compute_entropy) -> (Tensor, Tensor, Tensor)""",
+            """fused::_logprobs_entropy_forward(Tensor logits, Tensor? index, float temperature, SymInt ignore_index, bool compute_entropy, Tensor? temperature_t=None) -> (Tensor, Tensor, Tensor)""",
         )
         self.assertExpectedInline(
             str(OPS._logprobs_entropy_backward.default._schema),
-            """fused::_logprobs_entropy_backward(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor? index, Tensor stats, Tensor entropy, float temperature, SymInt ignore_index) -> Tensor""",
+            """fused::_logprobs_entropy_backward(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor? index, Tensor stats, Tensor entropy, float temperature, SymInt ignore_index, Tensor? temperature_t=None) -> (Tensor, Tensor)""",
         )
 
 

@@ -50,14 +50,35 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 
+def _temperature_value(temperature: float, temperature_t: torch.Tensor | None) -> float:
+    """The temperature as a Python float; a tensor one is read here (the reference path only:
+    the kernels read it on the device) and must be positive."""
+    if temperature_t is None:
+        return temperature
+    t = float(temperature_t)
+    if not t > 0:
+        raise ValueError(f"temperature: expected a positive number, got {t}")
+    return t
+
+
+def temperature_grad(xdx_rows: torch.Tensor, temperature_t: torch.Tensor | None) -> torch.Tensor:
+    """d T = -(1/T) * sum over rows of sum_j x_j d x_j (the kernels' per-row partials, summed in
+    a fixed order); an empty tensor when the temperature is a float."""
+    if temperature_t is None:
+        return xdx_rows.new_empty(0)
+    return -(xdx_rows.sum() / temperature_t.float())
+
+
 def logprobs_entropy_forward(
     logits: torch.Tensor,
     index: torch.Tensor | None,
     temperature: float,
     ignore_index: int,
     compute_entropy: bool,
+    temperature_t: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (logp shaped like index or empty, entropy [lead] or empty, stats [lead, 2]).
+    ``temperature_t``, a 0-dim tensor, replaces ``temperature`` when given.
 
     With c = log2(e) / T, m the row max of the logits and d = (x - m) c:
     stats = (m, log2 s) with s = sum 2^d; logp = (d[index] - log2 s) ln2 (0 at ignore_index,
@@ -69,6 +90,7 @@ def logprobs_entropy_forward(
     v = logits.shape[-1]
     rows = math.prod(lead)
     dt = acc_dtype(logits.dtype)
+    temperature = _temperature_value(temperature, temperature_t)
     idx2 = _index_2d(index, lead)
     if idx2 is not None and logits.device.type == "cpu":
         check_index_range(idx2, v, ignore_index)
@@ -111,8 +133,10 @@ def logprobs_entropy_backward(
     entropy: torch.Tensor,
     temperature: float,
     ignore_index: int,
-) -> torch.Tensor:
-    """d logits of sum(grad_logp * logp) + sum(grad_entropy * entropy).
+    temperature_t: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d logits, d T) of sum(grad_logp * logp) + sum(grad_entropy * entropy); d T only for a
+    tensor temperature (else an empty tensor): d T = -(1/T) sum x * d logits, as z = x / T.
 
     With p = softmax(z), lp = log p, H the entropy, gH its gradient and G the sum of grad_logp
     over the row's valid indices:  d z_j = sum_k g_k [j == idx_k] - p_j (G + gH (lp_j + H)),
@@ -123,6 +147,8 @@ def logprobs_entropy_backward(
     rows = math.prod(lead)
     x2 = logits.reshape(rows, v)
     out = torch.empty((rows, v), dtype=logits.dtype, device=logits.device)
+    temperature = _temperature_value(temperature, temperature_t)
+    xdx = torch.zeros((), dtype=torch.float64, device=logits.device)
     st = stats.reshape(rows, 2).double()
     idx2 = _index_2d(index, lead)
     if grad_logp is not None and idx2 is not None:
@@ -153,8 +179,15 @@ def logprobs_entropy_backward(
             ib = idx2[a:b]
             inb = (ib >= 0) & (ib < v)
             dz.scatter_add_(1, torch.where(inb, ib, torch.zeros_like(ib)), torch.where(inb, g2[a:b], torch.zeros_like(g2[a:b])))
-        out[a:b] = (dz * inv_t).to(logits.dtype)
-    return out.reshape(logits.shape)
+        dx = dz * inv_t
+        out[a:b] = dx.to(logits.dtype)
+        if temperature_t is not None:  # -inf logits have dx = 0: keep their 0 * inf out
+            xdx += torch.where(dx != 0, x2[a:b].double() * dx, torch.zeros_like(dx)).sum()
+    if temperature_t is None:
+        dtemp = torch.empty(0, dtype=acc_dtype(logits.dtype), device=logits.device)
+    else:
+        dtemp = (-xdx / temperature).to(acc_dtype(logits.dtype))
+    return out.reshape(logits.shape), dtemp
 
 
 # ---------------------------------------------------------------------------------------------

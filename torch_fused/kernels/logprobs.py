@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634  # Python float, for the launchers
+LOG2E_C = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)  # a constexpr global: usable inside @triton.jit
 
 
@@ -73,17 +74,30 @@ def _forward_update(b_x, c, m, b_s, b_t, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.
 
 
 @triton.jit
+def _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR: tl.constexpr):
+    """(c, 1/T): from the launch arguments, or (T_FROM_PTR) from a device scalar T, which may
+    require grad. A non-positive T read from memory gives NaN (it cannot be checked without a
+    sync)."""
+    if T_FROM_PTR:
+        t = tl.load(p_temp).to(tl.float32)
+        t = tl.where(t > 0.0, t, float("nan"))
+        return LOG2E_C / t, 1.0 / t
+    else:
+        return scale, inv_t
+
+
+@triton.jit
 def _logprobs_entropy_forward_kernel(
-    p_x, p_idx, p_logp, p_ent, p_stats,
+    p_x, p_idx, p_logp, p_ent, p_stats, p_temp,
     V, K, inner_size, stride_outer, stride_inner,
     scale,  # c = log2(e) / T: a Python float at launch, so fp32 in the kernel
     ignore_index,
-    HAS_INDEX: tl.constexpr, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr,
+    HAS_INDEX: tl.constexpr, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr, T_FROM_PTR: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
-    c = scale
+    c, _ = _temperature_scale(scale, scale, p_temp, T_FROM_PTR)
 
     if HAS_INDEX:
         # issue the few scattered loads first so their latency hides under the stream
@@ -130,7 +144,9 @@ def _logprobs_entropy_forward_kernel(
 def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s, a, b, it,
                     idx0, g0, ignore_index,
                     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
-                    MASKED: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_V: tl.constexpr):
+                    MASKED: tl.constexpr, EXACT_SHIFT: tl.constexpr, HAS_DT: tl.constexpr,
+                    BLOCK_V: tl.constexpr):
+    """Writes the block's d x; returns its sum of x * dx (for d T) when HAS_DT, else 0."""
     b_d = _shifted(b_x, m, c, EXACT_SHIFT) - log2s  # log2 p
     b_p = tl.exp2(b_d)
     if HAS_GH:
@@ -151,27 +167,31 @@ def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s
         tl.store(p_drow + o, b_dx.to(p_drow.dtype.element_ty), mask=o < V)
     else:
         tl.store(p_drow + o, b_dx.to(p_drow.dtype.element_ty))
+    if HAS_DT:  # -inf logits have dx = 0: keep their 0 * inf out of the sum
+        return tl.sum(tl.where(b_dx != 0.0, b_x * b_dx, 0.0), axis=0)
+    else:
+        return 0.0
 
 
 @triton.jit
 def _logprobs_entropy_backward_kernel(
-    p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx,
+    p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx,
     V, K, inner_size, stride_outer, stride_inner,
     scale,  # c = log2(e) / T
     inv_t,  # 1 / T
     ignore_index,
     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr, EXACT_SHIFT: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    T_FROM_PTR: tl.constexpr, HAS_DT: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """d z_j = sum_k g_k [j == idx_k] - p_j * (G + gH * (lp_j + H));  d x = d z / T.
 
     G: sum of the row's valid log-prob gradients; gH: the entropy gradient;
-    lp_j = log p_j = ((x_j - m) c - log2 s) ln2."""
+    lp_j = log p_j = ((x_j - m) c - log2 s) ln2. With HAS_DT, also the row's sum of x_j dx_j
+    (d T = -(1/T) sum over all rows, as z = x / T)."""
     row = tl.program_id(0).to(tl.int64)
     p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
     p_drow = p_dx + row * V
-    c = scale
-    it = inv_t
+    c, it = _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR)
     m = tl.load(p_stats + row * 2).to(tl.float32)
     log2s = tl.load(p_stats + row * 2 + 1).to(tl.float32)
 
@@ -206,20 +226,26 @@ def _logprobs_entropy_backward_kernel(
     p_g_row = p_glp + row * K
     o_v = tl.arange(0, BLOCK_V)
     v_full = V - V % BLOCK_V
+    xdx = 0.0
     if v_full > 0:
         b_x = tl.load(p_row + o_v).to(tl.float32)
         for start in range(BLOCK_V, v_full, BLOCK_V):
             b_nx = tl.load(p_row + start + o_v).to(tl.float32)  # prefetch the next block
-            _backward_block(b_x, start - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, start - BLOCK_V, V, K, c,
-                            m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False, EXACT_SHIFT, BLOCK_V)
+            xdx += _backward_block(b_x, start - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, start - BLOCK_V, V, K, c,
+                                   m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False,
+                                   EXACT_SHIFT, HAS_DT, BLOCK_V)
             b_x = b_nx
-        _backward_block(b_x, v_full - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, v_full - BLOCK_V, V, K, c,
-                        m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False, EXACT_SHIFT, BLOCK_V)
+        xdx += _backward_block(b_x, v_full - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, v_full - BLOCK_V, V, K, c,
+                               m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False,
+                               EXACT_SHIFT, HAS_DT, BLOCK_V)
     if v_full < V:
         o = v_full + o_v
         b_x = tl.load(p_row + o, mask=o < V, other=0.0).to(tl.float32)
-        _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, v_full, V, K, c,
-                        m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, True, EXACT_SHIFT, BLOCK_V)
+        xdx += _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, v_full, V, K, c,
+                               m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, True,
+                               EXACT_SHIFT, HAS_DT, BLOCK_V)
+    if HAS_DT:
+        tl.store(p_xdx + row, xdx)
 
 
 # (BLOCK_V, num_warps) per kernel, from the sweep in torch_fused.bench (H200, bf16, V=151936):

@@ -31,9 +31,17 @@ def check_logits(logits: torch.Tensor) -> None:
     )
 
 
-def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, temperature: float) -> None:
+def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, temperature: float,
+                       temperature_t: torch.Tensor | None = None) -> None:
     check_logits(logits)
-    check_temperature(temperature)
+    if temperature_t is None:
+        check_temperature(temperature)
+    else:  # its value (> 0) is data: checked where reading it costs no sync (reference.py)
+        check(temperature_t.dim() == 0 and temperature_t.dtype.is_floating_point,
+              lambda: f"temperature: expected a float or a 0-dim floating tensor, got {temperature_t.dtype} "
+                      f"of shape {tuple(temperature_t.shape)}")
+        check(temperature_t.device == logits.device,
+              lambda: f"temperature: expected device {logits.device} (the logits' device), got {temperature_t.device}")
     if index is None:
         return
     check(
@@ -55,8 +63,8 @@ def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, tempera
     )
 
 
-def logprobs_entropy_forward_fake(logits, index, temperature, ignore_index, compute_entropy):
-    check_logits_index(logits, index, temperature)
+def logprobs_entropy_forward_fake(logits, index, temperature, ignore_index, compute_entropy, temperature_t=None):
+    check_logits_index(logits, index, temperature, temperature_t)
     dt = acc_dtype(logits.dtype)
     lead = tuple(logits.shape[:-1])
     logp = logits.new_empty(index.shape if index is not None else (0,), dtype=dt)
@@ -66,7 +74,9 @@ def logprobs_entropy_forward_fake(logits, index, temperature, ignore_index, comp
 
 
 def logprobs_entropy_backward_fake(
-    grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index
+    grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t=None
 ):
-    check_logits_index(logits, index, temperature)
-    return logits.new_empty(logits.shape)
+    check_logits_index(logits, index, temperature, temperature_t)
+    dt = logits.new_empty((), dtype=acc_dtype(logits.dtype)) if temperature_t is not None else \
+        logits.new_empty((0,), dtype=acc_dtype(logits.dtype))
+    return logits.new_empty(logits.shape), dt

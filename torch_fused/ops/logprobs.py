@@ -31,9 +31,11 @@ def logprobs_entropy_forward(
     temperature: float,
     ignore_index: int,
     compute_entropy: bool,
+    temperature_t: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    meta.check_logits_index(logits, index, temperature)
-    return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy)
+    meta.check_logits_index(logits, index, temperature, temperature_t)
+    return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy,
+                                              temperature_t)
 
 
 @torch.library.custom_op(_BWD, mutates_args=())
@@ -46,9 +48,10 @@ def logprobs_entropy_backward(
     entropy: torch.Tensor,
     temperature: float,
     ignore_index: int,
-) -> torch.Tensor:
+    temperature_t: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.logprobs_entropy_backward(
-        grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index
+        grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t
     )
 
 
@@ -73,11 +76,12 @@ def _index_rows(index: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
     return index.reshape(rows, k).contiguous(), k
 
 
-def _forward_triton(logits, index, temperature, ignore_index, compute_entropy):
-    meta.check_logits_index(logits, index, temperature)
+def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, temperature_t=None):
+    meta.check_logits_index(logits, index, temperature, temperature_t)
     if logits.dtype == torch.float64:
         # float64 is a validation dtype: the reference on the same device keeps fp64 accuracy
-        return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy)
+        return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy,
+                                                  temperature_t)
     from ..kernels import logprobs as K
 
     dt = acc_dtype(logits.dtype)
@@ -96,28 +100,32 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy):
         idx, k = stats, 1  # unused pointer
     block_v, warps = K.pick_block(v, x.element_size(), "fwd_ent" if compute_entropy else "fwd")
     K._logprobs_entropy_forward_kernel[(rows,)](
-        x, idx, logp, ent, stats,
+        x, idx, logp, ent, stats, temperature_t if temperature_t is not None else stats,
         v, k, inner, s_outer, s_inner,
         K.LOG2E / temperature, ignore_index,
         HAS_INDEX=index is not None, HAS_ENT=compute_entropy, EXACT_SHIFT=INTERPRET,
+        T_FROM_PTR=temperature_t is not None,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
         num_warps=warps,
     )
     return logp, ent, stats
 
 
-def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index):
+def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
+                     temperature_t=None):
     if logits.dtype == torch.float64:
         return reference.logprobs_entropy_backward(
-            grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index
+            grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t
         )
     from ..kernels import logprobs as K
 
     v = logits.shape[-1]
     rows = logits.numel() // v
     dx = new_output(logits.shape, logits.dtype, logits.device)
+    has_dt = temperature_t is not None
+    xdx = new_output((rows if has_dt else 0,), torch.float32, logits.device)
     if rows == 0:
-        return dx
+        return dx, reference.temperature_grad(xdx, temperature_t)
     x, (inner, s_outer, s_inner) = _row_layout(logits)
     has_glp = grad_logp is not None and index is not None
     if has_glp:
@@ -130,13 +138,15 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
     block_v, warps = K.pick_block(v, x.element_size(), "bwd")
     K._logprobs_entropy_backward_kernel[(rows,)](
         x, idx, glp, gh, stats, entropy if has_gh else stats, dx,
+        temperature_t if has_dt else stats, xdx if has_dt else stats,
         v, k, inner, s_outer, s_inner,
         K.LOG2E / temperature, 1.0 / temperature, ignore_index,
         HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1, EXACT_SHIFT=INTERPRET,
+        T_FROM_PTR=has_dt, HAS_DT=has_dt,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
         num_warps=warps,
     )
-    return dx
+    return dx, reference.temperature_grad(xdx, temperature_t)
 
 
 if TRITON_DEVICES:
@@ -149,30 +159,35 @@ if TRITON_DEVICES:
 # Autograd of the core op
 # ---------------------------------------------------------------------------------------------
 def _setup_context(ctx, inputs, output):
-    logits, index, temperature, ignore_index, compute_entropy = inputs
+    logits, index, temperature, ignore_index, compute_entropy, temperature_t = inputs
     _, ent, stats = output
     ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: skip its term
     ctx.temperature = temperature
     ctx.ignore_index = ignore_index
     ctx.compute_entropy = compute_entropy
-    ctx.save_for_backward(logits, index, stats, ent)
+    ctx.save_for_backward(logits, index, stats, ent, temperature_t)
 
 
 def _backward(ctx, g_logp, g_ent, _g_stats):
-    logits, index, stats, ent = ctx.saved_tensors
-    if not ctx.needs_input_grad[0]:
-        return None, None, None, None, None
+    logits, index, stats, ent, temperature_t = ctx.saved_tensors
+    # temperature_t at its default (None) is not passed through autograd: 5 flags, not 6
+    need_x = ctx.needs_input_grad[0]
+    need_t = len(ctx.needs_input_grad) > 5 and ctx.needs_input_grad[5]
+    if not (need_x or need_t):
+        return None, None, None, None, None, None
     if index is None:
         g_logp = None
     if not ctx.compute_entropy:
         g_ent = None
     if g_logp is None and g_ent is None:
-        return torch.zeros_like(logits), None, None, None, None
-    dx = torch.ops.fused._logprobs_entropy_backward(
-        g_logp, g_ent, logits, index, stats, ent, ctx.temperature, ctx.ignore_index
+        return (torch.zeros_like(logits) if need_x else None, None, None, None, None,
+                torch.zeros_like(temperature_t) if need_t else None)
+    dx, dt = torch.ops.fused._logprobs_entropy_backward(
+        g_logp, g_ent, logits, index, stats, ent, ctx.temperature, ctx.ignore_index,
+        temperature_t if need_t else None,
     )
-    return dx, None, None, None, None
+    return dx if need_x else None, None, None, None, None, dt.to(temperature_t.dtype) if need_t else None
 
 
 logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
