@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import compact
+from .reference import stored_view
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -29,12 +29,6 @@ def mask_reduce(x, dim, mask=None, scale=None, *, out_dtype=None):
     return torch.ops.fused.mask_reduce(x, dim, mask, scale, out_dtype)
 
 
-def _stored(t: torch.Tensor | None, shape) -> torch.Tensor | None:
-    if t is None:
-        return None
-    return compact(torch.broadcast_to(t, shape))
-
-
 def mask_reduce_cost(x: torch.Tensor, dim: int, mask: torch.Tensor | None = None,
                      scale: torch.Tensor | None = None) -> dict:
     """What ``mask_reduce(x, dim, mask, scale)`` loads, adds and moves, counted on the stored
@@ -56,8 +50,8 @@ def mask_reduce_cost(x: torch.Tensor, dim: int, mask: torch.Tensor | None = None
     for i, s in enumerate(shape):
         if i != d:
             out_elems *= s
-    m = _stored(mask, shape)
-    s = _stored(scale, shape)
+    m = stored_view(mask, shape)
+    s = stored_view(scale, shape)
     if m is None:
         kept = x.numel()
     else:
@@ -84,7 +78,7 @@ def mask_reduce_cost(x: torch.Tensor, dim: int, mask: torch.Tensor | None = None
 def _count(mask: torch.Tensor, shape, dim: int) -> torch.Tensor:
     """Number of mask != 0 entries along dim, shaped like the reduction; float32. Works on the
     stored elements only."""
-    m = _stored(mask, shape)
+    m = stored_view(mask, shape)
     d = dim % len(shape)
     c = (m != 0).sum(d, dtype=torch.float32)
     if m.shape[d] == 1:

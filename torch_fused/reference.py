@@ -202,7 +202,8 @@ def compact(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(size, t.stride())
 
 
-def _broadcast_operand(t: torch.Tensor | None, shape) -> torch.Tensor | None:
+def stored_view(t: torch.Tensor | None, shape) -> torch.Tensor | None:
+    """``t`` broadcast to ``shape``, as its stored elements only (see :func:`compact`)."""
     return None if t is None else compact(torch.broadcast_to(t, shape))
 
 
@@ -214,8 +215,8 @@ def mask_reduce_forward(x, dim, mask=None, scale=None, out_dtype=None):
     acc = acc_dtype(x.dtype)
     dim = dim % x.dim()
     shape = x.shape
-    m = _broadcast_operand(mask, shape)
-    s = _broadcast_operand(scale, shape)
+    m = stored_view(mask, shape)
+    s = stored_view(scale, shape)
     out_shape = shape[:dim] + shape[dim + 1:]
     out = torch.empty(out_shape, dtype=out_dtype, device=x.device)
     if out.numel() == 0:
@@ -251,8 +252,8 @@ def mask_reduce_backward(grad, x, dim, mask=None, scale=None):
     """dx = grad broadcast over dim, times scale, 0 where the mask drops the element; x.dtype."""
     dim = dim % x.dim()
     shape = x.shape
-    m = _broadcast_operand(mask, shape)
-    s = _broadcast_operand(scale, shape)
+    m = stored_view(mask, shape)
+    s = stored_view(scale, shape)
     g = grad.unsqueeze(dim)
     dx = torch.empty(shape, dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
