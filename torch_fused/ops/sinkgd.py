@@ -22,11 +22,19 @@ def _as3d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, m, n)
 
 
+def _lr_factor(n, lr_scale, base_width, width_exponent) -> float:
+    """eta / lr = lr_scale * (base_width / n) ** width_exponent (the last factor only if set)."""
+    return lr_scale * ((base_width / n) ** width_exponent if base_width is not None else 1.0)
+
+
+def _spectral_target(spectral_target, m, n) -> float:
+    return 1.0 if spectral_target == "unit" else math.sqrt(m / n)
+
+
 def _coefs(lr, n, lr_scale, weight_decay, base_width, width_exponent, spectral_scale):
-    """eta = lr * lr_scale * (base_width / n) ** width_exponent; returns (eta * s [B], eta * wd)
-    as fp32 device tensors: no host sync, and a tensor lr that changes never recompiles."""
-    factor = lr_scale * ((base_width / n) ** width_exponent if base_width is not None else 1.0)
-    eta = lr.to(torch.float32) * factor
+    """eta = lr * _lr_factor(...); returns (eta * s [B], eta * wd) as fp32 device tensors: no
+    host sync, and a tensor lr that changes never recompiles."""
+    eta = lr.to(torch.float32) * _lr_factor(n, lr_scale, base_width, width_exponent)
     return eta * spectral_scale, (eta * weight_decay).reshape(1)
 
 
@@ -60,7 +68,7 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
         for k, pr in enumerate(progs):
             firsts[k].append(firsts[k][-1] + pr)
         spans.append((r_off, c_off, b, m, n))
-        f = lr_scale * ((base_width / n) ** width_exponent if base_width is not None else 1.0)
+        f = _lr_factor(n, lr_scale, base_width, width_exponent)
         factors_b += [f] * b
         factors_m.append(f)
         r_off += b * m
@@ -90,7 +98,7 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
     if spectral_norm:
         s_all = []
         for i, (ro, co, b, m, n) in enumerate(spans):
-            target = 1.0 if spectral_target == "unit" else math.sqrt(m / n)
+            target = _spectral_target(spectral_target, m, n)
             s_all.append(reference.sinkgd_spectral_scale(
                 g3s[i], r[ro:ro + b * m].view(b, m), c[co:co + b * n].view(b, n), vecs[i], spectral_iters, target, eps))
         eta_b = eta_b * torch.cat(s_all)
@@ -116,7 +124,7 @@ def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhor
         b, m, n = w3.shape
         r, c = reference.sinkgd_scales(g3, sinkhorn_iters, eps)
         if spectral_norm:
-            target = 1.0 if spectral_target == "unit" else math.sqrt(m / n)
+            target = _spectral_target(spectral_target, m, n)
             s = reference.sinkgd_spectral_scale(g3, r, c, spectral_vecs[i], spectral_iters, target, eps)
         else:
             s = torch.ones(b, dtype=torch.float32, device=p.device)
