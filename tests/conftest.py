@@ -34,7 +34,7 @@ if INTERPRET:
     from torch_fused.kernels import mask_reduce as _mrk
 
     _lpk.pick_block = lambda v, elem_size, kind="fwd": (16, 1)
-    _mrk.pick_blocks = lambda r, i, n_outer, r_contiguous: (2, 4, 1)
+    _mrk.pick_blocks = lambda r, i, n_outer, r_contiguous, *a: (2, 4, 1, 2)
 
 
 @pytest.fixture(autouse=True)

@@ -50,6 +50,7 @@ def _mask_reduce_forward_kernel(
     HAS_MASK: tl.constexpr, HAS_SCALE: tl.constexpr, ACC_F64: tl.constexpr,
     M_BCAST_R: tl.constexpr, M_BCAST_I: tl.constexpr, S_BCAST_R: tl.constexpr, S_BCAST_I: tl.constexpr,
     PRED_X: tl.constexpr, WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     blk_i = pid % n_iblk
@@ -65,58 +66,79 @@ def _mask_reduce_forward_kernel(
     if HAS_MASK:
         p_mt = p_m + a * sm_0 + b * sm_1 + i0 * sm_i
         t_m = _tile_offsets(sm_r, sm_i, M_BCAST_R, M_BCAST_I, WIDE, BLOCK_R, BLOCK_I)
+        if M_BCAST_R:  # the same mask row for every r: read it once
+            keep_i = tl.load(p_mt + t_m, mask=m_i[None, :], other=0) != 0
     if HAS_SCALE:
         p_st = p_s + a * ss_0 + b * ss_1 + i0 * ss_i
         t_s = _tile_offsets(ss_r, ss_i, S_BCAST_R, S_BCAST_I, WIDE, BLOCK_R, BLOCK_I)
+        if S_BCAST_R:
+            sc_i = tl.load(p_st + t_s, mask=m_i[None, :], other=0.0)
     if ACC_F64:
         acc = tl.zeros([BLOCK_R, BLOCK_I], dtype=tl.float64)
     else:
         acc = tl.zeros([BLOCK_R, BLOCK_I], dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        m_r = (r0 + o_r) < R
-        msk = m_r[:, None] & m_i[None, :]
-        if HAS_MASK:
-            if M_BCAST_R:
-                keep = tl.load(p_mt + t_m, mask=m_i[None, :], other=0) != 0
-            elif M_BCAST_I:
-                keep = tl.load(p_mt + r0 * sm_r + t_m, mask=m_r[:, None], other=0) != 0
-            else:
-                keep = tl.load(p_mt + r0 * sm_r + t_m, mask=msk, other=0) != 0
-        if HAS_MASK and PRED_X:
-            # the mask is constant along the fast axis: predicate the (still vectorized) x load,
-            # so masked-off rows of x are never read
-            msk = msk & keep
-        b_x = tl.load(p_xt + r0 * sx_r + t_x, mask=msk, other=0.0).to(acc.dtype)
-        if HAS_SCALE:
-            if S_BCAST_R:
-                b_sc = tl.load(p_st + t_s, mask=m_i[None, :], other=0.0)
-            elif S_BCAST_I:
-                b_sc = tl.load(p_st + r0 * ss_r + t_s, mask=m_r[:, None], other=0.0)
-            else:
-                b_sc = tl.load(p_st + r0 * ss_r + t_s, mask=msk, other=0.0)
-            b_x = b_x * b_sc.to(acc.dtype)
-        if HAS_MASK:
-            b_x = tl.where(keep, b_x, 0.0)  # a select: NaN/inf under the mask never reaches y
-        acc += b_x
+    # UNROLL independent [BLOCK_R, BLOCK_I] sub-tiles per trip: their loads are all issued before
+    # the first add, which keeps UNROLL times more bytes in flight per program
+    for r00 in range(0, R, BLOCK_R * UNROLL):
+        for u in tl.static_range(UNROLL):
+            r0 = r00 + u * BLOCK_R
+            m_r = (r0 + o_r) < R
+            msk = m_r[:, None] & m_i[None, :]
+            if HAS_MASK:
+                if M_BCAST_R:
+                    keep = keep_i
+                elif M_BCAST_I:
+                    keep = tl.load(p_mt + r0 * sm_r + t_m, mask=m_r[:, None], other=0) != 0
+                else:
+                    keep = tl.load(p_mt + r0 * sm_r + t_m, mask=msk, other=0) != 0
+            if HAS_MASK and PRED_X:
+                # the mask is constant along the fast axis: predicate the (still vectorized) x
+                # load, so masked-off rows of x are never read
+                msk = msk & keep
+            b_x = tl.load(p_xt + r0 * sx_r + t_x, mask=msk, other=0.0).to(acc.dtype)
+            if HAS_SCALE:
+                if S_BCAST_R:
+                    b_sc = sc_i
+                elif S_BCAST_I:
+                    b_sc = tl.load(p_st + r0 * ss_r + t_s, mask=m_r[:, None], other=0.0)
+                else:
+                    b_sc = tl.load(p_st + r0 * ss_r + t_s, mask=msk, other=0.0)
+                b_x = b_x * b_sc.to(acc.dtype)
+            if HAS_MASK:
+                b_x = tl.where(keep, b_x, 0.0)  # a select: NaN/inf under the mask never reaches y
+            acc += b_x
     y = tl.sum(acc, axis=0)
     tl.store(p_y + outer * I + i0 + tl.arange(0, BLOCK_I), y.to(p_y.dtype.element_ty), mask=m_i)
 
 
-def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_I, num_warps). Tiles of ~4096 elements; the contiguous axis gets the width.
-    When the reduce dim is not contiguous, BLOCK_I shrinks (not below 32) until there are
-    enough programs (>= 2048) to keep every SM streaming: there is one program per output tile."""
+def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int = 2,
+                n_sm: int = 132) -> tuple[int, int, int, int]:
+    """(BLOCK_R, BLOCK_I, num_warps, UNROLL).
+
+    Every thread holds exactly one 16-byte vector of x per sub-tile (8 bf16, 4 fp32 elements):
+    a narrower mask (bool) then gets the same register layout as x, so the select needs no
+    layout conversion through shared memory inside the loop (with more elements per thread the
+    compiler gives the 1-byte mask 16 per thread and x 8, and converts between them).
+    - reduce dim not contiguous, enough outputs (MoE combine, [T, k, H] -> [T, H]): one row per
+      sub-tile (BLOCK_R = 1), a wide BLOCK_I, UNROLL rows loaded together; no cross-thread
+      reduction at all.
+    - few outputs and a long reduce dim ([B, M, N] -> [B, N] with small B): narrow column
+      strips (not below 128 bytes per row) and tall tiles, enough programs to fill the GPU;
+      one cross-warp reduction at the very end.
+    - reduce dim contiguous (token losses, [B, L] -> [B]): the tile's fast axis is r.
+    """
     np2 = triton.next_power_of_2
+    vec = max(1, 16 // x_bytes)
+    r2 = np2(max(r, 1))
     if r_contiguous:
-        block_r = min(np2(max(r, 1)), 1024)
-        block_i = max(1, min(np2(max(i, 1)), 4096 // block_r))
+        block_r = min(r2, vec * 32 * 8)
+        block_i = max(1, min(np2(max(i, 1)), vec * 32 * 8 // block_r))
     else:
-        block_i = min(np2(max(i, 1)), 1024)
-        while block_i > 64 and n_outer * triton.cdiv(i, block_i) < 1024:
+        min_i = max(1, 128 // x_bytes)
+        block_i = min(np2(max(i, 1)), vec * 32 * 8)
+        while block_i > min_i and n_outer * triton.cdiv(i, block_i) < 8 * n_sm:
             block_i //= 2
-        # few programs (a long reduce dim, few outputs): bigger tiles keep more bytes in flight
-        tile = 4096 if n_outer * triton.cdiv(i, block_i) >= 1024 else 8192
-        block_r = max(1, min(np2(max(r, 1)), tile // block_i))
-    n = block_r * block_i
-    warps = 8 if n >= 8192 else (4 if n >= 2048 else (2 if n >= 512 else 1))
-    return block_r, block_i, warps
+        block_r = 1 if n_outer * triton.cdiv(i, block_i) >= 8 * n_sm else min(r2, max(1, vec * 32 * 8 // block_i))
+    warps = max(1, min(8, block_r * block_i // (vec * 32)))
+    unroll = max(1, min(4, r2 // block_r))
+    return block_r, block_i, warps, unroll
