@@ -1,7 +1,7 @@
 """Tile sweep of fused::mask_reduce on the three benchmark cases (bf16 x, bool mask), with a
 correctness check per config, against the shipped picker. Configs are
-(BLOCK_R, BLOCK_I, num_warps, UNROLL); every one keeps 8 bf16 elements (16 bytes) per thread
-and sub-tile except where noted. Run on the device: python benchmarks/mask_reduce_tiles.py"""
+(BLOCK_R, BLOCK_I, num_warps, VEC), VEC = 8 bf16 elements (16 bytes) per thread and row;
+rows per thread = BLOCK_R * BLOCK_I / (VEC * 32 * num_warps). Run on the device: python benchmarks/mask_reduce_tiles.py"""
 
 import torch
 import triton
@@ -12,9 +12,10 @@ from torch_fused.kernels import mask_reduce as K
 
 CASES = [((65536, 4, 8192), "B M 1"), ((8192, 4, 8192), "full"), ((8, 4096, 4096), "1 M N")]
 CONFIGS = {
-    "B M 1": [None, (1, 2048, 8, 2), (1, 1024, 4, 4), (1, 2048, 8, 1)],
-    "full": [None, (1, 2048, 8, 2), (1, 1024, 4, 4), (1, 2048, 8, 1), (1, 4096, 8, 4), (4, 512, 8, 1)],
-    "1 M N": [None, (32, 64, 8, 2), (32, 64, 8, 8), (16, 128, 8, 4), (64, 32, 8, 4), (16, 64, 4, 4), (32, 64, 8, 1)],
+    "B M 1": [None, (4, 1024, 4, 8), (2, 2048, 8, 8)],
+    "full": [None, (4, 1024, 4, 8), (4, 512, 2, 8), (2, 2048, 8, 8)],
+    "1 M N": [None, (64, 64, 8, 8), (256, 64, 8, 8), (128, 64, 16, 8), (256, 64, 16, 8), (128, 128, 16, 8),
+              (256, 32, 8, 8), (128, 32, 4, 8)],
 }
 
 

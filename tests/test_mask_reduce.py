@@ -103,6 +103,40 @@ def test_mask_reduce_matches_float64_reference(device, c):
     torch.testing.assert_close(dx.cpu().double(), rdx.to(x.dtype).double(), rtol=OUT_TOL[x.dtype] * 2, atol=1e-6)
 
 
+SHIPPED_TILE_CASES = [
+    # (x shape, dtype, dim, mask storage shape or None, scale storage shape or None): each hits
+    # one branch of kernels.mask_reduce.pick_blocks with n_sm=1
+    ((300, 3, 1000), torch.bfloat16, 1, (300, 3, 1000), None),  # many outputs, R < BLOCK_R
+    ((2, 300, 200), torch.float32, 1, (1, 300, 200), None),  # few outputs: strips, tall tiles, tail
+    ((5, 3000), torch.bfloat16, -1, (5, 3000), (1, 3000)),  # reduce dim contiguous
+    ((50, 4, 700), torch.float16, 1, (50, 4, 1), (1, 1, 700)),  # [B, M, 1] mask: predicated x
+]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the shipped tiles run as-is on CUDA; here through the interpreter")
+@pytest.mark.parametrize("case", SHIPPED_TILE_CASES, ids=lambda c: "x".join(map(str, c[0])) if isinstance(c, tuple) else None)
+def test_shipped_tile_configs_match_reference(case, monkeypatch):
+    """The suite runs the interpreter with tiny tiles; this runs the tiles the picker ships
+    (software-pipelined loop, several rows per thread, masked tails) on small shapes."""
+    from torch_fused.kernels import mask_reduce as K
+
+    shape, dtype, dim, mshape, sshape = case
+    monkeypatch.setattr(K, "pick_blocks", lambda r, i, n_outer, rc, xb, n_sm: K._shipped_pick_blocks(r, i, n_outer, rc, xb, 1))
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(mshape, generator=gen) < 0.6).expand(shape) if mshape else None
+    scale = torch.rand(sshape, generator=gen, dtype=torch.float64).expand(shape) if sshape else None
+    if mask is not None:  # masked-off x is NaN: it must not reach y
+        x = torch.where(mask, x, torch.full((), float("nan"), dtype=torch.float64))
+    xn = x.to(dtype)
+    y = torch_fused.mask_reduce(xn, dim, mask, None if scale is None else scale.float(), out_dtype=torch.float32)
+    v = xn.double() * (scale if scale is not None else 1.0)
+    if mask is not None:
+        v = torch.where(mask, v, torch.zeros((), dtype=torch.float64))
+    ref = v.sum(dim)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_masked_values_never_reach_the_result(device):
     x = torch.randn(4, 3, 8, device=device)
