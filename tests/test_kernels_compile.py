@@ -51,7 +51,8 @@ def _cases():
             (True, False, False, (True, False), (False, False), False, (128, 64, 8, 8))]:
         yield (f"mask_reduce mask={hm}{mb} scale={hs}{sb} f64={f64} wide={wide}", MR._mask_reduce_forward_kernel, mr,
                {"HAS_MASK": hm, "HAS_SCALE": hs, "ACC_F64": f64, "M_BCAST_R": mb[0], "M_BCAST_I": mb[1],
-                "S_BCAST_R": sb[0], "S_BCAST_I": sb[1], "PRED_X": mb[1], "WIDE": wide, "BLOCK_R": br, "BLOCK_I": bi, "VEC": vec}, w)
+                "S_BCAST_R": sb[0], "S_BCAST_I": sb[1], "PRED_X": mb[1], "WIDE": wide, "BLOCK_R": br, "BLOCK_I": bi, "VEC": vec,
+                "M_EVICT": "evict_last" if mb[0] else "evict_first"}, w)
     try:
         from torch_fused.kernels import sinkgd as SG
     except ImportError:

@@ -54,7 +54,8 @@ def _tile_offsets(s_r, s_i, BCAST_R: tl.constexpr, BCAST_I: tl.constexpr, WIDE: 
 @triton.jit
 def _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0, o_r, m_i, R, sx_r, sm_r, ss_r,
                HAS_MASK: tl.constexpr, M_BCAST_R: tl.constexpr, M_BCAST_I: tl.constexpr, PRED_X: tl.constexpr,
-               HAS_SCALE: tl.constexpr, S_BCAST_R: tl.constexpr, S_BCAST_I: tl.constexpr):
+               HAS_SCALE: tl.constexpr, S_BCAST_R: tl.constexpr, S_BCAST_I: tl.constexpr,
+               M_EVICT: tl.constexpr):
     """(x, keep, scale) of the tile at rows r0.. as loaded: keep is mask != 0 (0 without a mask),
     scale 0.0 without one. Rows past R load nothing."""
     m_r = (r0 + o_r) < R
@@ -64,15 +65,16 @@ def _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0, o_r, m_i, R, s
         if M_BCAST_R:
             keep = keep_i
         elif M_BCAST_I:
-            keep = tl.load(p_mt + r0 * sm_r + t_m, mask=m_r[:, None], other=0) != 0
+            keep = tl.load(p_mt + r0 * sm_r + t_m, mask=m_r[:, None], other=0, eviction_policy=M_EVICT) != 0
         else:
-            keep = tl.load(p_mt + r0 * sm_r + t_m, mask=msk, other=0) != 0
+            keep = tl.load(p_mt + r0 * sm_r + t_m, mask=msk, other=0, eviction_policy=M_EVICT) != 0
+    # x is read exactly once: let it leave L2 first (a mask shared by several programs stays)
     if PRED_X:
         # the mask is constant along the fast axis: predicate the (still vectorized) x load, so
         # masked-off rows of x are never read
-        b_x = tl.load(p_xt + r0 * sx_r + t_x, mask=msk & keep, other=0.0)
+        b_x = tl.load(p_xt + r0 * sx_r + t_x, mask=msk & keep, other=0.0, eviction_policy="evict_first")
     else:
-        b_x = tl.load(p_xt + r0 * sx_r + t_x, mask=msk, other=0.0)
+        b_x = tl.load(p_xt + r0 * sx_r + t_x, mask=msk, other=0.0, eviction_policy="evict_first")
     b_sc = 0.0
     if HAS_SCALE:
         if S_BCAST_R:
@@ -104,7 +106,7 @@ def _mask_reduce_forward_kernel(
     HAS_MASK: tl.constexpr, HAS_SCALE: tl.constexpr, ACC_F64: tl.constexpr,
     M_BCAST_R: tl.constexpr, M_BCAST_I: tl.constexpr, S_BCAST_R: tl.constexpr, S_BCAST_I: tl.constexpr,
     PRED_X: tl.constexpr, WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
-    VEC: tl.constexpr,
+    VEC: tl.constexpr, M_EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     blk_i = pid % n_iblk
@@ -139,33 +141,31 @@ def _mask_reduce_forward_kernel(
         acc = tl.zeros([BLOCK_R, BLOCK_I], dtype=tl.float32)
     # software pipelining: the loads of trip k+1 are issued before the adds of trip k
     xn, kn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, 0, o_r, m_i, R, sx_r, sm_r, ss_r,
-                            HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X, HAS_SCALE, S_BCAST_R, S_BCAST_I)
+                            HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X, HAS_SCALE, S_BCAST_R, S_BCAST_I,
+                            M_EVICT)
     for r0 in range(0, R, BLOCK_R):
         xc = xn
         kc = kn
         sc = sn
         xn, kn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0 + BLOCK_R, o_r, m_i, R,
                                 sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X,
-                                HAS_SCALE, S_BCAST_R, S_BCAST_I)
+                                HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT)
         acc = _add_tile(acc, xc, kc, sc, HAS_MASK, HAS_SCALE)
     y = tl.sum(acc, axis=0)
     tl.store(p_y + outer * I + i0 + tl.arange(0, BLOCK_I), y.to(p_y.dtype.element_ty), mask=m_i)
 
 
-ROWS_PER_THREAD = 4  # 16-byte x vectors per thread in one tile
-
-
 def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int = 2,
                 n_sm: int = 132) -> tuple[int, int, int, int]:
-    """(BLOCK_R, BLOCK_I, num_warps, VEC): tiles of VEC * 32 * warps * ROWS_PER_THREAD elements,
-    VEC = 16 bytes of x.
+    """(BLOCK_R, BLOCK_I, num_warps, VEC), VEC = 16 bytes of x; a tile holds
+    VEC * 32 * num_warps * rows elements, `rows` 16-byte x vectors per thread.
 
     - reduce dim not contiguous, plenty of outputs (MoE combine, [T, k, H] -> [T, H]): wide
-      BLOCK_I and only as many rows as fit in one thread's registers, so warps lie along i and
-      the final reduction over rows stays inside each thread.
+      BLOCK_I (warps lie along i), one row per thread and trip: few registers, full occupancy,
+      and the final reduction over rows stays inside each thread.
     - few outputs and a long reduce dim ([B, M, N] -> [B, N] with small B): narrower column
-      strips (not below 128 bytes per row) until there are programs for every SM, and tall
-      tiles; one cross-warp reduction at the very end.
+      strips (not below 128 bytes per row) until there are programs for every SM, two rows per
+      thread; one cross-warp reduction at the very end.
     - reduce dim contiguous (token losses, [B, L] -> [B]): the tile's fast axis is r.
     """
     np2 = triton.next_power_of_2
@@ -174,13 +174,15 @@ def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int =
     r2 = np2(max(r, 1))
     i2 = np2(max(i, 1))
     if r_contiguous:
+        rows = 2
         block_r = min(r2, cap)
-        block_i = max(1, min(i2, cap * ROWS_PER_THREAD // block_r))
+        block_i = max(1, min(i2, cap * rows // block_r))
     else:
         min_i = max(1, 128 // x_bytes)
         block_i = min(i2, cap)
         while block_i > min_i and n_outer * triton.cdiv(i, block_i) < 8 * n_sm:
             block_i //= 2
-        block_r = max(1, min(r2, cap * ROWS_PER_THREAD // block_i))
-    warps = max(1, min(8, block_r * block_i // (vec * 32 * ROWS_PER_THREAD)))
+        rows = 1 if n_outer * triton.cdiv(i, block_i) >= 8 * n_sm else 2
+        block_r = max(1, min(r2, cap * rows // block_i))
+    warps = max(1, min(8, block_r * block_i // (vec * 32 * rows)))
     return block_r, block_i, warps, vec
