@@ -44,15 +44,16 @@ def _cases():
     for pre in ("sx", "sm", "ss"):
         for suf in ("r", "0", "1", "i"):
             mr[f"{pre}_{suf}"] = "i64"
-    for hm, hs, f64, mb, sb, wide, (br, bi, w, vec) in [
-            (True, True, False, (False, True), (True, False), False, (4, 2048, 8, 8)),
-            (False, False, True, (False, False), (False, False), True, (4, 1024, 4, 2)),
-            (True, True, False, (False, False), (False, True), False, (128, 64, 8, 8)),
-            (True, False, False, (True, False), (False, False), False, (128, 64, 8, 8))]:
+    for hm, hs, f64, mb, sb, wide, (br, bi, w, vec, pipe, un) in [
+            (True, True, False, (False, True), (True, False), False, (1, 2048, 8, 8, False, 4)),
+            (False, False, True, (False, False), (False, False), True, (4, 1024, 4, 2, True, 1)),
+            (True, True, False, (False, False), (False, True), False, (64, 64, 8, 8, True, 1)),
+            (True, False, False, (True, False), (False, False), False, (64, 64, 8, 8, False, 2))]:
         yield (f"mask_reduce mask={hm}{mb} scale={hs}{sb} f64={f64} wide={wide}", MR._mask_reduce_forward_kernel, mr,
                {"HAS_MASK": hm, "HAS_SCALE": hs, "ACC_F64": f64, "M_BCAST_R": mb[0], "M_BCAST_I": mb[1],
                 "S_BCAST_R": sb[0], "S_BCAST_I": sb[1], "PRED_X": mb[1], "WIDE": wide, "BLOCK_R": br, "BLOCK_I": bi, "VEC": vec,
-                "M_EVICT": "evict_last" if mb[0] else "evict_first"}, w)
+                "M_EVICT": "evict_last" if mb[0] else "", "X_EVICT": "evict_first" if mb[0] else "",
+                "PIPELINE": pipe, "UNROLL": un}, w)
     try:
         from torch_fused.kernels import sinkgd as SG
     except ImportError:

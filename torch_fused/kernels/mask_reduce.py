@@ -55,7 +55,7 @@ def _tile_offsets(s_r, s_i, BCAST_R: tl.constexpr, BCAST_I: tl.constexpr, WIDE: 
 def _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0, o_r, m_i, R, sx_r, sm_r, ss_r,
                HAS_MASK: tl.constexpr, M_BCAST_R: tl.constexpr, M_BCAST_I: tl.constexpr, PRED_X: tl.constexpr,
                HAS_SCALE: tl.constexpr, S_BCAST_R: tl.constexpr, S_BCAST_I: tl.constexpr,
-               M_EVICT: tl.constexpr):
+               M_EVICT: tl.constexpr, X_EVICT: tl.constexpr):
     """(x, keep, scale) of the tile at rows r0.. as loaded: keep is mask != 0 (0 without a mask),
     scale 0.0 without one. Rows past R load nothing."""
     m_r = (r0 + o_r) < R
@@ -68,13 +68,13 @@ def _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0, o_r, m_i, R, s
             keep = tl.load(p_mt + r0 * sm_r + t_m, mask=m_r[:, None], other=0, eviction_policy=M_EVICT) != 0
         else:
             keep = tl.load(p_mt + r0 * sm_r + t_m, mask=msk, other=0, eviction_policy=M_EVICT) != 0
-    # x is read exactly once: let it leave L2 first (a mask shared by several programs stays)
+    # X_EVICT "evict_first" where x is streamed past a mask that several programs share
     if PRED_X:
         # the mask is constant along the fast axis: predicate the (still vectorized) x load, so
         # masked-off rows of x are never read
-        b_x = tl.load(p_xt + r0 * sx_r + t_x, mask=msk & keep, other=0.0, eviction_policy="evict_first")
+        b_x = tl.load(p_xt + r0 * sx_r + t_x, mask=msk & keep, other=0.0, eviction_policy=X_EVICT)
     else:
-        b_x = tl.load(p_xt + r0 * sx_r + t_x, mask=msk, other=0.0, eviction_policy="evict_first")
+        b_x = tl.load(p_xt + r0 * sx_r + t_x, mask=msk, other=0.0, eviction_policy=X_EVICT)
     b_sc = 0.0
     if HAS_SCALE:
         if S_BCAST_R:
@@ -106,7 +106,7 @@ def _mask_reduce_forward_kernel(
     HAS_MASK: tl.constexpr, HAS_SCALE: tl.constexpr, ACC_F64: tl.constexpr,
     M_BCAST_R: tl.constexpr, M_BCAST_I: tl.constexpr, S_BCAST_R: tl.constexpr, S_BCAST_I: tl.constexpr,
     PRED_X: tl.constexpr, WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
-    VEC: tl.constexpr, M_EVICT: tl.constexpr,
+    VEC: tl.constexpr, M_EVICT: tl.constexpr, X_EVICT: tl.constexpr, PIPELINE: tl.constexpr, UNROLL: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     blk_i = pid % n_iblk
@@ -139,34 +139,59 @@ def _mask_reduce_forward_kernel(
         acc = tl.zeros([BLOCK_R, BLOCK_I], dtype=tl.float64)
     else:
         acc = tl.zeros([BLOCK_R, BLOCK_I], dtype=tl.float32)
-    # software pipelining: the loads of trip k+1 are issued before the adds of trip k
-    xn, kn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, 0, o_r, m_i, R, sx_r, sm_r, ss_r,
-                            HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X, HAS_SCALE, S_BCAST_R, S_BCAST_I,
-                            M_EVICT)
-    for r0 in range(0, R, BLOCK_R):
-        xc = xn
-        kc = kn
-        sc = sn
-        xn, kn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0 + BLOCK_R, o_r, m_i, R,
-                                sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X,
-                                HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT)
-        acc = _add_tile(acc, xc, kc, sc, HAS_MASK, HAS_SCALE)
+    if PIPELINE:
+        # software pipelining: the loads of trip k+1 are issued before the adds of trip k
+        xn, kn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, 0, o_r, m_i, R, sx_r, sm_r, ss_r,
+                                HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X, HAS_SCALE, S_BCAST_R,
+                                S_BCAST_I, M_EVICT, X_EVICT)
+        for r0 in range(0, R, BLOCK_R):
+            xc = xn
+            kc = kn
+            sc = sn
+            xn, kn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0 + BLOCK_R, o_r, m_i, R,
+                                    sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X,
+                                    HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT)
+            acc = _add_tile(acc, xc, kc, sc, HAS_MASK, HAS_SCALE)
+    else:
+        # a short reduce dim: UNROLL tiles per trip, every load written before the first add
+        for r00 in range(0, R, BLOCK_R * UNROLL):
+            x0, k0, s0 = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r00, o_r, m_i, R,
+                                    sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X,
+                                    HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT)
+            if UNROLL >= 2:
+                x1, k1, s1 = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r00 + BLOCK_R, o_r, m_i, R,
+                                        sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X,
+                                        HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT)
+            if UNROLL >= 4:
+                x2, k2, s2 = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r00 + 2 * BLOCK_R, o_r, m_i,
+                                        R, sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X,
+                                        HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT)
+                x3, k3, s3 = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r00 + 3 * BLOCK_R, o_r, m_i,
+                                        R, sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X,
+                                        HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT)
+            acc = _add_tile(acc, x0, k0, s0, HAS_MASK, HAS_SCALE)
+            if UNROLL >= 2:
+                acc = _add_tile(acc, x1, k1, s1, HAS_MASK, HAS_SCALE)
+            if UNROLL >= 4:
+                acc = _add_tile(acc, x2, k2, s2, HAS_MASK, HAS_SCALE)
+                acc = _add_tile(acc, x3, k3, s3, HAS_MASK, HAS_SCALE)
     y = tl.sum(acc, axis=0)
     tl.store(p_y + outer * I + i0 + tl.arange(0, BLOCK_I), y.to(p_y.dtype.element_ty), mask=m_i)
 
 
 def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int = 2,
-                n_sm: int = 132) -> tuple[int, int, int, int]:
-    """(BLOCK_R, BLOCK_I, num_warps, VEC), VEC = 16 bytes of x; a tile holds
+                n_sm: int = 132) -> tuple[int, int, int, int, bool, int]:
+    """(BLOCK_R, BLOCK_I, num_warps, VEC, PIPELINE, UNROLL), VEC = 16 bytes of x; a tile holds
     VEC * 32 * num_warps * rows elements, `rows` 16-byte x vectors per thread.
 
     - reduce dim not contiguous, plenty of outputs (MoE combine, [T, k, H] -> [T, H]): wide
-      BLOCK_I (warps lie along i), one row per thread and trip: few registers, full occupancy,
-      and the final reduction over rows stays inside each thread.
+      BLOCK_I (warps lie along i), one row per tile, UNROLL row tiles loaded per trip: few
+      registers, full occupancy, and no reduction across threads at all.
     - few outputs and a long reduce dim ([B, M, N] -> [B, N] with small B): narrower column
       strips (not below 128 bytes per row) until there are programs for every SM, two rows per
-      thread; one cross-warp reduction at the very end.
-    - reduce dim contiguous (token losses, [B, L] -> [B]): the tile's fast axis is r.
+      thread, a software-pipelined loop; one cross-warp reduction at the very end.
+    - reduce dim contiguous (token losses, [B, L] -> [B]): the tile's fast axis is r, pipelined.
+    Measured on an H200: benchmarks/mask_reduce_tiles.py, docs/BENCHMARKS.md.
     """
     np2 = triton.next_power_of_2
     vec = max(1, 16 // x_bytes)
@@ -174,7 +199,7 @@ def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int =
     r2 = np2(max(r, 1))
     i2 = np2(max(i, 1))
     if r_contiguous:
-        rows = 2
+        rows, pipeline, unroll = 2, True, 1
         block_r = min(r2, cap)
         block_i = max(1, min(i2, cap * rows // block_r))
     else:
@@ -182,7 +207,11 @@ def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int =
         block_i = min(i2, cap)
         while block_i > min_i and n_outer * triton.cdiv(i, block_i) < 8 * n_sm:
             block_i //= 2
-        rows = 1 if n_outer * triton.cdiv(i, block_i) >= 8 * n_sm else 2
-        block_r = max(1, min(r2, cap * rows // block_i))
+        if n_outer * triton.cdiv(i, block_i) >= 8 * n_sm:
+            rows, pipeline, unroll = 1, False, min(4, r2)
+            block_r = 1
+        else:
+            rows, pipeline, unroll = 2, True, 1
+            block_r = max(1, min(r2, cap * rows // block_i))
     warps = max(1, min(8, block_r * block_i // (vec * 32 * rows)))
-    return block_r, block_i, warps, vec
+    return block_r, block_i, warps, vec, pipeline, unroll
