@@ -33,11 +33,10 @@ if INTERPRET:
 
     from torch_fused.kernels import mask_reduce as _mrk
 
-    # mask_reduce: pipelined loop for even reduce lengths, UNROLL=2 for odd ones, a split
-    # reduce dim from 6 rows on
+    # mask_reduce: pipelined loop for even reduce lengths, UNROLL=2 for odd ones
     _lpk.pick_block = lambda v, elem_size, kind="fwd": (16, 1)
     _mrk._shipped_pick_blocks = _mrk.pick_blocks
-    _mrk.pick_blocks = lambda r, i, n_outer, r_contiguous, *a: (2, 4, 1, 2, r % 2 == 0, 2, 1 + (r >= 6) + (r >= 9))
+    _mrk.pick_blocks = lambda r, i, n_outer, r_contiguous, *a: (2, 4, 1, 2, r % 2 == 0, 2)
 
 
 @pytest.fixture(autouse=True)

@@ -99,7 +99,7 @@ def _add_tile(acc, b_x, keep, b_sc, HAS_MASK: tl.constexpr, HAS_SCALE: tl.conste
 @triton.jit
 def _mask_reduce_forward_kernel(
     p_x, p_m, p_s, p_y,
-    R, O1, I, n_iblk, n_tiles, r_chunk, s_split,
+    R, O1, I, n_iblk,
     sx_r, sx_0, sx_1, sx_i,
     sm_r, sm_0, sm_1, sm_i,
     ss_r, ss_0, ss_1, ss_i,
@@ -109,27 +109,21 @@ def _mask_reduce_forward_kernel(
     VEC: tl.constexpr, M_EVICT: tl.constexpr, X_EVICT: tl.constexpr, PIPELINE: tl.constexpr, UNROLL: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    # split-R: program `split` sums rows [split * r_chunk, +r_chunk) into its own slot of a
-    # partials buffer (s_split apart); without a split r_chunk = R and there is one slot, y
-    split = pid // n_tiles
-    tile = pid % n_tiles
-    blk_i = tile % n_iblk
-    outer = tile // n_iblk
+    blk_i = pid % n_iblk
+    outer = pid // n_iblk
     a = outer // O1
     b = outer % O1
     i0 = blk_i * BLOCK_I
-    r_lo = split * r_chunk
-    R = tl.minimum(R - r_lo, r_chunk).to(tl.int32)
     o_r = tl.arange(0, BLOCK_R)
     m_i = (i0 + tl.arange(0, BLOCK_I)) < I
     # scalar int64 bases; per-tile offsets stay 32-bit (host sets WIDE when they could not)
-    p_xt = p_x + r_lo * sx_r + a * sx_0 + b * sx_1 + i0 * sx_i
+    p_xt = p_x + a * sx_0 + b * sx_1 + i0 * sx_i
     t_x = _tile_offsets(sx_r, sx_i, False, False, WIDE, BLOCK_R, BLOCK_I, VEC)
     p_mt = p_m
     t_m = 0
     keep_i = 0
     if HAS_MASK:
-        p_mt = p_m + r_lo * sm_r + a * sm_0 + b * sm_1 + i0 * sm_i
+        p_mt = p_m + a * sm_0 + b * sm_1 + i0 * sm_i
         t_m = _tile_offsets(sm_r, sm_i, M_BCAST_R, M_BCAST_I, WIDE, BLOCK_R, BLOCK_I, VEC)
         if M_BCAST_R:  # the same mask row for every r: read it once
             keep_i = tl.load(p_mt + t_m, mask=m_i[None, :], other=0) != 0
@@ -137,7 +131,7 @@ def _mask_reduce_forward_kernel(
     t_s = 0
     sc_i = 0.0
     if HAS_SCALE:
-        p_st = p_s + r_lo * ss_r + a * ss_0 + b * ss_1 + i0 * ss_i
+        p_st = p_s + a * ss_0 + b * ss_1 + i0 * ss_i
         t_s = _tile_offsets(ss_r, ss_i, S_BCAST_R, S_BCAST_I, WIDE, BLOCK_R, BLOCK_I, VEC)
         if S_BCAST_R:
             sc_i = tl.load(p_st + t_s, mask=m_i[None, :], other=0.0)
@@ -182,23 +176,24 @@ def _mask_reduce_forward_kernel(
                 acc = _add_tile(acc, x2, k2, s2, HAS_MASK, HAS_SCALE)
                 acc = _add_tile(acc, x3, k3, s3, HAS_MASK, HAS_SCALE)
     y = tl.sum(acc, axis=0)
-    tl.store(p_y + split * s_split + outer * I + i0 + tl.arange(0, BLOCK_I), y.to(p_y.dtype.element_ty), mask=m_i)
+    tl.store(p_y + outer * I + i0 + tl.arange(0, BLOCK_I), y.to(p_y.dtype.element_ty), mask=m_i)
 
 
 def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int = 2,
-                n_sm: int = 132) -> tuple[int, int, int, int, bool, int, int]:
-    """(BLOCK_R, BLOCK_I, num_warps, VEC, PIPELINE, UNROLL, SPLIT), VEC = 16 bytes of x.
+                n_sm: int = 132) -> tuple[int, int, int, int, bool, int]:
+    """(BLOCK_R, BLOCK_I, num_warps, VEC, PIPELINE, UNROLL), VEC = 16 bytes of x; a tile holds
+    VEC * 32 * num_warps * rows elements, `rows` 16-byte x vectors per thread.
 
-    - reduce dim not contiguous (MoE combine [T, k, H] -> [T, H]; [B, M, N] -> [B, N]): every
-      row of a tile is read as a long contiguous run (up to 4 KB), one row per tile, UNROLL
-      row tiles loaded per trip: few registers, full occupancy and no reduction across threads.
-      Where that leaves too few programs to fill the GPU (few outputs, a long reduce dim), the
-      reduce dim is split into SPLIT chunks whose fp32 partials are summed afterwards
-      (about 8 * n_sm * BLOCK_I * 4 bytes of them, 2.2 MB on an H200 for bf16 x, whatever
-      the shape). Narrow column strips without a split were measured at 0.41-0.81 of the floor from
-      run to run on the (8, 4096, 4096) case, rows read 128 bytes at a time.
-    - reduce dim contiguous (token losses, [B, L] -> [B]): the tile's fast axis is r, two rows
-      per thread, a software-pipelined loop.
+    - reduce dim not contiguous, plenty of outputs (MoE combine, [T, k, H] -> [T, H]): one
+      1 KB row run per tile (2 warps along i), UNROLL row tiles loaded per trip: few registers,
+      many small programs, and no reduction across threads at all. On the (8192, 4, 8192)
+      full-mask case, 1 / 2 / 4 KB rows measured 0.948 / 0.927 / 0.892 of the floor.
+    - few outputs and a long reduce dim ([B, M, N] -> [B, N] with small B): narrower column
+      strips (not below 128 bytes per row) until there are programs for every SM, two rows per
+      thread, a software-pipelined loop; one cross-warp reduction at the very end. (Splitting
+      the reduce dim instead, with fp32 partials, measured no faster here: 0.72 against 0.81
+      of the floor on (8, 4096, 4096), and it needs a workspace.)
+    - reduce dim contiguous (token losses, [B, L] -> [B]): the tile's fast axis is r, pipelined.
     Measured on an H200: benchmarks/mask_reduce_tiles.py, docs/BENCHMARKS.md.
     """
     np2 = triton.next_power_of_2
@@ -206,19 +201,20 @@ def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int =
     cap = vec * 32 * 8  # one 8-warp tile row
     r2 = np2(max(r, 1))
     i2 = np2(max(i, 1))
-    want = 8 * n_sm  # programs that keep every SM streaming
     if r_contiguous:
-        rows = 2
+        rows, pipeline, unroll = 2, True, 1
         block_r = min(r2, cap)
         block_i = max(1, min(i2, cap * rows // block_r))
-        warps = max(1, min(8, block_r * block_i // (vec * 32 * rows)))
-        return block_r, block_i, warps, vec, True, 1, 1
-    block_i = min(i2, cap)
-    while block_i > 2 * vec * 32 and n_outer * triton.cdiv(i, block_i) < want:
-        block_i //= 2  # rows of 1 KB at least
-    progs = n_outer * triton.cdiv(i, block_i)
-    split = 1
-    if progs < want:
-        split = max(1, min(triton.cdiv(want, progs), r // 64))  # chunks of 64 rows at least
-    warps = max(1, min(8, block_i // (vec * 32)))
-    return 1, block_i, warps, vec, False, min(4, r2), split
+    else:
+        min_i = max(1, 128 // x_bytes)
+        block_i = min(i2, 2 * vec * 32)
+        while block_i > min_i and n_outer * triton.cdiv(i, block_i) < 8 * n_sm:
+            block_i //= 2
+        if n_outer * triton.cdiv(i, block_i) >= 8 * n_sm:
+            rows, pipeline, unroll = 1, False, min(4, r2)
+            block_r = 1
+        else:
+            rows, pipeline, unroll = 2, True, 1
+            block_r = max(1, min(r2, cap * rows // block_i))
+    warps = max(1, min(8, block_r * block_i // (vec * 32 * rows)))
+    return block_r, block_i, warps, vec, pipeline, unroll

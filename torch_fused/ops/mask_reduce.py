@@ -89,18 +89,13 @@ def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
     pred_x = (sm[0] == 0) if r_contig else (sm[3] == 0)
     # a mask broadcast over an output dim is read by several programs: keep it in L2 for them
     m_shared = mask is not None and ((sm[1] == 0 and o0 > 1) or (sm[2] == 0 and o1 > 1) or (sm[3] == 0 and i > 1))
-    block_r, block_i, warps, vec, pipeline, unroll, split = K.pick_blocks(r, i, o0 * o1, r_contig, x.element_size(), _n_sm(x.device))
+    block_r, block_i, warps, vec, pipeline, unroll = K.pick_blocks(r, i, o0 * o1, r_contig, x.element_size(), _n_sm(x.device))
     n_iblk = K.triton.cdiv(i, block_i)
-    n_tiles = o0 * o1 * n_iblk
-    r_chunk = K.triton.cdiv(r, split)
-    split = K.triton.cdiv(r, r_chunk)
-    # split-R: fp32 (fp64) partials, one slot per chunk, summed below in a fixed order
-    dst = y if split == 1 else torch.empty((split,) + tuple(out_shape), dtype=acc_dtype(x.dtype), device=x.device)
     # in-tile offsets fit 32 bits unless a tile spans more than 2**31 elements of some operand
     span = max(abs(st[0]) * block_r + abs(st[3]) * block_i for st in (sx, sm, ss))
-    K._mask_reduce_forward_kernel[(n_tiles * split,)](
-        xt, mt, sc, dst,
-        r, o1, i, n_iblk, n_tiles, r_chunk, y.numel(),
+    K._mask_reduce_forward_kernel[(o0 * o1 * n_iblk,)](
+        xt, mt, sc, y,
+        r, o1, i, n_iblk,
         *sx, *sm, *ss,
         HAS_MASK=mask is not None, HAS_SCALE=scale is not None,
         ACC_F64=acc_dtype(x.dtype) == torch.float64,
@@ -109,8 +104,6 @@ def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
         M_EVICT="evict_last" if m_shared else "", X_EVICT="evict_first" if m_shared else "",
         PIPELINE=pipeline, UNROLL=unroll, num_warps=warps,
     )
-    if split > 1:
-        torch.sum(dst, 0, out=y) if y.dtype == dst.dtype else y.copy_(dst.sum(0))
     return y
 
 
