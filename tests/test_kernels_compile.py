@@ -30,7 +30,7 @@ def _cases():
     for hi, he, tp in [(True, True, False), (True, False, False), (False, True, False), (True, True, True)]:
         yield (f"lp_fwd idx={hi} ent={he} t_ptr={tp}", LP._logprobs_entropy_forward_kernel, fwd,
                {"HAS_INDEX": hi, "HAS_ENT": he, "EXACT_SHIFT": False, "T_FROM_PTR": tp, "BLOCK_V": 2048,
-                "BLOCK_K": 2}, 4)
+                "BLOCK_K": 2, "EPT": 8}, 4)
     bwd = {"p_x": "*fp16", "p_idx": "*i32", "p_glp": "*fp32", "p_gh": "*fp32", "p_stats": "*fp32",
            "p_ent": "*fp32", "p_dx": "*fp16", "p_temp": "*fp32", "p_xdx": "*fp32", "V": "i32", "K": "i32", "inner_size": "i32",
            "stride_outer": "i64", "stride_inner": "i64", "scale": "fp32", "inv_t": "fp32", "ignore_index": "i32"}

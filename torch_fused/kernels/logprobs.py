@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 LOG2E = 1.4426950408889634  # Python float, for the launchers
 LOG2E_C = tl.constexpr(1.4426950408889634)
@@ -54,23 +55,53 @@ def _shifted(b_x, m, c, EXACT_SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _forward_update(b_x, c, m, b_s, b_t, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr):
-    m_blk = tl.max(b_x, axis=0)
-    if m_blk > m:
-        # the row max grew (rare after the first blocks): rescale the lane sums to the new shift
-        dm = tl.where(m == float("-inf"), 0.0, m * c - m_blk * c)
-        alpha = tl.exp2(dm)
-        if HAS_ENT:
-            b_t = alpha * (b_t + dm * b_s)
-        b_s = b_s * alpha
-        m = m_blk
-    m_ref = tl.where(m == float("-inf"), 0.0, m)  # all -inf so far: shift by 0, no inf - inf
-    b_d = _shifted(b_x, m_ref, c, EXACT_SHIFT)
-    b_e = tl.exp2(b_d)
-    b_s += b_e
+def _forward_update(b_x, c, m_r, s_r, t_r, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr):
+    """One [NR, EPT] block: every tile row (EPT contiguous logits, one thread's 16-byte vector)
+    keeps its own running max m_r and sums s_r = sum 2^d, t_r = sum 2^d d, d against its own
+    shift. Max, rescale and sums stay inside the thread: no cross-lane reduction per block."""
+    m_new = tl.maximum(m_r, tl.max(b_x, axis=1))
+    # rescale to the new shift (a factor of 1 where the max did not grow); -inf so far: the sums
+    # are 0, shift by 0 (no inf - inf)
+    dm = tl.where(m_r == float("-inf"), 0.0, _shift_diff(m_r, m_new, c, EXACT_SHIFT))
+    alpha = tl.exp2(dm)
     if HAS_ENT:
-        b_t += b_e * tl.maximum(b_d, D_MIN)
-    return m, b_s, b_t
+        t_r = alpha * (t_r + dm * s_r)
+    s_r = s_r * alpha
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    b_d = _shifted(b_x, m_ref[:, None], c, EXACT_SHIFT)
+    b_e = tl.exp2(b_d)
+    s_r += tl.sum(b_e, axis=1)
+    if HAS_ENT:
+        t_r += tl.sum(b_e * tl.maximum(b_d, D_MIN), axis=1)
+    return m_new, s_r, t_r
+
+
+@triton.jit
+def _shift_diff(m_a, m_b, c, EXACT_SHIFT: tl.constexpr):
+    """(a - b) in the base-2 units of _shifted: round(m_a c) - round(m_b c) on the GPU, the
+    difference of the two rounded shifts that _shifted subtracted (exact by Sterbenz wherever it
+    matters). mul_rn keeps ptxas from fusing a product into the subtraction, which would use
+    the exact m_a c and be off by up to half an ulp of it (5e-4 at |m c| ~ 1.4e4).
+    The interpreter's _shifted is (x - m) c, so there this is (m_a - m_b) c."""
+    if EXACT_SHIFT:
+        return (m_a - m_b) * c
+    else:
+        return libdevice.mul_rn(m_a, c) - libdevice.mul_rn(m_b, c)
+
+
+@triton.jit
+def _forward_combine(m_r, s_r, t_r, c, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr):
+    """Row max m and the row sums s, t against the row's shift m c, from the tile rows' own."""
+    m = tl.max(m_r, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    live = m_r != float("-inf")  # tile rows that saw a finite or +inf logit
+    delta = tl.where(live, _shift_diff(m_r, m, c, EXACT_SHIFT), 0.0)
+    w = tl.where(live, tl.exp2(delta), 0.0)
+    s = tl.sum(w * s_r, axis=0)
+    t = 0.0
+    if HAS_ENT:
+        t = tl.sum(tl.where(live, w * (t_r + delta * s_r), 0.0), axis=0)
+    return m, s, t
 
 
 @triton.jit
@@ -93,7 +124,7 @@ def _logprobs_entropy_forward_kernel(
     scale,  # c = log2(e) / T: a Python float at launch, so fp32 in the kernel
     ignore_index,
     HAS_INDEX: tl.constexpr, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr, T_FROM_PTR: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EPT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
@@ -107,31 +138,32 @@ def _logprobs_entropy_forward_kernel(
         inb = (b_idx >= 0) & (b_idx < V)
         b_xi = tl.load(p_row + b_idx, mask=m_k & inb, other=0.0).to(tl.float32)
 
-    o_v = tl.arange(0, BLOCK_V)
-    b_s = tl.zeros([BLOCK_V], dtype=tl.float32)
-    b_t = tl.zeros([BLOCK_V], dtype=tl.float32)
-    m = tl.full([], float("-inf"), tl.float32)
+    # the block as [NR, EPT]: row k of the tile is logits k*EPT .. k*EPT+EPT-1, one 16-byte
+    # vector, held by one thread
+    NR: tl.constexpr = BLOCK_V // EPT
+    o_v = tl.arange(0, NR)[:, None] * EPT + tl.arange(0, EPT)[None, :]
+    s_r = tl.zeros([NR], dtype=tl.float32)
+    t_r = tl.zeros([NR], dtype=tl.float32)
+    m_r = tl.full([NR], float("-inf"), tl.float32)
     v_full = V - V % BLOCK_V
     if v_full > 0:
         # full blocks, unmasked, with the next block's load issued before this block's math
         b_x = tl.load(p_row + o_v).to(tl.float32)
         for start in range(BLOCK_V, v_full, BLOCK_V):
             b_nx = tl.load(p_row + start + o_v).to(tl.float32)
-            m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT, EXACT_SHIFT)
+            m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, HAS_ENT, EXACT_SHIFT)
             b_x = b_nx
-        m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT, EXACT_SHIFT)
+        m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, HAS_ENT, EXACT_SHIFT)
     if v_full < V:
         o = v_full + o_v
         b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
-        m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT, EXACT_SHIFT)
+        m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, HAS_ENT, EXACT_SHIFT)
 
-    m = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(b_s, axis=0)
+    m, s, t = _forward_combine(m_r, s_r, t_r, c, HAS_ENT, EXACT_SHIFT)
     log2s = tl.log2(s)
     tl.store(p_stats + row * 2, m)
     tl.store(p_stats + row * 2 + 1, log2s)
     if HAS_ENT:
-        t = tl.sum(b_t, axis=0)
         tl.store(p_ent + row, (log2s - t / s) * LN2)
     if HAS_INDEX:
         b_lp = (_shifted(b_xi, m, c, EXACT_SHIFT) - log2s) * LN2

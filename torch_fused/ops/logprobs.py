@@ -105,7 +105,7 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
         K.LOG2E / temperature, ignore_index,
         HAS_INDEX=index is not None, HAS_ENT=compute_entropy, EXACT_SHIFT=INTERPRET,
         T_FROM_PTR=temperature_t is not None,
-        BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
+        BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)), EPT=16 // x.element_size(),
         num_warps=warps,
     )
     return logp, ent, stats

@@ -1,0 +1,263 @@
+"""Triton kernels for log-probs at indices and entropy of softmax(logits / T), and their backward.
+
+Conventions (after flash-linear-attention): ``p_`` pointers, ``b_`` blocks, int64 row offsets.
+One program handles one row of V logits in a single streaming pass; a row may start anywhere,
+given by two (size, stride) pairs for the leading dims, so strided views run without a copy.
+
+Numerics. Work is in base 2 with c = log2(e) / T. The row keeps its running max m of the raw
+logits and per lane of the block s = sum 2^(d) and, for the entropy, t = sum 2^(d) * d, with
+d = x c - m c formed by one fma (see _shifted), so d carries only a relative rounding of itself. The row statistics saved for the backward are the pair (m, log2 s),
+never lse = m c + log2 s as one fp32 number: for |z| ~ 1e4 that sum would carry a rounding of
+~1e-3, which every log-prob and gradient would inherit. In nats:
+logp = (d_i - log2 s) ln2 and H = (log2 s - t / s) ln2 (no lse - E[z] cancellation).
+
+Cost per element is what bounds these kernels once loads are wide (an H200 streams ~2e12 bf16
+elements/s, leaving ~16 fp32 instructions per element): one exp2, a block max, and two or three
+FMAs. Full blocks run unmasked, with the next block's load issued before the current block's
+math (one row per program leaves no other source of loads in flight); the lane sums are rescaled
+only in the (rare) blocks where the row max grows; in the backward the index term touches only
+the block that holds the index.
+Non-finite input: a NaN or +inf logit makes its row NaN; -inf is a masked entry (probability 0);
+a row of only -inf gives NaN.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # Python float, for the launchers
+LOG2E_C = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)  # a constexpr global: usable inside @triton.jit
+
+
+@triton.jit
+def _row_base(p_x, row, inner_size, stride_outer, stride_inner):
+    return p_x + (row // inner_size) * stride_outer + (row % inner_size) * stride_inner
+
+
+# exp2(-200) is 0 in fp32: the entropy sum t = sum e * max(d, D_MIN) then takes exactly 0 from
+# a -inf logit (no 0 * inf). A NaN logit still poisons its row through e = exp2(NaN).
+D_MIN = tl.constexpr(-200.0)
+
+
+@triton.jit
+def _shifted(b_x, m, c, EXACT_SHIFT: tl.constexpr):
+    """d = x c - m c in base-2 units. On the GPU one fma (exact product, one rounding) against
+    the rounded shift m c; every kernel forms m c the same way, so that rounding is a constant
+    shift of the whole row and cancels in log2 s. Triton's interpreter has no single-rounding
+    fma, so there (EXACT_SHIFT) the equally exact (x - m) c is used."""
+    if EXACT_SHIFT:
+        return (b_x - m) * c
+    else:
+        return tl.fma(b_x, c, -(m * c))
+
+
+@triton.jit
+def _forward_update(b_x, c, m, b_s, b_t, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr):
+    m_blk = tl.max(b_x, axis=0)
+    if m_blk > m:
+        # the row max grew (rare after the first blocks): rescale the lane sums to the new shift
+        dm = tl.where(m == float("-inf"), 0.0, m * c - m_blk * c)
+        alpha = tl.exp2(dm)
+        if HAS_ENT:
+            b_t = alpha * (b_t + dm * b_s)
+        b_s = b_s * alpha
+        m = m_blk
+    m_ref = tl.where(m == float("-inf"), 0.0, m)  # all -inf so far: shift by 0, no inf - inf
+    b_d = _shifted(b_x, m_ref, c, EXACT_SHIFT)
+    b_e = tl.exp2(b_d)
+    b_s += b_e
+    if HAS_ENT:
+        b_t += b_e * tl.maximum(b_d, D_MIN)
+    return m, b_s, b_t
+
+
+@triton.jit
+def _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR: tl.constexpr):
+    """(c, 1/T): from the launch arguments, or (T_FROM_PTR) from a device scalar T, which may
+    require grad. A non-positive T read from memory gives NaN (it cannot be checked without a
+    sync)."""
+    if T_FROM_PTR:
+        t = tl.load(p_temp).to(tl.float32)
+        t = tl.where(t > 0.0, t, float("nan"))
+        return LOG2E_C / t, 1.0 / t
+    else:
+        return scale, inv_t
+
+
+@triton.jit
+def _logprobs_entropy_forward_kernel(
+    p_x, p_idx, p_logp, p_ent, p_stats, p_temp,
+    V, K, inner_size, stride_outer, stride_inner,
+    scale,  # c = log2(e) / T: a Python float at launch, so fp32 in the kernel
+    ignore_index,
+    HAS_INDEX: tl.constexpr, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr, T_FROM_PTR: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
+    c, _ = _temperature_scale(scale, scale, p_temp, T_FROM_PTR)
+
+    if HAS_INDEX:
+        # issue the few scattered loads first so their latency hides under the stream
+        o_k = tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        b_idx = tl.load(p_idx + row * K + o_k, mask=m_k, other=0).to(tl.int64)
+        inb = (b_idx >= 0) & (b_idx < V)
+        b_xi = tl.load(p_row + b_idx, mask=m_k & inb, other=0.0).to(tl.float32)
+
+    o_v = tl.arange(0, BLOCK_V)
+    b_s = tl.zeros([BLOCK_V], dtype=tl.float32)
+    b_t = tl.zeros([BLOCK_V], dtype=tl.float32)
+    m = tl.full([], float("-inf"), tl.float32)
+    v_full = V - V % BLOCK_V
+    if v_full > 0:
+        # full blocks, unmasked, with the next block's load issued before this block's math
+        b_x = tl.load(p_row + o_v).to(tl.float32)
+        for start in range(BLOCK_V, v_full, BLOCK_V):
+            b_nx = tl.load(p_row + start + o_v).to(tl.float32)
+            m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT, EXACT_SHIFT)
+            b_x = b_nx
+        m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT, EXACT_SHIFT)
+    if v_full < V:
+        o = v_full + o_v
+        b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
+        m, b_s, b_t = _forward_update(b_x, c, m, b_s, b_t, HAS_ENT, EXACT_SHIFT)
+
+    m = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(b_s, axis=0)
+    log2s = tl.log2(s)
+    tl.store(p_stats + row * 2, m)
+    tl.store(p_stats + row * 2 + 1, log2s)
+    if HAS_ENT:
+        t = tl.sum(b_t, axis=0)
+        tl.store(p_ent + row, (log2s - t / s) * LN2)
+    if HAS_INDEX:
+        b_lp = (_shifted(b_xi, m, c, EXACT_SHIFT) - log2s) * LN2
+        b_lp = tl.where(inb, b_lp, float("nan"))
+        b_lp = tl.where(b_idx == ignore_index, 0.0, b_lp)
+        tl.store(p_logp + row * K + o_k, b_lp, mask=m_k)
+
+
+@triton.jit
+def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s, a, b, it,
+                    idx0, g0, ignore_index,
+                    HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
+                    MASKED: tl.constexpr, EXACT_SHIFT: tl.constexpr, HAS_DT: tl.constexpr,
+                    BLOCK_V: tl.constexpr):
+    """Writes the block's d x; returns its sum of x * dx (for d T) when HAS_DT, else 0."""
+    b_d = _shifted(b_x, m, c, EXACT_SHIFT) - log2s  # log2 p
+    b_p = tl.exp2(b_d)
+    if HAS_GH:
+        b_dx = -b_p * (a + b * tl.maximum(b_d, D_MIN))
+    else:
+        b_dx = -b_p * a
+    if HAS_GLP:
+        if SINGLE_K:
+            if (idx0 >= start) & (idx0 < start + BLOCK_V):  # only the block holding the id
+                b_dx += tl.where(o == idx0, g0, 0.0)
+        else:
+            for k in range(0, K):
+                i_k = tl.load(p_idx_row + k).to(tl.int64)
+                g_k = tl.load(p_g_row + k).to(tl.float32)
+                g_k = tl.where(i_k == ignore_index, 0.0, g_k) * it
+                b_dx += tl.where(o == i_k, g_k, 0.0)
+    if MASKED:
+        tl.store(p_drow + o, b_dx.to(p_drow.dtype.element_ty), mask=o < V)
+    else:
+        tl.store(p_drow + o, b_dx.to(p_drow.dtype.element_ty))
+    if HAS_DT:  # -inf logits have dx = 0: keep their 0 * inf out of the sum
+        return tl.sum(tl.where(b_dx != 0.0, b_x * b_dx, 0.0), axis=0)
+    else:
+        return 0.0
+
+
+@triton.jit
+def _logprobs_entropy_backward_kernel(
+    p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx,
+    V, K, inner_size, stride_outer, stride_inner,
+    scale,  # c = log2(e) / T
+    inv_t,  # 1 / T
+    ignore_index,
+    HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr, EXACT_SHIFT: tl.constexpr,
+    T_FROM_PTR: tl.constexpr, HAS_DT: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """d z_j = sum_k g_k [j == idx_k] - p_j * (G + gH * (lp_j + H));  d x = d z / T.
+
+    G: sum of the row's valid log-prob gradients; gH: the entropy gradient;
+    lp_j = log p_j = ((x_j - m) c - log2 s) ln2. With HAS_DT, also the row's sum of x_j dx_j
+    (d T = -(1/T) sum over all rows, as z = x / T)."""
+    row = tl.program_id(0).to(tl.int64)
+    p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
+    p_drow = p_dx + row * V
+    c, it = _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR)
+    m = tl.load(p_stats + row * 2).to(tl.float32)
+    log2s = tl.load(p_stats + row * 2 + 1).to(tl.float32)
+
+    gsum = 0.0
+    idx0 = -1
+    g0 = 0.0
+    if HAS_GLP:
+        o_k = tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        b_idx = tl.load(p_idx + row * K + o_k, mask=m_k, other=ignore_index).to(tl.int64)
+        b_g = tl.load(p_glp + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_g = tl.where(b_idx == ignore_index, 0.0, b_g)
+        inb = (b_idx >= 0) & (b_idx < V)
+        # an out-of-range index gave NaN forward: its row's gradient is NaN too
+        b_g = tl.where((b_idx != ignore_index) & (~inb), float("nan"), b_g)
+        gsum = tl.sum(b_g, axis=0)
+        if SINGLE_K:
+            idx0 = tl.sum(tl.where(o_k == 0, b_idx, 0), axis=0)
+            g0 = tl.sum(tl.where(o_k == 0, b_g, 0.0), axis=0) * it
+    # d x_j = -p_j * (a + b * d_j) + scatter, d_j = log2 p_j, constants folded per row
+    a = gsum
+    b = 0.0
+    if HAS_GH:
+        gh = tl.load(p_gh + row).to(tl.float32)
+        h = tl.load(p_ent + row).to(tl.float32)
+        a = a + gh * h
+        b = gh * LN2
+    a = a * it
+    b = b * it
+
+    p_idx_row = p_idx + row * K
+    p_g_row = p_glp + row * K
+    o_v = tl.arange(0, BLOCK_V)
+    v_full = V - V % BLOCK_V
+    xdx = 0.0
+    if v_full > 0:
+        b_x = tl.load(p_row + o_v).to(tl.float32)
+        for start in range(BLOCK_V, v_full, BLOCK_V):
+            b_nx = tl.load(p_row + start + o_v).to(tl.float32)  # prefetch the next block
+            xdx += _backward_block(b_x, start - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, start - BLOCK_V, V, K, c,
+                                   m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False,
+                                   EXACT_SHIFT, HAS_DT, BLOCK_V)
+            b_x = b_nx
+        xdx += _backward_block(b_x, v_full - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, v_full - BLOCK_V, V, K, c,
+                               m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False,
+                               EXACT_SHIFT, HAS_DT, BLOCK_V)
+    if v_full < V:
+        o = v_full + o_v
+        b_x = tl.load(p_row + o, mask=o < V, other=0.0).to(tl.float32)
+        xdx += _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, v_full, V, K, c,
+                               m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, True,
+                               EXACT_SHIFT, HAS_DT, BLOCK_V)
+    if HAS_DT:
+        tl.store(p_xdx + row, xdx)
+
+
+# (BLOCK_V, num_warps) per kernel, from the sweep in torch_fused.bench (H200, bf16, V=151936):
+# small blocks with 4 warps keep many rows in flight per SM, which is what a streaming pass needs.
+_CONFIGS = {"fwd": (1024, 2), "fwd_ent": (1024, 2), "bwd": (2048, 4)}
+
+
+def pick_block(v: int, elem_size: int, kind: str = "fwd") -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for a row of v elements of elem_size bytes; kind is 'fwd'
+    (log-probs only), 'fwd_ent' (with the entropy) or 'bwd'."""
+    block, warps = _CONFIGS[kind]
+    if elem_size > 2:
+        block //= 2  # same bytes per load
+    block = min(block, triton.next_power_of_2(max(v, 16)))
+    return block, min(warps, max(1, block // 256))
