@@ -17,16 +17,18 @@ OLD = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(OLD)
 
 NCU = os.environ.get("NCU") == "1"
+SWEEP = os.environ.get("SWEEP") == "1"  # (BLOCK_V, num_warps) sweep of this tree's kernel
+CFGS = [(1024, 2), (1024, 4), (512, 1), (512, 2), (2048, 4), (2048, 8)]
 
 
-def launch(mod, x, idx, ent_flag, idx_flag, strided_l=None):
+def launch(mod, x, idx, ent_flag, idx_flag, cfg=None):
     rows, v = (x.shape[0] * x.shape[1], x.shape[2])
     inner = x.shape[1]
     s_outer, s_inner = x.stride(0), x.stride(1)
     logp = torch.empty(rows, device=x.device)
     ent = torch.empty(rows, device=x.device)
     stats = torch.empty(rows, 2, device=x.device)
-    block_v, warps = mod.pick_block(v, 2, "fwd_ent" if ent_flag else "fwd")
+    block_v, warps = cfg or mod.pick_block(v, 2, "fwd_ent" if ent_flag else "fwd")
     extra = {"EPT": 8} if mod is NEW else {}
     mod._logprobs_entropy_forward_kernel[(rows,)](
         x, idx, logp, ent, stats, stats, v, 1, inner, s_outer, s_inner, NEW.LOG2E, -100,
@@ -59,6 +61,19 @@ def main():
             for mod in (OLD, NEW):
                 launch(mod, x, idx, True, False)
             torch.cuda.synchronize()
+            continue
+        if SWEEP:
+            res = {}
+            for rnd in range(2):
+                for cfg in CFGS:
+                    for name, ent_f, idx_f in [("ent", True, False), ("lp", False, True), ("lp+ent", True, True)]:
+                        t = triton.testing.do_bench(lambda: launch(NEW, x, idx, ent_f, idx_f, cfg), return_mode="median")
+                        res.setdefault((cfg, name), []).append(floor_ms / t)
+            for (cfg, name), fr in res.items():
+                print(f"   {str(cfg):12s} {name:7s} floor fraction {max(fr):.3f} (rounds {', '.join(f'{f:.3f}' for f in fr)})",
+                      flush=True)
+            del base, x
+            torch.cuda.empty_cache()
             continue
         res = {}
         for rnd in range(3):
