@@ -1,6 +1,8 @@
-"""Forward log-prob/entropy kernel, this tree's against the previous one (benchmarks/_lp_prev.py,
-the kernel file as committed before the per-thread-shift forward): interleaved timings as
-fractions of the same-run copy floor, and (NCU=1) one launch of each for ncu.
+"""Forward log-prob/entropy kernel, this tree's against a previous one: interleaved timings as
+fractions of the same-run copy floor, SWEEP=1 a (BLOCK_V, num_warps) sweep of this tree's kernel,
+NCU=1 one launch of each for ncu. The previous kernel is read from benchmarks/_lp_prev.py; make
+it with  git show 241ed7e:torch_fused/kernels/logprobs.py > benchmarks/_lp_prev.py  (the
+block-max forward, before the per-thread running max).
 python benchmarks/entropy_probe.py"""
 
 import importlib.util
@@ -12,9 +14,13 @@ import triton.testing
 
 from torch_fused.kernels import logprobs as NEW
 
-spec = importlib.util.spec_from_file_location("_lp_prev", os.path.join(os.path.dirname(__file__), "_lp_prev.py"))
-OLD = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(OLD)
+_PREV = os.path.join(os.path.dirname(__file__), "_lp_prev.py")
+if os.path.exists(_PREV):
+    spec = importlib.util.spec_from_file_location("_lp_prev", _PREV)
+    OLD = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(OLD)
+else:
+    OLD = NEW
 
 NCU = os.environ.get("NCU") == "1"
 SWEEP = os.environ.get("SWEEP") == "1"  # (BLOCK_V, num_warps) sweep of this tree's kernel

@@ -4,19 +4,23 @@ Conventions (after flash-linear-attention): ``p_`` pointers, ``b_`` blocks, int6
 One program handles one row of V logits in a single streaming pass; a row may start anywhere,
 given by two (size, stride) pairs for the leading dims, so strided views run without a copy.
 
-Numerics. Work is in base 2 with c = log2(e) / T. The row keeps its running max m of the raw
-logits and per lane of the block s = sum 2^(d) and, for the entropy, t = sum 2^(d) * d, with
-d = x c - m c formed by one fma (see _shifted), so d carries only a relative rounding of itself. The row statistics saved for the backward are the pair (m, log2 s),
-never lse = m c + log2 s as one fp32 number: for |z| ~ 1e4 that sum would carry a rounding of
-~1e-3, which every log-prob and gradient would inherit. In nats:
+Numerics. Work is in base 2 with c = log2(e) / T. In the forward a block of logits is a
+[NR, EPT] tile, each tile row one thread's 16-byte vector; every tile row keeps its own running
+max m_k of the raw logits and sums s_k = sum 2^d and, for the entropy, t_k = sum 2^d d, with
+d = x c - m_k c formed by one fma (see _shifted), so d carries only a relative rounding of
+itself. Max, rescale and sums never leave the thread; the tile rows are combined once per row
+(_forward_combine) against the row max m, with the shifts' difference taken between the same
+rounded products that _shifted used. The row statistics saved for the backward are the pair
+(m, log2 s), never lse = m c + log2 s as one fp32 number: for |z| ~ 1e4 that sum would carry a
+rounding of ~1e-3, which every log-prob and gradient would inherit. In nats:
 logp = (d_i - log2 s) ln2 and H = (log2 s - t / s) ln2 (no lse - E[z] cancellation).
 
-Cost per element is what bounds these kernels once loads are wide (an H200 streams ~2e12 bf16
-elements/s, leaving ~16 fp32 instructions per element): one exp2, a block max, and two or three
-FMAs. Full blocks run unmasked, with the next block's load issued before the current block's
-math (one row per program leaves no other source of loads in flight); the lane sums are rescaled
-only in the (rare) blocks where the row max grows; in the backward the index term touches only
-the block that holds the index.
+Cost. A block max reduced across the threads on every block (shuffles, a shared-memory
+exchange, two barriers) made the previous forward wait on itself: 80 registers, 37% occupancy,
+0.85 of the memory floor with the entropy. Per-thread maxima need 40-48 registers and reach the
+floor (docs/BENCHMARKS.md). Full blocks run unmasked, with the next block's load issued before
+the current block's math (one row per program leaves no other source of loads in flight); in
+the backward the index term touches only the block that holds the index.
 Non-finite input: a NaN or +inf logit makes its row NaN; -inf is a masked entry (probability 0);
 a row of only -inf gives NaN.
 """
