@@ -49,10 +49,12 @@ def mr_cases(draw):
 
 def _operand(shape, pats, drop, make, device):
     """A tensor broadcastable to shape with the given per-dim pattern, and its materialized copy."""
-    store = [1 if p != "full" else s for p, s in zip(pats, shape)]
+    # the first `drop` dims are left out of the operand (broadcast by rank); building it from
+    # the kept dims only also covers a size-0 leading dim, which indexing [0] could not drop
+    pats, kept = pats[drop:], list(shape)[drop:]
+    store = [1 if p != "full" else s for p, s in zip(pats, kept)]
     t = make(store).to(device)
-    view = t.expand([s if p == "expand" else st for p, s, st in zip(pats, shape, store)])
-    view = view[(0,) * drop] if drop else view
+    view = t.expand([s if p == "expand" else st for p, s, st in zip(pats, kept, store)])
     return view, torch.broadcast_to(view.cpu(), shape).contiguous()
 
 
