@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import torch_fused
 
-from .common import Row, bench_ms, peak_extra_mb
+from .common import Row, bench_ms, peak_extra_mb, warm_up
 
 SHAPES = [(8, 1024, 151936), (4, 4096, 151936), (16, 4096, 32000)]
 
@@ -88,6 +88,7 @@ def run(report, copy_gbps, quick=False):
                 report.rows.append(Row(group, shape, impl, ms, floor, peak_extra_mb=pk, note=note).finish(copy_gbps))
                 print(f"{group:34s} {shape:32s} {impl:26s} {ms:8.3f} ms  {report.rows[-1].frac_floor:.3f} of floor", flush=True)
 
+            warm_up(lambda: torch_fused.logprobs_and_entropy(x, idx))
             # selective_log_softmax
             g = "selective_log_softmax fwd"
             add(g, "torch_fused", lambda: torch_fused.selective_log_softmax(x, idx), nbytes)

@@ -10,7 +10,7 @@ import torch
 
 import torch_fused
 
-from .common import Row, bench_ms, peak_extra_mb
+from .common import Row, bench_ms, peak_extra_mb, warm_up
 
 # (B, M, N), mask pattern, reduce dim 1
 CASES = [
@@ -45,6 +45,7 @@ def run(report, copy_gbps, quick=False):
         y = torch_fused.mask_reduce(x, 1, mask)
         ref = plain(x.float(), mask)
         err = ((y.float() - ref).norm() / ref.norm()).item()
+        warm_up(lambda: torch_fused.mask_reduce(x, 1, mask))
         for impl, fn in [("torch_fused", lambda: torch_fused.mask_reduce(x, 1, mask)),
                          ("torch.where eager", lambda: plain(x, mask)),
                          ("torch.compile where", lambda: compiled(x, mask))]:
