@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.testing
 
+from torch_fused.bench.common import copy_bandwidth_gbps
 from torch_fused.kernels import logprobs as NEW
 
 _PREV = os.path.join(os.path.dirname(__file__), "_lp_prev.py")
@@ -44,10 +45,7 @@ def launch(mod, x, idx, ent_flag, idx_flag, cfg=None):
 
 
 def main():
-    a = torch.empty(2 << 30, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    copy = 2 * a.numel() * 2 / (triton.testing.do_bench(lambda: b.copy_(a), return_mode="median") * 1e-3) / 1e9
-    del a, b
+    copy = copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s")
     shapes = [(4, 4096, 151936, False), (4, 4096, 151936, True), (16, 4096, 32000, False)]
     if NCU:

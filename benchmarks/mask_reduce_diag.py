@@ -10,11 +10,14 @@ import triton
 import triton.testing
 
 import torch_fused
+from torch_fused.bench.mask_reduce import make_mask
 from torch_fused.kernels import mask_reduce as K
 
 OUT = os.environ.get("OUT", "/tmp/out")
-CFGS = [("full", (8192, 4, 8192), (4, 512, 8, 1)), ("full", (8192, 4, 8192), (1, 2048, 8, 4)),
-        ("1MN", (8, 4096, 4096), (32, 64, 8, 4)), ("BM1", (65536, 4, 8192), (4, 512, 8, 1))]
+# (pattern, shape, pick_blocks result: BLOCK_R, BLOCK_I, num_warps, VEC, PIPELINE, UNROLL)
+CFGS = [("full", (8192, 4, 8192), (4, 512, 8, 8, False, 1)), ("full", (8192, 4, 8192), (1, 512, 2, 8, False, 4)),
+        ("1 M N expanded", (8, 4096, 4096), (64, 64, 8, 8, True, 1)),
+        ("B M 1 expanded", (65536, 4, 8192), (1, 512, 2, 8, False, 4))]
 
 
 def main():
@@ -23,13 +26,7 @@ def main():
     for pat, shape, cfg in CFGS:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
-        b, m, n = shape
-        if pat == "full":
-            mask = torch.rand(shape, device="cuda", generator=g) > 0.5
-        elif pat == "BM1":
-            mask = (torch.rand(b, m, 1, device="cuda", generator=g) > 0.5).expand(shape)
-        else:
-            mask = (torch.rand(1, m, n, device="cuda", generator=g) > 0.5).expand(shape)
+        mask = make_mask(shape, pat, g)
         K.pick_blocks = lambda *a, _c=cfg: _c
         torch_fused.mask_reduce(x, 1, mask)
         torch.cuda.synchronize()
@@ -39,7 +36,7 @@ def main():
         # the newest compiled variant of the kernel
         cache = K._mask_reduce_forward_kernel.device_caches[torch.cuda.current_device()][0]
         for key, kern in list(cache.items())[-1:]:
-            tag = f"{pat}_{'_'.join(map(str, cfg))}"
+            tag = f"{pat.replace(' ', '')}_{'_'.join(map(str, cfg))}"
             for ext in ("ttgir", "ptx"):
                 open(f"{OUT}/asm/{tag}.{ext}", "w").write(kern.asm[ext])
             open(f"/tmp/{tag}.cubin", "wb").write(kern.asm["cubin"])

@@ -8,34 +8,28 @@ import triton
 import triton.testing
 
 import torch_fused
+from torch_fused.bench.common import copy_bandwidth_gbps
+from torch_fused.bench.mask_reduce import make_mask
 from torch_fused.kernels import mask_reduce as K
 
-CASES = [((65536, 4, 8192), "B M 1"), ((8192, 4, 8192), "full"), ((8, 4096, 4096), "1 M N")]
+CASES = [((65536, 4, 8192), "B M 1 expanded"), ((8192, 4, 8192), "full"), ((8, 4096, 4096), "1 M N expanded")]
 CONFIGS = {
-    "B M 1": [None, (1, 1024, 4, 8, False, 4), (1, 2048, 8, 8, False, 4)],
+    "B M 1 expanded": [None, (1, 1024, 4, 8, False, 4), (1, 2048, 8, 8, False, 4)],
     "full": [None, (1, 1024, 4, 8, False, 4), (1, 2048, 8, 8, False, 4)],
-    "1 M N": [None, (32, 64, 4, 8, True, 1), (128, 64, 8, 8, True, 1)],
+    "1 M N expanded": [None, (32, 64, 4, 8, True, 1), (128, 64, 8, 8, True, 1)],
 }
 ROUNDS = 3  # every config timed ROUNDS times, interleaved: the spread shows the run's noise
 
 
 def main():
-    a = torch.empty(2 << 30, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    copy = 2 * a.numel() * 2 / (triton.testing.do_bench(lambda: b.copy_(a), return_mode="median") * 1e-3) / 1e9
-    del a, b
+    copy = copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s")
     orig = K.pick_blocks
     for shape, pat in CASES:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
         bb, m, n = shape
-        if pat == "full":
-            mask = torch.rand(shape, device="cuda", generator=g) > 0.5
-        elif pat == "B M 1":
-            mask = (torch.rand(bb, m, 1, device="cuda", generator=g) > 0.5).expand(shape)
-        else:
-            mask = (torch.rand(1, m, n, device="cuda", generator=g) > 0.5).expand(shape)
+        mask = make_mask(shape, pat, g)
         floor_ms = torch_fused.mask_reduce_cost(x, 1, mask)["floor_bytes"] / (copy * 1e9) * 1e3
         ref = torch.where(mask, x.float(), 0.0).sum(1)
         print(f"{pat}: shipped picks {orig(m, n, bb, False, 2, torch.cuda.get_device_properties(0).multi_processor_count)}")
@@ -54,7 +48,7 @@ def main():
             print(f"{pat:6s} {str(cfg or 'shipped'):32s} {min(ts):.4f} ms  floor fraction min/med/max "
                   f"{fr[0]:.3f}/{fr[len(fr) // 2]:.3f}/{fr[-1]:.3f}", flush=True)
         K.pick_blocks = orig
-        if pat == "1 M N":  # probes: the same strips without a mask, and eager torch.sum
+        if pat == "1 M N expanded":  # probes: the same strips without a mask, and eager torch.sum
             for name, fn in [("no mask", lambda: torch_fused.mask_reduce(x, 1)), ("torch.sum", lambda: x.sum(1))]:
                 nfloor = (x.numel() + x.numel() // m) * 2 / (copy * 1e9) * 1e3
                 t = triton.testing.do_bench(fn, return_mode="median")

@@ -24,7 +24,8 @@ def plain(x, mask):
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(1)
 
 
-def _mask(shape, pattern, g):
+def make_mask(shape, pattern, g):
+    """The benchmark's bool mask for a (B, M, N) case: 'full', 'B M 1 expanded' or '1 M N expanded'."""
     b, m, n = shape
     if pattern == "full":
         return torch.rand(shape, device="cuda", generator=g) > 0.5
@@ -38,7 +39,7 @@ def run(report, copy_gbps, quick=False):
     for shape, pattern in CASES[:1] if quick else CASES:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
-        mask = _mask(shape, pattern, g)
+        mask = make_mask(shape, pattern, g)
         cost = torch_fused.mask_reduce_cost(x, 1, mask)
         floor = cost["floor_bytes"]
         name = f"{shape[0]}x{shape[1]}x{shape[2]} mask {pattern}"
