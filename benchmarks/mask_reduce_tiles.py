@@ -3,6 +3,8 @@ correctness check per config, against the shipped picker. Configs are
 (BLOCK_R, BLOCK_I, num_warps, VEC, PIPELINE, UNROLL), VEC = 8 bf16 elements (16 bytes) per thread and row;
 rows per thread = BLOCK_R * BLOCK_I / (VEC * 32 * num_warps). Run on the device: python benchmarks/mask_reduce_tiles.py"""
 
+import os
+
 import torch
 import triton
 import triton.testing
@@ -19,6 +21,8 @@ CONFIGS = {
     "1 M N expanded": [None, (32, 64, 4, 8, True, 1), (128, 64, 8, 8, True, 1)],
 }
 ROUNDS = 3  # every config timed ROUNDS times, interleaved: the spread shows the run's noise
+ROTATIONS = [0, 1, 2, 8]  # R_ROTATE_TILES values tried on the column-strip case, shipped tile
+ONLY = os.environ.get("ONLY")  # e.g. ONLY="1 M N expanded": that case alone
 
 
 def main():
@@ -26,6 +30,8 @@ def main():
     print(f"copy {copy:.0f} GB/s")
     orig = K.pick_blocks
     for shape, pat in CASES:
+        if ONLY and pat != ONLY:
+            continue
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
         bb, m, n = shape
@@ -48,7 +54,21 @@ def main():
             print(f"{pat:6s} {str(cfg or 'shipped'):32s} {min(ts):.4f} ms  floor fraction min/med/max "
                   f"{fr[0]:.3f}/{fr[len(fr) // 2]:.3f}/{fr[-1]:.3f}", flush=True)
         K.pick_blocks = orig
-        if pat == "1 M N expanded":  # probes: the same strips without a mask, and eager torch.sum
+        if pat == "1 M N expanded":
+            rot = {}
+            for rnd in range(ROUNDS):
+                for k in ROTATIONS:
+                    K.R_ROTATE_TILES = k
+                    if rnd == 0:
+                        y = torch_fused.mask_reduce(x, 1, mask, out_dtype=torch.float32)
+                        assert ((y - ref).norm() / ref.norm()).item() < 1e-5, k
+                    t = triton.testing.do_bench(lambda: torch_fused.mask_reduce(x, 1, mask), return_mode="median")
+                    rot.setdefault(k, []).append(floor_ms / t)
+            K.R_ROTATE_TILES = 0
+            for k, fr in rot.items():
+                fr = sorted(fr)
+                print(f"{pat:6s} shipped, R_ROTATE_TILES={k:<3d}          floor fraction min/med/max "
+                      f"{fr[0]:.3f}/{fr[len(fr) // 2]:.3f}/{fr[-1]:.3f}", flush=True)  # probes: the same strips without a mask, and eager torch.sum
             for name, fn in [("no mask", lambda: torch_fused.mask_reduce(x, 1)), ("torch.sum", lambda: x.sum(1))]:
                 nfloor = (x.numel() + x.numel() // m) * 2 / (copy * 1e9) * 1e3
                 t = triton.testing.do_bench(fn, return_mode="median")

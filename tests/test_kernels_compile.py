@@ -40,7 +40,7 @@ def _cases():
                {"HAS_GLP": glp, "HAS_GH": gh, "SINGLE_K": sk, "EXACT_SHIFT": False, "T_FROM_PTR": dt,
                 "HAS_DT": dt, "BLOCK_V": 2048, "BLOCK_K": 4}, 4)
     mr = {"p_x": "*bf16", "p_m": "*u8", "p_s": "*fp32", "p_y": "*bf16", "R": "i32", "O1": "i32", "I": "i32",
-          "n_iblk": "i32"}
+          "n_iblk": "i32", "r_rot": "i32"}
     for pre in ("sx", "sm", "ss"):
         for suf in ("r", "0", "1", "i"):
             mr[f"{pre}_{suf}"] = "i64"

@@ -99,7 +99,7 @@ def _add_tile(acc, b_x, keep, b_sc, HAS_MASK: tl.constexpr, HAS_SCALE: tl.conste
 @triton.jit
 def _mask_reduce_forward_kernel(
     p_x, p_m, p_s, p_y,
-    R, O1, I, n_iblk,
+    R, O1, I, n_iblk, r_rot,
     sx_r, sx_0, sx_1, sx_i,
     sm_r, sm_0, sm_1, sm_i,
     ss_r, ss_0, ss_1, ss_i,
@@ -140,15 +140,21 @@ def _mask_reduce_forward_kernel(
     else:
         acc = tl.zeros([BLOCK_R, BLOCK_I], dtype=tl.float32)
     if PIPELINE:
-        # software pipelining: the loads of trip k+1 are issued before the adds of trip k
-        xn, kn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, 0, o_r, m_i, R, sx_r, sm_r, ss_r,
-                                HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X, HAS_SCALE, S_BCAST_R,
-                                S_BCAST_I, M_EVICT, X_EVICT)
-        for r0 in range(0, R, BLOCK_R):
+        # software pipelining: the loads of trip k+1 are issued before the adds of trip k.
+        # Trips visit the row tiles from tile k0 = outer * r_rot (mod their count) on, wrapping
+        # around: r_rot > 0 staggers programs of different outer indices across rows.
+        n_rt = tl.cdiv(R, BLOCK_R)
+        k0 = (outer * r_rot) % n_rt
+        xn, kn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, k0 * BLOCK_R, o_r, m_i, R,
+                                sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X, HAS_SCALE,
+                                S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT)
+        for k in range(0, n_rt):
             xc = xn
             kc = kn
             sc = sn
-            xn, kn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0 + BLOCK_R, o_r, m_i, R,
+            # the next trip's rows; past the last trip, rows from R on (nothing is loaded)
+            r_next = tl.where(k + 1 < n_rt, ((k0 + k + 1) % n_rt) * BLOCK_R, R)
+            xn, kn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r_next, o_r, m_i, R,
                                     sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X,
                                     HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT)
             acc = _add_tile(acc, xc, kc, sc, HAS_MASK, HAS_SCALE)
@@ -177,6 +183,11 @@ def _mask_reduce_forward_kernel(
                 acc = _add_tile(acc, x3, k3, s3, HAS_MASK, HAS_SCALE)
     y = tl.sum(acc, axis=0)
     tl.store(p_y + outer * I + i0 + tl.arange(0, BLOCK_I), y.to(p_y.dtype.element_ty), mask=m_i)
+
+
+# row tiles by which the pipelined loop's start moves from one outer index to the next (0: all
+# programs walk the rows in the same order); set by benchmarks/mask_reduce_tiles.py
+R_ROTATE_TILES = 0
 
 
 def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int = 2,

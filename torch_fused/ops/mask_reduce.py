@@ -95,7 +95,7 @@ def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
     span = max(abs(st[0]) * block_r + abs(st[3]) * block_i for st in (sx, sm, ss))
     K._mask_reduce_forward_kernel[(o0 * o1 * n_iblk,)](
         xt, mt, sc, y,
-        r, o1, i, n_iblk,
+        r, o1, i, n_iblk, K.R_ROTATE_TILES,
         *sx, *sm, *ss,
         HAS_MASK=mask is not None, HAS_SCALE=scale is not None,
         ACC_F64=acc_dtype(x.dtype) == torch.float64,
