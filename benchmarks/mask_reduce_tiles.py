@@ -22,6 +22,7 @@ CONFIGS = {
 }
 ROUNDS = 3  # every config timed ROUNDS times, interleaved: the spread shows the run's noise
 ROTATIONS = [0, 1, 2, 8]  # R_ROTATE_TILES values tried on the column-strip case, shipped tile
+HINTS = os.environ.get("HINTS") == "1"  # instead: the shipped tile with and without eviction hints
 ONLY = os.environ.get("ONLY")  # e.g. ONLY="1 M N expanded": that case alone
 
 
@@ -40,7 +41,7 @@ def main():
         ref = torch.where(mask, x.float(), 0.0).sum(1)
         print(f"{pat}: shipped picks {orig(m, n, bb, False, 2, torch.cuda.get_device_properties(0).multi_processor_count)}")
         times = {}
-        for rnd in range(ROUNDS):
+        for rnd in range(0 if HINTS else ROUNDS):
             for cfg in CONFIGS[pat]:
                 K.pick_blocks = orig if cfg is None else (lambda *args, _c=cfg: _c)
                 if rnd == 0:
@@ -54,7 +55,17 @@ def main():
             print(f"{pat:6s} {str(cfg or 'shipped'):32s} {min(ts):.4f} ms  floor fraction min/med/max "
                   f"{fr[0]:.3f}/{fr[len(fr) // 2]:.3f}/{fr[-1]:.3f}", flush=True)
         K.pick_blocks = orig
-        if pat == "1 M N expanded":
+        if pat == "1 M N expanded" and HINTS:
+            hint = {}
+            for rnd in range(4):
+                for on in (True, False):
+                    K.EVICT_HINTS = on
+                    t = triton.testing.do_bench(lambda: torch_fused.mask_reduce(x, 1, mask), return_mode="median")
+                    hint.setdefault(on, []).append(floor_ms / t)
+            K.EVICT_HINTS = True
+            for on, fr in hint.items():
+                print(f"{pat:6s} shipped, eviction hints {on!s:5s} rounds: {', '.join(f'{f:.3f}' for f in fr)}", flush=True)
+        elif pat == "1 M N expanded":
             rot = {}
             for rnd in range(ROUNDS):
                 for k in ROTATIONS:

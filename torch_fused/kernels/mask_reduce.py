@@ -188,6 +188,8 @@ def _mask_reduce_forward_kernel(
 # row tiles by which the pipelined loop's start moves from one outer index to the next (0: all
 # programs walk the rows in the same order); set by benchmarks/mask_reduce_tiles.py
 R_ROTATE_TILES = 0
+# L2 eviction hints where a mask is shared across programs (x evict_first, mask evict_last)
+EVICT_HINTS = True
 
 
 def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int = 2,
