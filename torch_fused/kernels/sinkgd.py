@@ -78,7 +78,9 @@ def _tile(p_meta, p_first, n_mats, kernel, BM: tl.constexpr, BN: tl.constexpr):
 
 @triton.jit
 def _sinkgd_sums_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
-                        AXIS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                        AXIS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        ONES_R: tl.constexpr, ONES_C: tl.constexpr):
+    """ONES_R / ONES_C: r / c are still all ones (the first iteration): not read."""
     mat, row, m, n, b, t_m, t_n = _tile(p_meta, p_first, n_mats, AXIS, BM, BN)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
     tiles_m = tl.cdiv(m, BM)
@@ -89,9 +91,13 @@ def _sinkgd_sums_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
     m_n = o_n < n
     b_g = tl.load(p_g + b * m * n + o_m[:, None] * n + o_n[None, :],
                   mask=m_m[:, None] & m_n[None, :], other=0.0).to(tl.float32)
-    b_r = tl.load(p_r + tl.load(row + R_OFF) + b * m + o_m, mask=m_m, other=0.0)
-    b_c = tl.load(p_c + tl.load(row + C_OFF) + b * n + o_n, mask=m_n, other=0.0)
-    b_x = b_g * b_r[:, None] * b_c[None, :]
+    b_x = b_g
+    if not ONES_R:
+        b_r = tl.load(p_r + tl.load(row + R_OFF) + b * m + o_m, mask=m_m, other=0.0)
+        b_x = b_x * b_r[:, None]
+    if not ONES_C:
+        b_c = tl.load(p_c + tl.load(row + C_OFF) + b * n + o_n, mask=m_n, other=0.0)
+        b_x = b_x * b_c[None, :]
     b_x2 = b_x * b_x
     if AXIS == 0:  # row sums: partials [B, tiles_n, m]
         s = tl.sum(b_x2, axis=1)
@@ -103,8 +109,9 @@ def _sinkgd_sums_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
 
 @triton.jit
 def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
-                         AXIS: tl.constexpr, PART_TILE: tl.constexpr, BLOCK: tl.constexpr):
-    """AXIS=0: r <- r sqrt(n) / max(row norm, eps); AXIS=1: c <- c sqrt(m) / max(col norm, eps)."""
+                         AXIS: tl.constexpr, PART_TILE: tl.constexpr, BLOCK: tl.constexpr, ONES: tl.constexpr):
+    """AXIS=0: r <- r sqrt(n) / max(row norm, eps); AXIS=1: c <- c sqrt(m) / max(col norm, eps).
+    ONES: the vector is still all ones (first iteration): written, not read."""
     pid = tl.program_id(0).to(tl.int64)
     mat, local = _find_matrix(p_first + (2 + AXIS) * (n_mats + 1), n_mats, pid)
     row = p_meta + mat * META_COLS
@@ -130,14 +137,19 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
     for k in range(0, n_parts):  # fixed order: deterministic
         acc += tl.load(p_part + poff + (b * n_parts + k) * length + o, mask=msk, other=0.0)
     p_v = p_vec + off + b * length + o
-    v = tl.load(p_v, mask=msk, other=0.0)
-    v = v * target / tl.maximum(tl.sqrt(acc), eps)
+    if ONES:
+        v = target / tl.maximum(tl.sqrt(acc), eps)
+    else:
+        v = tl.load(p_v, mask=msk, other=0.0)
+        v = v * target / tl.maximum(tl.sqrt(acc), eps)
     tl.store(p_v, tl.minimum(v, 1e30), mask=msk)
 
 
 @triton.jit
-def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_coef_x, p_coef_w, p_seed,
-                          STOCHASTIC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_lr, p_fac, n_coef, p_spec, wd, p_seed,
+                          STOCHASTIC: tl.constexpr, HAS_SPEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """coef_x = lr * fac[COEF_OFF + b] (* spec[COEF_OFF + b], the spectral scale), coef_w =
+    lr * fac[n_coef + mat] * wd: lr is a device scalar, fac the cached per-matrix lr factors."""
     mat, row, m, n, b, t_m, t_n = _tile(p_meta, p_first, n_mats, 4, BM, BN)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
     p_w = tl.load(row + W_PTR).to(tl.pointer_type(p_wdt.dtype.element_ty))
@@ -151,8 +163,12 @@ def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_coe
     b_w = tl.load(p_w + offs, mask=msk, other=0.0).to(tl.float32)
     b_r = tl.load(p_r + tl.load(row + R_OFF) + b * m + o_m, mask=m_m, other=0.0)
     b_c = tl.load(p_c + tl.load(row + C_OFF) + b * n + o_n, mask=m_n, other=0.0)
-    coef_x = tl.load(p_coef_x + tl.load(row + COEF_OFF) + b)
-    coef_w = tl.load(p_coef_w + mat)
+    lr = tl.load(p_lr).to(tl.float32)
+    i_coef = tl.load(row + COEF_OFF) + b
+    coef_x = lr * tl.load(p_fac + i_coef)
+    if HAS_SPEC:
+        coef_x = coef_x * tl.load(p_spec + i_coef)
+    coef_w = lr * tl.load(p_fac + n_coef + mat) * wd
     new = b_w - coef_x * (b_g * b_r[:, None] * b_c[None, :]) - coef_w * b_w
     if STOCHASTIC:
         # bf16 stochastic rounding: add 16 random bits below bf16's mantissa, then truncate.
@@ -172,14 +188,18 @@ def compile_cases():
     sums = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_gdt": "*bf16", "p_r": "*fp32",
             "p_c": "*fp32", "p_part": "*fp32"}
     for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):
-        yield (f"sinkgd_sums axis={axis}", _sinkgd_sums_kernel, sums, {"AXIS": axis, "BM": bm, "BN": bn}, w)
+        for ones in (False, True):
+            yield (f"sinkgd_sums axis={axis} ones={ones}", _sinkgd_sums_kernel, sums,
+                   {"AXIS": axis, "BM": bm, "BN": bn, "ONES_R": ones and axis == 0, "ONES_C": ones}, w)
     scale = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_vec": "*fp32", "p_part": "*fp32",
              "eps": "fp32"}
     for axis, tile in ((0, ROW_TILE[1]), (1, COL_TILE[0])):
-        yield (f"sinkgd_scale axis={axis}", _sinkgd_scale_kernel, scale,
-               {"AXIS": axis, "PART_TILE": tile, "BLOCK": SCALE_BLOCK}, 4)
+        for ones in (False, True):
+            yield (f"sinkgd_scale axis={axis} ones={ones}", _sinkgd_scale_kernel, scale,
+                   {"AXIS": axis, "PART_TILE": tile, "BLOCK": SCALE_BLOCK, "ONES": ones}, 4)
     upd = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_gdt": "*fp16", "p_wdt": "*bf16",
-           "p_r": "*fp32", "p_c": "*fp32", "p_coef_x": "*fp32", "p_coef_w": "*fp32", "p_seed": "*fp32"}
+           "p_r": "*fp32", "p_c": "*fp32", "p_lr": "*fp32", "p_fac": "*fp32", "n_coef": "i32", "p_spec": "*fp32",
+           "wd": "fp32", "p_seed": "*fp32"}
     for sr in (False, True):
         yield (f"sinkgd_update sr={sr}", _sinkgd_update_kernel, upd,
-               {"STOCHASTIC": sr, "BM": UPD_TILE[0], "BN": UPD_TILE[1]}, UPD_TILE[2])
+               {"STOCHASTIC": sr, "HAS_SPEC": sr, "BM": UPD_TILE[0], "BN": UPD_TILE[1]}, UPD_TILE[2])

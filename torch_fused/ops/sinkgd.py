@@ -8,6 +8,7 @@ kernels that carry only row/column scale vectors (kernels/sinkgd.py).
 
 from __future__ import annotations
 
+import collections
 import math
 
 import torch
@@ -42,6 +43,70 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
+class _Plan:
+    """What a step of one matrix group needs beyond the tensors themselves: the work table on
+    the device, the grid sizes and buffer lengths, and the per-matrix lr factors. It depends
+    only on the matrices' addresses, shapes and dtypes and on the lr-shape hyperparameters, so
+    it is built once and reused while those stay the same (the parameters never move; the
+    caching allocator hands a re-created gradient the same address in a steady training loop).
+    A step then does no host-to-device copy and no Python work per matrix beyond its key."""
+
+    def __init__(self, ps, gs, lr_scale, base_width, width_exponent):
+        from ..kernels import sinkgd as K
+
+        dev = ps[0].device
+        rbm, rbn, _ = K.ROW_TILE
+        cbm, cbn, _ = K.COL_TILE
+        ubm, ubn, _ = K.UPD_TILE
+        sb = K.SCALE_BLOCK
+        meta, firsts = [], [[0] for _ in range(K.N_KERNELS)]
+        r_off = c_off = pr_off = pc_off = coef_off = 0
+        factors_b, factors_m, self.spans = [], [], []
+        for p, g in zip(ps, gs):
+            b, m, n = _as3d(p).shape
+            tn, tm = _cdiv(n, rbn), _cdiv(m, cbm)
+            # row order = kernels/sinkgd.py's meta columns
+            meta += [g.data_ptr(), p.data_ptr(), m, n, r_off, c_off, pr_off, pc_off, coef_off]
+            progs = (b * _cdiv(m, rbm) * tn, b * tm * _cdiv(n, cbn), b * _cdiv(m, sb), b * _cdiv(n, sb),
+                     b * _cdiv(m, ubm) * _cdiv(n, ubn))
+            for k, pr in enumerate(progs):
+                firsts[k].append(firsts[k][-1] + pr)
+            self.spans.append((r_off, c_off, b, m, n))
+            f = _lr_factor(n, lr_scale, base_width, width_exponent)
+            factors_b += [f] * b
+            factors_m.append(f)
+            r_off += b * m
+            c_off += b * n
+            pr_off += b * tn * m
+            pc_off += b * tm * n
+            coef_off += b
+        self.n_mats = len(ps)
+        self.grids = [f[-1] for f in firsts]
+        self.lens = (r_off, c_off, pr_off, pc_off)
+        self.n_coef = coef_off
+        table = torch.tensor(meta + [x for row in firsts for x in row], dtype=torch.int64).to(dev)
+        self.t_meta, self.t_first = table[: len(meta)], table[len(meta):]
+        # lr factors: one per batch entry (coef_x), then one per matrix (coef_w)
+        self.fac = torch.tensor(factors_b + factors_m, dtype=torch.float32).to(dev)
+
+
+_PLANS: collections.OrderedDict = collections.OrderedDict()
+_MAX_PLANS = 16
+
+
+def _plan(ps, gs, lr_scale, base_width, width_exponent) -> _Plan:
+    key = (lr_scale, base_width, width_exponent,
+           tuple((p.data_ptr(), g.data_ptr(), p.shape, p.dtype, g.dtype, p.device) for p, g in zip(ps, gs)))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _Plan(ps, gs, lr_scale, base_width, width_exponent)
+        if len(_PLANS) > _MAX_PLANS:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    return plan
+
+
 def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral_norm, spectral_target,
                   spectral_iters, base_width, width_exponent, stochastic, seed):
     """One SinkGD step for matrices sharing a (param dtype, grad dtype) pair: 4L + 1 launches of
@@ -49,62 +114,43 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
     from ..kernels import sinkgd as K
 
     dev = ps[0].device
-    w3s = [_as3d(p) for p in ps]
-    g3s = [_as3d(g.contiguous()) for g in gs]
+    gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
+    plan = _plan(ps, gs, lr_scale, base_width, width_exponent)
     rbm, rbn, rw = K.ROW_TILE
     cbm, cbn, cw = K.COL_TILE
     ubm, ubn, uw = K.UPD_TILE
     sb = K.SCALE_BLOCK
-    meta, firsts = [], [[0] for _ in range(K.N_KERNELS)]
-    r_off = c_off = pr_off = pc_off = coef_off = 0
-    factors_b, factors_m, spans = [], [], []
-    for w3, g3 in zip(w3s, g3s):
-        b, m, n = w3.shape
-        tn, tm = _cdiv(n, rbn), _cdiv(m, cbm)
-        # row order = kernels/sinkgd.py's meta columns
-        meta += [g3.data_ptr(), w3.data_ptr(), m, n, r_off, c_off, pr_off, pc_off, coef_off]
-        progs = (b * _cdiv(m, rbm) * tn, b * tm * _cdiv(n, cbn), b * _cdiv(m, sb), b * _cdiv(n, sb),
-                 b * _cdiv(m, ubm) * _cdiv(n, ubn))
-        for k, pr in enumerate(progs):
-            firsts[k].append(firsts[k][-1] + pr)
-        spans.append((r_off, c_off, b, m, n))
-        f = _lr_factor(n, lr_scale, base_width, width_exponent)
-        factors_b += [f] * b
-        factors_m.append(f)
-        r_off += b * m
-        c_off += b * n
-        pr_off += b * tn * m
-        pc_off += b * tm * n
-        coef_off += b
-    n_mats = len(w3s)
-    table = torch.tensor(meta + [x for row in firsts for x in row], dtype=torch.int64).to(dev, non_blocking=True)
-    t_meta, t_first = table[: len(meta)], table[len(meta):]
-    r = torch.ones(r_off, dtype=torch.float32, device=dev)
-    c = torch.ones(c_off, dtype=torch.float32, device=dev)
-    part_r = torch.empty(pr_off, dtype=torch.float32, device=dev)
-    part_c = torch.empty(pc_off, dtype=torch.float32, device=dev)
-    gdt, wdt = g3s[0], w3s[0]
-    for _ in range(iters):
-        K._sinkgd_sums_kernel[(firsts[0][-1],)](t_meta, t_first, n_mats, gdt, r, c, part_r,
-                                                AXIS=0, BM=rbm, BN=rbn, num_warps=rw)
-        K._sinkgd_scale_kernel[(firsts[2][-1],)](t_meta, t_first, n_mats, r, part_r, eps,
-                                                 AXIS=0, PART_TILE=rbn, BLOCK=sb)
-        K._sinkgd_sums_kernel[(firsts[1][-1],)](t_meta, t_first, n_mats, gdt, r, c, part_c,
-                                                AXIS=1, BM=cbm, BN=cbn, num_warps=cw)
-        K._sinkgd_scale_kernel[(firsts[3][-1],)](t_meta, t_first, n_mats, c, part_c, eps,
-                                                 AXIS=1, PART_TILE=cbm, BLOCK=sb)
-    fac = torch.tensor(factors_b + factors_m, dtype=torch.float32).to(dev, non_blocking=True)
-    eta_b, eta_m = lr.to(dev, torch.float32) * fac[:coef_off], lr.to(dev, torch.float32) * fac[coef_off:]
+    r_len, c_len, pr_len, pc_len = plan.lens
+    r = torch.empty(r_len, dtype=torch.float32, device=dev)
+    c = torch.empty(c_len, dtype=torch.float32, device=dev)
+    part_r = torch.empty(pr_len, dtype=torch.float32, device=dev)
+    part_c = torch.empty(pc_len, dtype=torch.float32, device=dev)
+    if iters == 0:
+        r.fill_(1.0)
+        c.fill_(1.0)
+    args = (plan.t_meta, plan.t_first, plan.n_mats)
+    gdt, wdt = gs[0], ps[0]  # dtype carriers: the addresses come from the table
+    for it in range(iters):
+        first = it == 0  # r and c are still all ones: the kernels neither read nor need them
+        K._sinkgd_sums_kernel[(plan.grids[0],)](*args, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
+                                                ONES_R=first, ONES_C=first, num_warps=rw)
+        K._sinkgd_scale_kernel[(plan.grids[2],)](*args, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=sb, ONES=first)
+        K._sinkgd_sums_kernel[(plan.grids[1],)](*args, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
+                                                ONES_R=False, ONES_C=first, num_warps=cw)
+        K._sinkgd_scale_kernel[(plan.grids[3],)](*args, c, part_c, eps, AXIS=1, PART_TILE=cbm, BLOCK=sb, ONES=first)
+    lr_d = lr.to(dev, torch.float32)
+    spec = plan.fac  # a placeholder pointer unless the spectral scale is on
     if spectral_norm:
         s_all = []
-        for i, (ro, co, b, m, n) in enumerate(spans):
+        for i, (ro, co, b, m, n) in enumerate(plan.spans):
             target = _spectral_target(spectral_target, m, n)
             s_all.append(reference.sinkgd_spectral_scale(
-                g3s[i], r[ro:ro + b * m].view(b, m), c[co:co + b * n].view(b, n), vecs[i], spectral_iters, target, eps))
-        eta_b = eta_b * torch.cat(s_all)
-    coef_w = eta_m * weight_decay
-    K._sinkgd_update_kernel[(firsts[4][-1],)](t_meta, t_first, n_mats, gdt, wdt, r, c, eta_b, coef_w,
-                                              seed.to(dev), STOCHASTIC=stochastic, BM=ubm, BN=ubn, num_warps=uw)
+                _as3d(gs[i]), r[ro:ro + b * m].view(b, m), c[co:co + b * n].view(b, n), vecs[i], spectral_iters,
+                target, eps))
+        spec = torch.cat(s_all)
+    K._sinkgd_update_kernel[(plan.grids[4],)](*args, gdt, wdt, r, c, lr_d, plan.fac, plan.n_coef, spec,
+                                              float(weight_decay), seed.to(dev), STOCHASTIC=stochastic,
+                                              HAS_SPEC=spectral_norm, BM=ubm, BN=ubn, num_warps=uw)
 
 
 def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
