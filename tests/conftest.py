@@ -33,8 +33,8 @@ if INTERPRET:
 
     from torch_fused.kernels import mask_reduce as _mrk
 
-    # mask_reduce: pipelined loop for even reduce lengths, UNROLL=2 for odd ones
     _lpk.pick_block = lambda v, elem_size, kind="fwd": (16, 1)
+    # mask_reduce: pipelined loop for even reduce lengths, UNROLL=2 for odd ones
     _mrk._shipped_pick_blocks = _mrk.pick_blocks
     _mrk.R_ROTATE_TILES = 1  # the interpreter runs the wrapped row order of the pipelined loop
     _mrk.pick_blocks = lambda r, i, n_outer, r_contiguous, *a: (2, 4, 1, 2, r % 2 == 0, 2)

@@ -52,6 +52,23 @@ def _tile_offsets(s_r, s_i, BCAST_R: tl.constexpr, BCAST_I: tl.constexpr, WIDE: 
 
 
 @triton.jit
+def _operand_tile(p, a, b, i0, s_0, s_1, s_r, s_i, m_i, PRESENT: tl.constexpr, BCAST_R: tl.constexpr,
+                  BCAST_I: tl.constexpr, WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
+                  VEC: tl.constexpr):
+    """A program's base pointer and in-tile offsets of the mask or the scale, and, for one
+    broadcast along r (the same row for every r), that row read once. (p, 0, 0) if absent."""
+    p_t = p
+    t = 0
+    row = 0
+    if PRESENT:
+        p_t = p + a * s_0 + b * s_1 + i0 * s_i
+        t = _tile_offsets(s_r, s_i, BCAST_R, BCAST_I, WIDE, BLOCK_R, BLOCK_I, VEC)
+        if BCAST_R:
+            row = tl.load(p_t + t, mask=m_i[None, :], other=0)
+    return p_t, t, row
+
+
+@triton.jit
 def _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0, o_r, m_i, R, sx_r, sm_r, ss_r,
                HAS_MASK: tl.constexpr, M_BCAST_R: tl.constexpr, M_BCAST_I: tl.constexpr, PRED_X: tl.constexpr,
                HAS_SCALE: tl.constexpr, S_BCAST_R: tl.constexpr, S_BCAST_I: tl.constexpr,
@@ -119,22 +136,11 @@ def _mask_reduce_forward_kernel(
     # scalar int64 bases; per-tile offsets stay 32-bit (host sets WIDE when they could not)
     p_xt = p_x + a * sx_0 + b * sx_1 + i0 * sx_i
     t_x = _tile_offsets(sx_r, sx_i, False, False, WIDE, BLOCK_R, BLOCK_I, VEC)
-    p_mt = p_m
-    t_m = 0
-    keep_i = 0
-    if HAS_MASK:
-        p_mt = p_m + a * sm_0 + b * sm_1 + i0 * sm_i
-        t_m = _tile_offsets(sm_r, sm_i, M_BCAST_R, M_BCAST_I, WIDE, BLOCK_R, BLOCK_I, VEC)
-        if M_BCAST_R:  # the same mask row for every r: read it once
-            keep_i = tl.load(p_mt + t_m, mask=m_i[None, :], other=0) != 0
-    p_st = p_s
-    t_s = 0
-    sc_i = 0.0
-    if HAS_SCALE:
-        p_st = p_s + a * ss_0 + b * ss_1 + i0 * ss_i
-        t_s = _tile_offsets(ss_r, ss_i, S_BCAST_R, S_BCAST_I, WIDE, BLOCK_R, BLOCK_I, VEC)
-        if S_BCAST_R:
-            sc_i = tl.load(p_st + t_s, mask=m_i[None, :], other=0.0)
+    p_mt, t_m, keep_i = _operand_tile(p_m, a, b, i0, sm_0, sm_1, sm_r, sm_i, m_i, HAS_MASK, M_BCAST_R, M_BCAST_I,
+                                      WIDE, BLOCK_R, BLOCK_I, VEC)
+    keep_i = keep_i != 0
+    p_st, t_s, sc_i = _operand_tile(p_s, a, b, i0, ss_0, ss_1, ss_r, ss_i, m_i, HAS_SCALE, S_BCAST_R, S_BCAST_I,
+                                    WIDE, BLOCK_R, BLOCK_I, VEC)
     if ACC_F64:
         acc = tl.zeros([BLOCK_R, BLOCK_I], dtype=tl.float64)
     else:
@@ -146,7 +152,7 @@ def _mask_reduce_forward_kernel(
         n_rt = tl.cdiv(R, BLOCK_R)
         k0 = (outer * r_rot) % n_rt
         xn, kn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, k0 * BLOCK_R, o_r, m_i, R,
-                                sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X, HAS_SCALE,
+                                sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, PRED_X, HAS_SCALE,
                                 S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT)
         for k in range(0, n_rt):
             xc = xn
@@ -155,32 +161,32 @@ def _mask_reduce_forward_kernel(
             # the next trip's rows; past the last trip, rows from R on (nothing is loaded)
             r_next = tl.where(k + 1 < n_rt, ((k0 + k + 1) % n_rt) * BLOCK_R, R)
             xn, kn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r_next, o_r, m_i, R,
-                                    sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X,
+                                    sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, PRED_X,
                                     HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT)
             acc = _add_tile(acc, xc, kc, sc, HAS_MASK, HAS_SCALE)
     else:
         # a short reduce dim: UNROLL tiles per trip, every load written before the first add
         for r00 in range(0, R, BLOCK_R * UNROLL):
-            x0, k0, s0 = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r00, o_r, m_i, R,
-                                    sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X,
+            x0, q0, s0 = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r00, o_r, m_i, R,
+                                    sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, PRED_X,
                                     HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT)
             if UNROLL >= 2:
-                x1, k1, s1 = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r00 + BLOCK_R, o_r, m_i, R,
-                                        sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X,
+                x1, q1, s1 = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r00 + BLOCK_R, o_r, m_i, R,
+                                        sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, PRED_X,
                                         HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT)
             if UNROLL >= 4:
-                x2, k2, s2 = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r00 + 2 * BLOCK_R, o_r, m_i,
-                                        R, sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X,
+                x2, q2, s2 = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r00 + 2 * BLOCK_R, o_r, m_i,
+                                        R, sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, PRED_X,
                                         HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT)
-                x3, k3, s3 = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r00 + 3 * BLOCK_R, o_r, m_i,
-                                        R, sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, HAS_MASK and PRED_X,
+                x3, q3, s3 = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r00 + 3 * BLOCK_R, o_r, m_i,
+                                        R, sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, PRED_X,
                                         HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT)
-            acc = _add_tile(acc, x0, k0, s0, HAS_MASK, HAS_SCALE)
+            acc = _add_tile(acc, x0, q0, s0, HAS_MASK, HAS_SCALE)
             if UNROLL >= 2:
-                acc = _add_tile(acc, x1, k1, s1, HAS_MASK, HAS_SCALE)
+                acc = _add_tile(acc, x1, q1, s1, HAS_MASK, HAS_SCALE)
             if UNROLL >= 4:
-                acc = _add_tile(acc, x2, k2, s2, HAS_MASK, HAS_SCALE)
-                acc = _add_tile(acc, x3, k3, s3, HAS_MASK, HAS_SCALE)
+                acc = _add_tile(acc, x2, q2, s2, HAS_MASK, HAS_SCALE)
+                acc = _add_tile(acc, x3, q3, s3, HAS_MASK, HAS_SCALE)
     y = tl.sum(acc, axis=0)
     tl.store(p_y + outer * I + i0 + tl.arange(0, BLOCK_I), y.to(p_y.dtype.element_ty), mask=m_i)
 

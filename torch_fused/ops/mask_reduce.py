@@ -86,7 +86,7 @@ def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
     sc, ss = _operand(scale, shape, d) if scale is not None else (x, (0, 0, 0, 0))
     r_contig = sx[0] == 1 and sx[3] != 1
     # predicate x on the mask only where the mask is constant along x's fast axis
-    pred_x = (sm[0] == 0) if r_contig else (sm[3] == 0)
+    pred_x = mask is not None and ((sm[0] == 0) if r_contig else (sm[3] == 0))
     # a mask broadcast over an output dim is read by several programs: keep it in L2 for them
     m_shared = K.EVICT_HINTS and mask is not None and ((sm[1] == 0 and o0 > 1) or (sm[2] == 0 and o1 > 1) or (sm[3] == 0 and i > 1))
     block_r, block_i, warps, vec, pipeline, unroll = K.pick_blocks(r, i, o0 * o1, r_contig, x.element_size(), _n_sm(x.device))
