@@ -18,10 +18,10 @@ CASES = [((65536, 4, 8192), "B M 1 expanded"), ((8192, 4, 8192), "full"), ((8, 4
 CONFIGS = {
     "B M 1 expanded": [None, (1, 1024, 4, 8, False, 4), (1, 2048, 8, 8, False, 4)],
     "full": [None, (1, 1024, 4, 8, False, 4), (1, 2048, 8, 8, False, 4)],
-    "1 M N expanded": [None, (32, 64, 4, 8, True, 1), (128, 64, 8, 8, True, 1)],
+    "1 M N expanded": [None, (32, 64, 4, 8, True, 1), (128, 64, 8, 8, True, 1), (32, 128, 8, 8, True, 1),
+                       (16, 256, 8, 8, True, 1)],
 }
 ROUNDS = 3  # every config timed ROUNDS times, interleaved: the spread shows the run's noise
-ROTATIONS = [0, 1, 2, 8]  # R_ROTATE_TILES values tried on the column-strip case, shipped tile
 HINTS = os.environ.get("HINTS") == "1"  # instead: the shipped tile with and without eviction hints
 ONLY = os.environ.get("ONLY")  # e.g. ONLY="1 M N expanded": that case alone
 
@@ -66,20 +66,21 @@ def main():
             for on, fr in hint.items():
                 print(f"{pat:6s} shipped, eviction hints {on!s:5s} rounds: {', '.join(f'{f:.3f}' for f in fr)}", flush=True)
         elif pat == "1 M N expanded":
-            rot = {}
+            order = {}
             for rnd in range(ROUNDS):
-                for k in ROTATIONS:
-                    K.R_ROTATE_TILES = k
+                for on in (True, False):
+                    K.OUTER_FIRST = on
                     if rnd == 0:
                         y = torch_fused.mask_reduce(x, 1, mask, out_dtype=torch.float32)
-                        assert ((y - ref).norm() / ref.norm()).item() < 1e-5, k
+                        assert ((y - ref).norm() / ref.norm()).item() < 1e-5, on
                     t = triton.testing.do_bench(lambda: torch_fused.mask_reduce(x, 1, mask), return_mode="median")
-                    rot.setdefault(k, []).append(floor_ms / t)
-            K.R_ROTATE_TILES = 0
-            for k, fr in rot.items():
+                    order.setdefault(on, []).append(floor_ms / t)
+            K.OUTER_FIRST = True
+            for on, fr in order.items():
                 fr = sorted(fr)
-                print(f"{pat:6s} shipped, R_ROTATE_TILES={k:<3d}          floor fraction min/med/max "
-                      f"{fr[0]:.3f}/{fr[len(fr) // 2]:.3f}/{fr[-1]:.3f}", flush=True)  # probes: the same strips without a mask, and eager torch.sum
+                print(f"{pat:6s} shipped, OUTER_FIRST={on!s:5s}            floor fraction min/med/max "
+                      f"{fr[0]:.3f}/{fr[len(fr) // 2]:.3f}/{fr[-1]:.3f}", flush=True)
+            # probes: the same strips without a mask, and eager torch.sum
             for name, fn in [("no mask", lambda: torch_fused.mask_reduce(x, 1)), ("torch.sum", lambda: x.sum(1))]:
                 nfloor = (x.numel() + x.numel() // m) * 2 / (copy * 1e9) * 1e3
                 t = triton.testing.do_bench(fn, return_mode="median")

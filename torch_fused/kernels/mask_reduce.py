@@ -116,7 +116,7 @@ def _add_tile(acc, b_x, keep, b_sc, HAS_MASK: tl.constexpr, HAS_SCALE: tl.conste
 @triton.jit
 def _mask_reduce_forward_kernel(
     p_x, p_m, p_s, p_y,
-    R, O1, I, n_iblk, r_rot,
+    R, O1, I, n_iblk, n_outer, r_rot,
     sx_r, sx_0, sx_1, sx_i,
     sm_r, sm_0, sm_1, sm_i,
     ss_r, ss_0, ss_1, ss_i,
@@ -124,10 +124,17 @@ def _mask_reduce_forward_kernel(
     M_BCAST_R: tl.constexpr, M_BCAST_I: tl.constexpr, S_BCAST_R: tl.constexpr, S_BCAST_I: tl.constexpr,
     PRED_X: tl.constexpr, WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
     VEC: tl.constexpr, M_EVICT: tl.constexpr, X_EVICT: tl.constexpr, PIPELINE: tl.constexpr, UNROLL: tl.constexpr,
+    OUTER_FIRST: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    blk_i = pid % n_iblk
-    outer = pid // n_iblk
+    if OUTER_FIRST:
+        # consecutive programs: the same column block of every outer index, so the programs that
+        # read one stored mask tile run at the same time and all but the first find it in L2
+        outer = pid % n_outer
+        blk_i = pid // n_outer
+    else:
+        blk_i = pid % n_iblk
+        outer = pid // n_iblk
     a = outer // O1
     b = outer % O1
     i0 = blk_i * BLOCK_I
@@ -196,6 +203,8 @@ def _mask_reduce_forward_kernel(
 R_ROTATE_TILES = 0
 # L2 eviction hints where a mask is shared across programs (x evict_first, mask evict_last)
 EVICT_HINTS = True
+# program order where the mask is shared across outer (batch) indices: those indices fastest
+OUTER_FIRST = True
 
 
 def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int = 2,
