@@ -38,6 +38,13 @@ if INTERPRET:
     _mrk._shipped_pick_blocks = _mrk.pick_blocks
     _mrk.R_ROTATE_TILES = 1  # the interpreter runs the wrapped row order of the pipelined loop
     _mrk.pick_blocks = lambda r, i, n_outer, r_contiguous, *a: (2, 4, 1, 2, r % 2 == 0, 2)
+    # sinkgd: rows wider than 64 take the two-pass path; the one-read row pass gets programs of
+    # 4 rows in 1-2 row trips, so small matrices still have several programs and trips each
+    from torch_fused.kernels import sinkgd as _sgk
+
+    _sgk.MAX_FUSED_N = 64
+    _sgk.ROWS_ELEMS = 1
+    _sgk.ROWS_BM = 4
 
 
 @pytest.fixture(autouse=True)

@@ -1,25 +1,33 @@
-"""Multi-tensor Triton kernels of fused::sinkgd_step: one launch per stage for a whole list of
-matrices (of one param/grad dtype pair), so a step costs 4L + 1 launches however many
-parameters there are.
+"""Multi-tensor Triton kernels of fused::sinkgd_step: a few launches per stage for a whole list
+of matrices (of one param/grad dtype pair), however many parameters there are.
 
 Every SR-Sinkhorn iteration is a diagonal scaling, X = diag(r) G diag(c), so the kernels carry
-only the scale vectors r [B, m] and c [B, n] of each matrix, never a full-size temporary:
+only the scale vectors r [B, m] and c [B, n] of each matrix, never a full-size temporary.
 
-- ``_sinkgd_sums_kernel`` reads one [BM, BN] tile of some G and writes the tile's partial sums
-  of (r_i c_j G_ij)^2 along one axis into a small partials buffer (AXIS=0: row sums, one partial
-  per column tile; AXIS=1: column sums, one partial per row tile). No atomics: every partial
-  has its own slot, so results are bitwise reproducible.
-- ``_sinkgd_scale_kernel`` sums a vector's partials in a fixed order and rescales it:
-  v <- v * target / max(sqrt(sum), eps), clamped at 1e30 (see reference.sinkgd_scales).
+One iteration reads G once (matrices with n <= MAX_FUSED_N, all common LLM weights):
+
+- ``_sinkgd_rows_kernel``: a program owns BM whole rows of one matrix and walks them RB at a
+  time. Holding a whole row, it finishes that row's norm of r_i G_ij c_j itself and rescales
+  r_i (r_i <- r_i sqrt(n) / max(norm, eps)); with the new r_i in hand it adds the row's
+  (r_i G_ij c_j)^2 into a per-program column accumulator, written out at the end as one
+  partial per (program, column). No atomics: every partial has its own slot.
+- ``_sinkgd_scale_kernel`` (AXIS=1) sums each column's partials in a fixed order and rescales c:
+  c <- c sqrt(m) / max(sqrt(sum), eps), clamped at 1e30 (see reference.sinkgd_scales).
+
+So a step is L + 3 passes over the gradient's bytes (L row passes, then the update reads G and W
+and writes W) plus the small partials. Wider matrices (n > MAX_FUSED_N) take two passes per
+iteration: ``_sinkgd_sums_kernel`` (AXIS=0) writes row partials of [BM, BN] tiles and
+``_sinkgd_scale_kernel`` (AXIS=0) finishes r, then ``_sinkgd_sums_kernel`` (AXIS=1) writes the
+column partials that the same column scale launch finishes.
+
 - ``_sinkgd_update_kernel``: W <- W - coef_x[b] * r_i c_j G_ij - coef_w * W in fp32, stored in
   W's dtype, optionally with stochastic rounding to bf16.
 
-Work list: an int64 table ``meta`` [n_mats, META_COLS] holds each matrix's addresses, sizes and
-offsets into the concatenated r / c / partials buffers; ``first`` [5, n_mats + 1] holds, per
-kernel, the first program id of each matrix. A program finds its matrix by binary search over
-``first`` and its tile from the remainder. An iteration is a row pass and a column pass over G
-(each needs the other's finished result, so they cannot share a read), then the update reads G
-and W and writes W: 2L + 3 passes over the gradient's bytes in all.
+Work lists: an int64 table ``meta`` [n_mats, META_COLS] holds each matrix's addresses, sizes and
+offsets into the concatenated r / c / partials buffers; ``first`` [n_mats + 1] holds the first
+program id of each matrix in one launch. A program finds its matrix by binary search over
+``first`` and its tile from the remainder. Every launch gets its own (meta, first) pair over
+the matrices it covers (ops/sinkgd.py::_Plan builds them once per set of parameters).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import triton
 import triton.language as tl
 
 # meta columns (constexpr globals: readable inside @triton.jit); the launcher writes rows in
-# exactly this order (ops/sinkgd.py::_work_list)
+# exactly this order (ops/sinkgd.py::_Plan)
 G_PTR = tl.constexpr(0)
 W_PTR = tl.constexpr(1)
 M = tl.constexpr(2)
@@ -38,14 +46,30 @@ C_OFF = tl.constexpr(5)
 PR_OFF = tl.constexpr(6)
 PC_OFF = tl.constexpr(7)
 COEF_OFF = tl.constexpr(8)
-META_COLS = tl.constexpr(9)
-# rows of `first`: row pass, column pass, r scale, c scale, update
-N_KERNELS = 5
+N_PC = tl.constexpr(9)  # column partials per batch entry (row blocks of the pass that wrote them)
+META_COLS = tl.constexpr(10)
 
-ROW_TILE = (8, 1024, 4)  # BM, BN, warps: wide tiles, few column partials per row
-COL_TILE = (128, 64, 4)  # tall tiles, few row partials per column
+MAX_FUSED_N = 16384  # widest row a _sinkgd_rows_kernel program holds in registers
+ROW_TILE = (8, 1024, 4)  # two-pass path, row sums: BM, BN, warps
+COL_TILE = (128, 64, 4)  # two-pass path, column sums
 UPD_TILE = (8, 1024, 4)
 SCALE_BLOCK = 1024
+# _sinkgd_rows_kernel tiles (rows_config), set by benchmarks/sinkgd_rows_tiles.py on an H200:
+# elements per thread and trip, the most warps a program gets, rows per program
+ROWS_ELEMS = 16
+ROWS_MAX_WARPS = 16
+ROWS_BM = 64
+
+
+def rows_config(n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, RB, BM, num_warps) of _sinkgd_rows_kernel for rows of n elements: a trip's
+    tile of RB rows holds ROWS_ELEMS elements per thread (RB * BLOCK_N = ROWS_ELEMS * 32 *
+    warps, more where BLOCK_N needs it), and a program owns BM rows (BM / RB trips; m / BM
+    column partials per column)."""
+    block_n = max(16, triton.next_power_of_2(n))
+    warps = max(1, min(ROWS_MAX_WARPS, block_n // (32 * ROWS_ELEMS)))
+    rb = max(1, ROWS_ELEMS * 32 * warps // block_n)
+    return block_n, rb, max(rb, ROWS_BM), warps
 
 
 @triton.jit
@@ -62,10 +86,10 @@ def _find_matrix(p_first, n_mats, pid):
 
 
 @triton.jit
-def _tile(p_meta, p_first, n_mats, kernel, BM: tl.constexpr, BN: tl.constexpr):
+def _tile(p_meta, p_first, n_mats, BM: tl.constexpr, BN: tl.constexpr):
     """This program's matrix (its meta row, m, n) and tile (batch b, tile coords t_m, t_n)."""
     pid = tl.program_id(0).to(tl.int64)
-    mat, local = _find_matrix(p_first + kernel * (n_mats + 1), n_mats, pid)
+    mat, local = _find_matrix(p_first, n_mats, pid)
     row = p_meta + mat * META_COLS
     m = tl.load(row + M)
     n = tl.load(row + N)
@@ -77,11 +101,64 @@ def _tile(p_meta, p_first, n_mats, kernel, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
+                        ONES_R: tl.constexpr, ONES_C: tl.constexpr, BLOCK_N: tl.constexpr, RB: tl.constexpr,
+                        BM: tl.constexpr):
+    """One SR-Sinkhorn row step and the column partials that follow it, for BM whole rows.
+    ONES_R / ONES_C: r / c are still all ones (the first iteration): not read."""
+    pid = tl.program_id(0).to(tl.int64)
+    mat, local = _find_matrix(p_first, n_mats, pid)
+    row = p_meta + mat * META_COLS
+    m = tl.load(row + M)
+    n = tl.load(row + N)
+    tiles_m = tl.cdiv(m, BM)
+    b = local // tiles_m
+    t_m = local % tiles_m
+    p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty)) + b * m * n
+    p_rb = p_r + tl.load(row + R_OFF) + b * m
+    target = tl.sqrt(n.to(tl.float32))
+    o_n = tl.arange(0, BLOCK_N)
+    m_n = o_n < n
+    if ONES_C:
+        b_c = tl.where(m_n, 1.0, 0.0)
+    else:
+        b_c = tl.load(p_c + tl.load(row + C_OFF) + b * n + o_n, mask=m_n, other=0.0)
+    r0 = t_m * BM
+    r_end = tl.minimum(r0 + BM, m)
+    o_r = tl.arange(0, RB)
+    acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
+    # software pipelined: the next RB rows are loaded before this trip's reduction
+    rows = r0 + o_r
+    g_next = tl.load(p_g + rows[:, None] * n + o_n[None, :], mask=(rows < r_end)[:, None] & m_n[None, :], other=0.0)
+    for k in range(0, tl.cdiv(r_end - r0, RB)):
+        rows = r0 + k * RB + o_r
+        m_r = rows < r_end
+        b_g = g_next
+        nxt = rows + RB
+        g_next = tl.load(p_g + nxt[:, None] * n + o_n[None, :], mask=(nxt < r_end)[:, None] & m_n[None, :],
+                         other=0.0)
+        t = b_g.to(tl.float32) * b_c[None, :]
+        if ONES_R:
+            x = t
+            r_old = tl.full([RB], 1.0, tl.float32)
+        else:
+            r_old = tl.load(p_rb + rows, mask=m_r, other=0.0)
+            x = t * r_old[:, None]
+        s = tl.sum(x * x, axis=1)
+        r_new = tl.minimum(r_old * target / tl.maximum(tl.sqrt(s), eps), 1e30)
+        tl.store(p_rb + rows, r_new, mask=m_r)
+        z = t * r_new[:, None]
+        acc += z * z
+    col = tl.sum(acc, axis=0)
+    tl.store(p_part + tl.load(row + PC_OFF) + (b * tiles_m + t_m) * n + o_n, col, mask=m_n)
+
+
+@triton.jit
 def _sinkgd_sums_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
                         AXIS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         ONES_R: tl.constexpr, ONES_C: tl.constexpr):
     """ONES_R / ONES_C: r / c are still all ones (the first iteration): not read."""
-    mat, row, m, n, b, t_m, t_n = _tile(p_meta, p_first, n_mats, AXIS, BM, BN)
+    mat, row, m, n, b, t_m, t_n = _tile(p_meta, p_first, n_mats, BM, BN)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
     tiles_m = tl.cdiv(m, BM)
     tiles_n = tl.cdiv(n, BN)
@@ -110,10 +187,11 @@ def _sinkgd_sums_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
 @triton.jit
 def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
                          AXIS: tl.constexpr, PART_TILE: tl.constexpr, BLOCK: tl.constexpr, ONES: tl.constexpr):
-    """AXIS=0: r <- r sqrt(n) / max(row norm, eps); AXIS=1: c <- c sqrt(m) / max(col norm, eps).
-    ONES: the vector is still all ones (first iteration): written, not read."""
+    """AXIS=0: r <- r sqrt(n) / max(row norm, eps), from row partials of PART_TILE-wide tiles;
+    AXIS=1: c <- c sqrt(m) / max(col norm, eps), from the N_PC column partials the meta row
+    names. ONES: the vector is still all ones (first iteration): written, not read."""
     pid = tl.program_id(0).to(tl.int64)
-    mat, local = _find_matrix(p_first + (2 + AXIS) * (n_mats + 1), n_mats, pid)
+    mat, local = _find_matrix(p_first, n_mats, pid)
     row = p_meta + mat * META_COLS
     m = tl.load(row + M)
     n = tl.load(row + N)
@@ -125,7 +203,7 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
         target = tl.sqrt(n.to(tl.float32))
     else:
         length = n
-        n_parts = tl.cdiv(m, PART_TILE)
+        n_parts = tl.load(row + N_PC)
         off = tl.load(row + C_OFF)
         poff = tl.load(row + PC_OFF)
         target = tl.sqrt(m.to(tl.float32))
@@ -150,7 +228,7 @@ def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_lr,
                           STOCHASTIC: tl.constexpr, HAS_SPEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """coef_x = lr * fac[COEF_OFF + b] (* spec[COEF_OFF + b], the spectral scale), coef_w =
     lr * fac[n_coef + mat] * wd: lr is a device scalar, fac the cached per-matrix lr factors."""
-    mat, row, m, n, b, t_m, t_n = _tile(p_meta, p_first, n_mats, 4, BM, BN)
+    mat, row, m, n, b, t_m, t_n = _tile(p_meta, p_first, n_mats, BM, BN)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
     p_w = tl.load(row + W_PTR).to(tl.pointer_type(p_wdt.dtype.element_ty))
     o_m = t_m * BM + tl.arange(0, BM)
@@ -185,18 +263,25 @@ def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_lr,
 
 def compile_cases():
     """(name, kernel, signature, constexprs, warps) for tests/test_kernels_compile.py."""
-    sums = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_gdt": "*bf16", "p_r": "*fp32",
-            "p_c": "*fp32", "p_part": "*fp32"}
+    rows = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_gdt": "*bf16", "p_r": "*fp32",
+            "p_c": "*fp32", "p_part": "*fp32", "eps": "fp32"}
+    for n in (768, 4096, 14336):
+        block_n, rb, bm, w = rows_config(n)
+        for ones in (False, True):
+            yield (f"sinkgd_rows n={n} ones={ones}", _sinkgd_rows_kernel, rows,
+                   {"ONES_R": ones, "ONES_C": ones, "BLOCK_N": block_n, "RB": rb, "BM": bm}, w)
+    sums = dict(rows)
+    del sums["eps"]
     for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):
         for ones in (False, True):
             yield (f"sinkgd_sums axis={axis} ones={ones}", _sinkgd_sums_kernel, sums,
                    {"AXIS": axis, "BM": bm, "BN": bn, "ONES_R": ones and axis == 0, "ONES_C": ones}, w)
     scale = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_vec": "*fp32", "p_part": "*fp32",
              "eps": "fp32"}
-    for axis, tile in ((0, ROW_TILE[1]), (1, COL_TILE[0])):
+    for axis in (0, 1):
         for ones in (False, True):
             yield (f"sinkgd_scale axis={axis} ones={ones}", _sinkgd_scale_kernel, scale,
-                   {"AXIS": axis, "PART_TILE": tile, "BLOCK": SCALE_BLOCK, "ONES": ones}, 4)
+                   {"AXIS": axis, "PART_TILE": ROW_TILE[1], "BLOCK": SCALE_BLOCK, "ONES": ones}, 4)
     upd = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_gdt": "*fp16", "p_wdt": "*bf16",
            "p_r": "*fp32", "p_c": "*fp32", "p_lr": "*fp32", "p_fac": "*fp32", "n_coef": "i32", "p_spec": "*fp32",
            "wd": "fp32", "p_seed": "*fp32"}

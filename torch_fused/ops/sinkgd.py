@@ -44,12 +44,17 @@ def _cdiv(a, b):
 
 
 class _Plan:
-    """What a step of one matrix group needs beyond the tensors themselves: the work table on
-    the device, the grid sizes and buffer lengths, and the per-matrix lr factors. It depends
-    only on the matrices' addresses, shapes and dtypes and on the lr-shape hyperparameters, so
-    it is built once and reused while those stay the same (the parameters never move; the
-    caching allocator hands a re-created gradient the same address in a steady training loop).
-    A step then does no host-to-device copy and no Python work per matrix beyond its key."""
+    """What a step of one matrix group needs beyond the tensors themselves: the work tables on
+    the device (one (meta, first) pair per launch), the grid sizes and buffer lengths, and the
+    per-matrix lr factors. It depends only on the matrices' addresses, shapes and dtypes, the
+    lr-shape hyperparameters and the kernels' tile settings, so it is built once and reused
+    while those stay the same (the parameters never move; the caching allocator hands a
+    re-created gradient the same address in a steady training loop). A step then does no
+    host-to-device copy and no Python work per matrix beyond its key.
+
+    Launches: ``fused`` [(rows_config, launch)] one per row width bucket (matrices with
+    n <= MAX_FUSED_N); ``wide`` (row sums, row scale, column sums) for the rest, or None;
+    ``cscale`` and ``update`` over every matrix. A launch is (meta, first, n_mats, grid)."""
 
     def __init__(self, ps, gs, lr_scale, base_width, width_exponent):
         from ..kernels import sinkgd as K
@@ -59,33 +64,66 @@ class _Plan:
         cbm, cbn, _ = K.COL_TILE
         ubm, ubn, _ = K.UPD_TILE
         sb = K.SCALE_BLOCK
-        meta, firsts = [], [[0] for _ in range(K.N_KERNELS)]
+        rows, shapes, buckets, wide = [], [], {}, []
         r_off = c_off = pr_off = pc_off = coef_off = 0
         factors_b, factors_m, self.spans = [], [], []
-        for p, g in zip(ps, gs):
+        for i, (p, g) in enumerate(zip(ps, gs)):
             b, m, n = _as3d(p).shape
-            tn, tm = _cdiv(n, rbn), _cdiv(m, cbm)
+            if n <= K.MAX_FUSED_N:
+                cfg = K.rows_config(n)
+                buckets.setdefault(cfg, []).append(i)
+                n_pr, n_pc = 0, _cdiv(m, cfg[2])
+            else:
+                wide.append(i)
+                n_pr, n_pc = _cdiv(n, rbn), _cdiv(m, cbm)
             # row order = kernels/sinkgd.py's meta columns
-            meta += [g.data_ptr(), p.data_ptr(), m, n, r_off, c_off, pr_off, pc_off, coef_off]
-            progs = (b * _cdiv(m, rbm) * tn, b * tm * _cdiv(n, cbn), b * _cdiv(m, sb), b * _cdiv(n, sb),
-                     b * _cdiv(m, ubm) * _cdiv(n, ubn))
-            for k, pr in enumerate(progs):
-                firsts[k].append(firsts[k][-1] + pr)
+            rows.append([g.data_ptr(), p.data_ptr(), m, n, r_off, c_off, pr_off, pc_off, coef_off, n_pc])
+            shapes.append((b, m, n))
             self.spans.append((r_off, c_off, b, m, n))
             f = _lr_factor(n, lr_scale, base_width, width_exponent)
             factors_b += [f] * b
             factors_m.append(f)
             r_off += b * m
             c_off += b * n
-            pr_off += b * tn * m
-            pc_off += b * tm * n
+            pr_off += b * n_pr * m
+            pc_off += b * n_pc * n
             coef_off += b
-        self.n_mats = len(ps)
-        self.grids = [f[-1] for f in firsts]
+        packed: list[int] = []
+
+        def launch(idx, programs):
+            """Append the meta rows and program starts of one launch over matrices idx."""
+            first = [0]
+            for i in idx:
+                first.append(first[-1] + programs(*shapes[i]))
+            at = len(packed)
+            for i in idx:
+                packed.extend(rows[i])
+            packed.extend(first)
+            return (at, len(idx), first[-1])
+
+        specs = {"fused": [(cfg, launch(idx, lambda b, m, n, bm=cfg[2]: b * _cdiv(m, bm)))
+                           for cfg, idx in buckets.items()]}
+        if wide:
+            specs["wide"] = (launch(wide, lambda b, m, n: b * _cdiv(m, rbm) * _cdiv(n, rbn)),
+                             launch(wide, lambda b, m, n: b * _cdiv(m, sb)),
+                             launch(wide, lambda b, m, n: b * _cdiv(m, cbm) * _cdiv(n, cbn)))
+        every = range(len(ps))
+        specs["cscale"] = launch(every, lambda b, m, n: b * _cdiv(n, sb))
+        specs["update"] = launch(every, lambda b, m, n: b * _cdiv(m, ubm) * _cdiv(n, ubn))
+        table = torch.tensor(packed, dtype=torch.int64).to(dev)
+        cols = int(K.META_COLS)
+
+        def views(spec):
+            at, n_mats, grid = spec
+            end = at + n_mats * cols
+            return table[at:end], table[end:end + n_mats + 1], n_mats, grid
+
+        self.fused = [(cfg, views(sp)) for cfg, sp in specs["fused"]]
+        self.wide = tuple(views(sp) for sp in specs["wide"]) if wide else None
+        self.cscale = views(specs["cscale"])
+        self.update = views(specs["update"])
         self.lens = (r_off, c_off, pr_off, pc_off)
         self.n_coef = coef_off
-        table = torch.tensor(meta + [x for row in firsts for x in row], dtype=torch.int64).to(dev)
-        self.t_meta, self.t_first = table[: len(meta)], table[len(meta):]
         # lr factors: one per batch entry (coef_x), then one per matrix (coef_w)
         self.fac = torch.tensor(factors_b + factors_m, dtype=torch.float32).to(dev)
 
@@ -95,7 +133,9 @@ _MAX_PLANS = 16
 
 
 def _plan(ps, gs, lr_scale, base_width, width_exponent) -> _Plan:
-    key = (lr_scale, base_width, width_exponent,
+    from ..kernels import sinkgd as K
+
+    key = (lr_scale, base_width, width_exponent, K.MAX_FUSED_N, K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM,
            tuple((p.data_ptr(), g.data_ptr(), p.shape, p.dtype, g.dtype, p.device) for p, g in zip(ps, gs)))
     plan = _PLANS.get(key)
     if plan is None:
@@ -109,8 +149,9 @@ def _plan(ps, gs, lr_scale, base_width, width_exponent) -> _Plan:
 
 def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral_norm, spectral_target,
                   spectral_iters, base_width, width_exponent, stochastic, seed):
-    """One SinkGD step for matrices sharing a (param dtype, grad dtype) pair: 4L + 1 launches of
-    the multi-tensor kernels, whatever the number of matrices."""
+    """One SinkGD step for matrices sharing a (param dtype, grad dtype) pair: per iteration one
+    row pass per row-width bucket and one column scale launch (plus three launches for rows
+    wider than MAX_FUSED_N), then the update, whatever the number of matrices."""
     from ..kernels import sinkgd as K
 
     dev = ps[0].device
@@ -123,21 +164,28 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
     r_len, c_len, pr_len, pc_len = plan.lens
     r = torch.empty(r_len, dtype=torch.float32, device=dev)
     c = torch.empty(c_len, dtype=torch.float32, device=dev)
-    part_r = torch.empty(pr_len, dtype=torch.float32, device=dev)
+    part_r = torch.empty(max(pr_len, 1), dtype=torch.float32, device=dev)
     part_c = torch.empty(pc_len, dtype=torch.float32, device=dev)
     if iters == 0:
         r.fill_(1.0)
         c.fill_(1.0)
-    args = (plan.t_meta, plan.t_first, plan.n_mats)
-    gdt, wdt = gs[0], ps[0]  # dtype carriers: the addresses come from the table
+    gdt, wdt = gs[0], ps[0]  # dtype carriers: the addresses come from the tables
     for it in range(iters):
         first = it == 0  # r and c are still all ones: the kernels neither read nor need them
-        K._sinkgd_sums_kernel[(plan.grids[0],)](*args, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
-                                                ONES_R=first, ONES_C=first, num_warps=rw)
-        K._sinkgd_scale_kernel[(plan.grids[2],)](*args, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=sb, ONES=first)
-        K._sinkgd_sums_kernel[(plan.grids[1],)](*args, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
-                                                ONES_R=False, ONES_C=first, num_warps=cw)
-        K._sinkgd_scale_kernel[(plan.grids[3],)](*args, c, part_c, eps, AXIS=1, PART_TILE=cbm, BLOCK=sb, ONES=first)
+        for (block_n, rb, bm, warps), (t_meta, t_first, n_mats, grid) in plan.fused:
+            K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gdt, r, c, part_c, eps, ONES_R=first,
+                                           ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, num_warps=warps)
+        if plan.wide is not None:
+            (m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c) = plan.wide
+            K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
+                                          ONES_R=first, ONES_C=first, num_warps=rw)
+            K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=sb,
+                                           ONES=first)
+            K._sinkgd_sums_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
+                                          ONES_R=False, ONES_C=first, num_warps=cw)
+        t_meta, t_first, n_mats, grid = plan.cscale
+        K._sinkgd_scale_kernel[(grid,)](t_meta, t_first, n_mats, c, part_c, eps, AXIS=1, PART_TILE=cbm, BLOCK=sb,
+                                        ONES=first)
     lr_d = lr.to(dev, torch.float32)
     spec = plan.fac  # a placeholder pointer unless the spectral scale is on
     if spectral_norm:
@@ -148,9 +196,10 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
                 _as3d(gs[i]), r[ro:ro + b * m].view(b, m), c[co:co + b * n].view(b, n), vecs[i], spectral_iters,
                 target, eps))
         spec = torch.cat(s_all)
-    K._sinkgd_update_kernel[(plan.grids[4],)](*args, gdt, wdt, r, c, lr_d, plan.fac, plan.n_coef, spec,
-                                              float(weight_decay), seed.to(dev), STOCHASTIC=stochastic,
-                                              HAS_SPEC=spectral_norm, BM=ubm, BN=ubn, num_warps=uw)
+    t_meta, t_first, n_mats, grid = plan.update
+    K._sinkgd_update_kernel[(grid,)](t_meta, t_first, n_mats, gdt, wdt, r, c, lr_d, plan.fac, plan.n_coef, spec,
+                                     float(weight_decay), seed.to(dev), STOCHASTIC=stochastic,
+                                     HAS_SPEC=spectral_norm, BM=ubm, BN=ubn, num_warps=uw)
 
 
 def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
