@@ -2,8 +2,8 @@
 and a torch.compile'd per-parameter loop of the SinkGD formula, bf16 params and grads.
 
 Floor: read G, read W, write W (3 x the bf16 parameter bytes) over the same-run copy bandwidth;
-a SinkGD step with L iterations moves 2L + 3 such passes in this implementation (the first
-iteration's row pass reads G alone: r and c are still ones).
+a SinkGD step with L iterations moves L + 3 gradient-sized passes in this implementation (one
+read of G per iteration, then the update), plus the small column partials.
 """
 
 from __future__ import annotations

@@ -1,0 +1,94 @@
+"""Tile sweep of SinkGD's one-read row pass (kernels/sinkgd.py::_sinkgd_rows_kernel) on one
+Llama-3-8B layer and on GPT-2 small's 2-D weights (bf16): for each (ROWS_ELEMS, ROWS_MAX_WARPS,
+ROWS_BM), the row pass alone (every bucket's launch, an iteration past the first) as a fraction
+of one read of G at the same-run copy bandwidth, and the whole L=5 step against fused AdamW.
+Every config's step is checked against the shipped config's. Configs are timed in interleaved
+rounds, so the spread shows the run's noise. Run on the device:
+python benchmarks/sinkgd_rows_tiles.py"""
+
+import torch
+import triton.testing
+
+import torch_fused  # noqa: F401
+from torch_fused.bench.common import copy_bandwidth_gbps, warm_up
+from torch_fused.bench.sinkgd import GPT2_SMALL, LLAMA_LAYER, _params
+from torch_fused.kernels import sinkgd as K
+from torch_fused.ops import sinkgd as S
+
+OPS = torch.ops.fused
+CONFIGS = [None, (16, 16, 32), (16, 16, 128), (8, 16, 64), (32, 16, 64), (16, 8, 64), (8, 8, 64)]
+ROUNDS = 3
+
+
+def ms(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def set_config(cfg):
+    K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM = cfg
+    S._PLANS.clear()
+
+
+def main():
+    copy = copy_bandwidth_gbps()
+    print(f"copy {copy:.0f} GB/s")
+    shipped = (K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM)
+    lr = torch.tensor(1e-3, device="cuda")
+    seed = torch.zeros((), device="cuda")
+    for name, shapes in [("Llama-3-8B x1 layer", LLAMA_LAYER), ("GPT-2 small", GPT2_SMALL)]:
+        params = _params(shapes)
+        ws = [p.data for p in params]
+        gs = [p.grad for p in params]
+        g_bytes = sum(g.numel() * g.element_size() for g in gs)
+        floor_read = g_bytes / (copy * 1e9) * 1e3
+        w32 = [torch.zeros(w.shape, device="cuda") for w in ws]  # checks: fp32 weights keep the whole update
+
+        def step(out=ws):
+            OPS.sinkgd_step(out, gs, [], lr, 0.05, 0.0, 1e-8, 5, False, "unit", 1, None, 1.0, False, seed)
+
+        adam = torch.optim.AdamW(params, lr=1e-4, fused=True)
+        adam.step()
+        set_config(shipped)
+        step(w32)
+        ref = [w.clone() for w in w32]
+        warm_up(step)
+        res = {}
+        for rnd in range(ROUNDS):
+            adam_ms = ms(adam.step)
+            res.setdefault("adam", []).append(adam_ms)
+            for cfg in CONFIGS:
+                set_config(cfg or shipped)
+                if rnd == 0:  # the shipped config's update (summation order differs: close, not equal)
+                    for w in w32:
+                        w.zero_()
+                    step(w32)
+                    for w, r_ in zip(w32, ref):
+                        assert ((w - r_).norm() / r_.norm()).item() < 1e-5, cfg
+                plan = S._plan(ws, gs, 0.05, None, 1.0)
+                r = torch.ones(plan.lens[0], device="cuda")
+                c = torch.ones(plan.lens[1], device="cuda")
+                part = torch.empty(plan.lens[3], device="cuda")
+
+                def rows():
+                    for (bn, rb, bm, wp), (t_meta, t_first, n_mats, grid) in plan.fused:
+                        K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gs[0], r, c, part, 1e-8, ONES_R=False,
+                                                       ONES_C=False, BLOCK_N=bn, RB=rb, BM=bm, num_warps=wp)
+
+                res.setdefault((cfg, "rows"), []).append(ms(rows))
+                res.setdefault((cfg, "step"), []).append(ms(step))
+                res.setdefault((cfg, "ratio"), []).append(res[(cfg, "step")][-1] / adam_ms)
+        print(f"{name}: G {g_bytes / 2**20:.0f} MiB, one-read floor {floor_read:.3f} ms, "
+              f"AdamW fused {min(res['adam']):.3f} ms; buckets {[c for c, _ in plan.fused]}")
+        for cfg in CONFIGS:
+            rows_fr = sorted(floor_read / t for t in res[(cfg, "rows")])
+            ratio = sorted(res[(cfg, "ratio")])
+            print(f"  {str(cfg or f'shipped {shipped}'):22s} row pass {min(res[(cfg, 'rows')]):.3f} ms "
+                  f"({rows_fr[0]:.3f}/{rows_fr[-1]:.3f} of one read)  step L=5 {min(res[(cfg, 'step')]):.3f} ms "
+                  f"= {ratio[0]:.2f}-{ratio[-1]:.2f}x AdamW", flush=True)
+        set_config(shipped)
+        del params, ws, gs, adam, w32, ref
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
