@@ -70,15 +70,16 @@ def main():
                 part = torch.empty(plan.lens[3], device="cuda")
 
                 def rows():
-                    for (bn, rb, bm, wp), (t_meta, t_first, n_mats, grid) in plan.fused:
+                    for (bn, rb, bm, wp), align, (t_meta, t_first, n_mats, grid) in plan.fused:
                         K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gs[0], r, c, part, 1e-8, ONES_R=False,
-                                                       ONES_C=False, BLOCK_N=bn, RB=rb, BM=bm, num_warps=wp)
+                                                       ONES_C=False, BLOCK_N=bn, RB=rb, BM=bm, ALIGN=align,
+                                                       num_warps=wp)
 
                 res.setdefault((cfg, "rows"), []).append(ms(rows))
                 res.setdefault((cfg, "step"), []).append(ms(step))
                 res.setdefault((cfg, "ratio"), []).append(res[(cfg, "step")][-1] / adam_ms)
         print(f"{name}: G {g_bytes / 2**20:.0f} MiB, one-read floor {floor_read:.3f} ms, "
-              f"AdamW fused {min(res['adam']):.3f} ms; buckets {[c for c, _ in plan.fused]}")
+              f"AdamW fused {min(res['adam']):.3f} ms; buckets {[(c, a) for c, a, _ in plan.fused]}")
         for cfg in CONFIGS:
             rows_fr = sorted(floor_read / t for t in res[(cfg, "rows")])
             ratio = sorted(res[(cfg, "ratio")])

@@ -23,6 +23,13 @@ column partials that the same column scale launch finishes.
 - ``_sinkgd_update_kernel``: W <- W - coef_x[b] * r_i c_j G_ij - coef_w * W in fp32, stored in
   W's dtype, optionally with stochastic rounding to bf16.
 
+Vector loads. The row length n and the matrix addresses come from the work table at run time,
+so the compiler cannot see that rows start 16-byte aligned and would load G one element at a
+time. Where every matrix of a launch has n a multiple of ALIGN (16 bytes' worth of the narrowest
+G/W element) and 16-byte aligned G and W, the launcher passes ALIGN and the kernels declare n
+and the base pointers with tl.multiple_of, which gives 16-byte loads (else ALIGN = 1: no claim).
+The hints sit in the kernel bodies: a value returned from a @triton.jit helper loses them.
+
 Work lists: an int64 table ``meta`` [n_mats, META_COLS] holds each matrix's addresses, sizes and
 offsets into the concatenated r / c / partials buffers; ``first`` [n_mats + 1] holds the first
 program id of each matrix in one launch. A program finds its matrix by binary search over
@@ -86,36 +93,40 @@ def _find_matrix(p_first, n_mats, pid):
 
 
 @triton.jit
-def _tile(p_meta, p_first, n_mats, BM: tl.constexpr, BN: tl.constexpr):
-    """This program's matrix (its meta row, m, n) and tile (batch b, tile coords t_m, t_n)."""
-    pid = tl.program_id(0).to(tl.int64)
-    mat, local = _find_matrix(p_first, n_mats, pid)
-    row = p_meta + mat * META_COLS
-    m = tl.load(row + M)
-    n = tl.load(row + N)
+def _tile_coords(local, m, n, BM: tl.constexpr, BN: tl.constexpr):
+    """A program's tile of its matrix from its index among the matrix's programs: batch entry
+    b and tile coordinates (t_m, t_n) of [BM, BN] tiles."""
     tiles_m = tl.cdiv(m, BM)
     tiles_n = tl.cdiv(n, BN)
     b = local // (tiles_m * tiles_n)
     rem = local % (tiles_m * tiles_n)
-    return mat, row, m, n, b, rem // tiles_n, rem % tiles_n
+    return b, rem // tiles_n, rem % tiles_n
 
 
 @triton.jit
 def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
                         ONES_R: tl.constexpr, ONES_C: tl.constexpr, BLOCK_N: tl.constexpr, RB: tl.constexpr,
-                        BM: tl.constexpr):
+                        BM: tl.constexpr, ALIGN: tl.constexpr):
     """One SR-Sinkhorn row step and the column partials that follow it, for BM whole rows.
-    ONES_R / ONES_C: r / c are still all ones (the first iteration): not read."""
+    ONES_R / ONES_C: r / c are still all ones (the first iteration): not read. ALIGN: see
+    the module docstring."""
     pid = tl.program_id(0).to(tl.int64)
     mat, local = _find_matrix(p_first, n_mats, pid)
     row = p_meta + mat * META_COLS
     m = tl.load(row + M)
     n = tl.load(row + N)
+    p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
+    n32 = n.to(tl.int32)
+    if ALIGN > 1:  # hints on values defined here: one passed through a helper loses them
+        n = tl.multiple_of(n, ALIGN)
+        n32 = tl.multiple_of(n32, ALIGN)
+        p_g = tl.multiple_of(p_g, 16)
     tiles_m = tl.cdiv(m, BM)
     b = local // tiles_m
     t_m = local % tiles_m
-    p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty)) + b * m * n
-    p_rb = p_r + tl.load(row + R_OFF) + b * m
+    r0 = t_m * BM
+    p_g += (b * m + r0) * n
+    p_rb = p_r + tl.load(row + R_OFF) + b * m + r0
     target = tl.sqrt(n.to(tl.float32))
     o_n = tl.arange(0, BLOCK_N)
     m_n = o_n < n
@@ -123,19 +134,17 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
         b_c = tl.where(m_n, 1.0, 0.0)
     else:
         b_c = tl.load(p_c + tl.load(row + C_OFF) + b * n + o_n, mask=m_n, other=0.0)
-    r0 = t_m * BM
-    r_end = tl.minimum(r0 + BM, m)
+    n_rows = tl.minimum(m - r0, BM).to(tl.int32)
     o_r = tl.arange(0, RB)
+    t_off = o_r[:, None] * n32 + o_n[None, :]  # in-trip offsets: BM * n < 2**31
     acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
     # software pipelined: the next RB rows are loaded before this trip's reduction
-    rows = r0 + o_r
-    g_next = tl.load(p_g + rows[:, None] * n + o_n[None, :], mask=(rows < r_end)[:, None] & m_n[None, :], other=0.0)
-    for k in range(0, tl.cdiv(r_end - r0, RB)):
-        rows = r0 + k * RB + o_r
-        m_r = rows < r_end
+    g_next = tl.load(p_g + t_off, mask=(o_r < n_rows)[:, None] & m_n[None, :], other=0.0)
+    for k in range(0, tl.cdiv(n_rows, RB)):
+        rows = k * RB + o_r
+        m_r = rows < n_rows
         b_g = g_next
-        nxt = rows + RB
-        g_next = tl.load(p_g + nxt[:, None] * n + o_n[None, :], mask=(nxt < r_end)[:, None] & m_n[None, :],
+        g_next = tl.load(p_g + (k + 1) * RB * n + t_off, mask=(rows + RB < n_rows)[:, None] & m_n[None, :],
                          other=0.0)
         t = b_g.to(tl.float32) * b_c[None, :]
         if ONES_R:
@@ -156,17 +165,28 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
 @triton.jit
 def _sinkgd_sums_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
                         AXIS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        ONES_R: tl.constexpr, ONES_C: tl.constexpr):
+                        ONES_R: tl.constexpr, ONES_C: tl.constexpr, ALIGN: tl.constexpr):
     """ONES_R / ONES_C: r / c are still all ones (the first iteration): not read."""
-    mat, row, m, n, b, t_m, t_n = _tile(p_meta, p_first, n_mats, BM, BN)
+    pid = tl.program_id(0).to(tl.int64)
+    mat, local = _find_matrix(p_first, n_mats, pid)
+    row = p_meta + mat * META_COLS
+    m = tl.load(row + M)
+    n = tl.load(row + N)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
+    n32 = n.to(tl.int32)
+    if ALIGN > 1:  # hints on values defined here: one passed through a helper loses them
+        n = tl.multiple_of(n, ALIGN)
+        n32 = tl.multiple_of(n32, ALIGN)
+        p_g = tl.multiple_of(p_g, 16)
+    b, t_m, t_n = _tile_coords(local, m, n, BM, BN)
     tiles_m = tl.cdiv(m, BM)
     tiles_n = tl.cdiv(n, BN)
     o_m = t_m * BM + tl.arange(0, BM)
     o_n = t_n * BN + tl.arange(0, BN)
     m_m = o_m < m
     m_n = o_n < n
-    b_g = tl.load(p_g + b * m * n + o_m[:, None] * n + o_n[None, :],
+    t_off = tl.arange(0, BM)[:, None] * n32 + tl.arange(0, BN)[None, :]  # 32-bit: BM * n < 2**31
+    b_g = tl.load(p_g + (b * m + t_m * BM) * n + t_n * BN + t_off,
                   mask=m_m[:, None] & m_n[None, :], other=0.0).to(tl.float32)
     b_x = b_g
     if not ONES_R:
@@ -225,20 +245,35 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
 
 @triton.jit
 def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_lr, p_fac, n_coef, p_spec, wd, p_seed,
-                          STOCHASTIC: tl.constexpr, HAS_SPEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                          STOCHASTIC: tl.constexpr, HAS_SPEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          ALIGN: tl.constexpr):
     """coef_x = lr * fac[COEF_OFF + b] (* spec[COEF_OFF + b], the spectral scale), coef_w =
     lr * fac[n_coef + mat] * wd: lr is a device scalar, fac the cached per-matrix lr factors."""
-    mat, row, m, n, b, t_m, t_n = _tile(p_meta, p_first, n_mats, BM, BN)
+    pid = tl.program_id(0).to(tl.int64)
+    mat, local = _find_matrix(p_first, n_mats, pid)
+    row = p_meta + mat * META_COLS
+    m = tl.load(row + M)
+    n = tl.load(row + N)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
     p_w = tl.load(row + W_PTR).to(tl.pointer_type(p_wdt.dtype.element_ty))
+    n32 = n.to(tl.int32)
+    if ALIGN > 1:  # hints on values defined here: one passed through a helper loses them
+        n = tl.multiple_of(n, ALIGN)
+        n32 = tl.multiple_of(n32, ALIGN)
+        p_g = tl.multiple_of(p_g, 16)
+        p_w = tl.multiple_of(p_w, 16)
+    b, t_m, t_n = _tile_coords(local, m, n, BM, BN)
     o_m = t_m * BM + tl.arange(0, BM)
     o_n = t_n * BN + tl.arange(0, BN)
     m_m = o_m < m
     m_n = o_n < n
     msk = m_m[:, None] & m_n[None, :]
-    offs = b * m * n + o_m[:, None] * n + o_n[None, :]
-    b_g = tl.load(p_g + offs, mask=msk, other=0.0).to(tl.float32)
-    b_w = tl.load(p_w + offs, mask=msk, other=0.0).to(tl.float32)
+    base = (b * m + t_m * BM) * n + t_n * BN  # the tile's first element (scalar)
+    t_off = tl.arange(0, BM)[:, None] * n32 + tl.arange(0, BN)[None, :]  # 32-bit: BM * n < 2**31
+    p_g += base
+    p_w += base
+    b_g = tl.load(p_g + t_off, mask=msk, other=0.0).to(tl.float32)
+    b_w = tl.load(p_w + t_off, mask=msk, other=0.0).to(tl.float32)
     b_r = tl.load(p_r + tl.load(row + R_OFF) + b * m + o_m, mask=m_m, other=0.0)
     b_c = tl.load(p_c + tl.load(row + C_OFF) + b * n + o_n, mask=m_n, other=0.0)
     lr = tl.load(p_lr).to(tl.float32)
@@ -253,12 +288,12 @@ def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_lr,
         # seed: the optimizer's step counter (a device scalar: no sync, no recompile), salted by
         # the matrix's index. Non-finite values are left to round to nearest.
         seed = tl.load(p_seed).to(tl.int32) * 1000003 + mat.to(tl.int32)
-        noise = (tl.randint(seed, offs.to(tl.uint32)) & 0xFFFF).to(tl.uint32)
+        noise = (tl.randint(seed, base.to(tl.uint32) + t_off.to(tl.uint32)) & 0xFFFF).to(tl.uint32)
         bits = new.to(tl.uint32, bitcast=True)
         rounded = ((bits + noise) & 0xFFFF0000).to(tl.float32, bitcast=True)
         fin = (new == new) & (tl.abs(new) < float("inf"))
         new = tl.where(fin, rounded, new)
-    tl.store(p_w + offs, new.to(p_wdt.dtype.element_ty), mask=msk)
+    tl.store(p_w + t_off, new.to(p_wdt.dtype.element_ty), mask=msk)
 
 
 def compile_cases():
@@ -269,13 +304,14 @@ def compile_cases():
         block_n, rb, bm, w = rows_config(n)
         for ones in (False, True):
             yield (f"sinkgd_rows n={n} ones={ones}", _sinkgd_rows_kernel, rows,
-                   {"ONES_R": ones, "ONES_C": ones, "BLOCK_N": block_n, "RB": rb, "BM": bm}, w)
+                   {"ONES_R": ones, "ONES_C": ones, "BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8}, w)
     sums = dict(rows)
     del sums["eps"]
     for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):
         for ones in (False, True):
             yield (f"sinkgd_sums axis={axis} ones={ones}", _sinkgd_sums_kernel, sums,
-                   {"AXIS": axis, "BM": bm, "BN": bn, "ONES_R": ones and axis == 0, "ONES_C": ones}, w)
+                   {"AXIS": axis, "BM": bm, "BN": bn, "ONES_R": ones and axis == 0, "ONES_C": ones,
+                    "ALIGN": 8 if ones else 1}, w)
     scale = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_vec": "*fp32", "p_part": "*fp32",
              "eps": "fp32"}
     for axis in (0, 1):
@@ -287,4 +323,5 @@ def compile_cases():
            "wd": "fp32", "p_seed": "*fp32"}
     for sr in (False, True):
         yield (f"sinkgd_update sr={sr}", _sinkgd_update_kernel, upd,
-               {"STOCHASTIC": sr, "HAS_SPEC": sr, "BM": UPD_TILE[0], "BN": UPD_TILE[1]}, UPD_TILE[2])
+               {"STOCHASTIC": sr, "HAS_SPEC": sr, "BM": UPD_TILE[0], "BN": UPD_TILE[1], "ALIGN": 1 if sr else 8},
+               UPD_TILE[2])

@@ -52,9 +52,11 @@ class _Plan:
     re-created gradient the same address in a steady training loop). A step then does no
     host-to-device copy and no Python work per matrix beyond its key.
 
-    Launches: ``fused`` [(rows_config, launch)] one per row width bucket (matrices with
-    n <= MAX_FUSED_N); ``wide`` (row sums, row scale, column sums) for the rest, or None;
-    ``cscale`` and ``update`` over every matrix. A launch is (meta, first, n_mats, grid)."""
+    Launches: ``fused`` [(rows_config, align, launch)] one per (row width bucket, alignment)
+    (matrices with n <= MAX_FUSED_N); ``wide`` (align, (row sums, row scale, column sums)) for
+    the rest, or None; ``cscale`` over every matrix; ``update`` [(align, launch)]. A launch is
+    (meta, first, n_mats, grid); align is the kernels' ALIGN (kernels/sinkgd.py): 16 bytes of
+    the narrower dtype where n is a multiple of it and G and W are 16-byte aligned, else 1."""
 
     def __init__(self, ps, gs, lr_scale, base_width, width_exponent):
         from ..kernels import sinkgd as K
@@ -64,17 +66,20 @@ class _Plan:
         cbm, cbn, _ = K.COL_TILE
         ubm, ubn, _ = K.UPD_TILE
         sb = K.SCALE_BLOCK
-        rows, shapes, buckets, wide = [], [], {}, []
+        rows, shapes, buckets, wide, upd = [], [], {}, [], {}
         r_off = c_off = pr_off = pc_off = coef_off = 0
         factors_b, factors_m, self.spans = [], [], []
+        vec = 16 // min(ps[0].element_size(), gs[0].element_size())
         for i, (p, g) in enumerate(zip(ps, gs)):
             b, m, n = _as3d(p).shape
+            align = vec if n % vec == 0 and p.data_ptr() % 16 == 0 and g.data_ptr() % 16 == 0 else 1
+            upd.setdefault(align, []).append(i)
             if n <= K.MAX_FUSED_N:
                 cfg = K.rows_config(n)
-                buckets.setdefault(cfg, []).append(i)
+                buckets.setdefault((cfg, align), []).append(i)
                 n_pr, n_pc = 0, _cdiv(m, cfg[2])
             else:
-                wide.append(i)
+                wide.append((i, align))
                 n_pr, n_pc = _cdiv(n, rbn), _cdiv(m, cbm)
             # row order = kernels/sinkgd.py's meta columns
             rows.append([g.data_ptr(), p.data_ptr(), m, n, r_off, c_off, pr_off, pc_off, coef_off, n_pc])
@@ -101,15 +106,17 @@ class _Plan:
             packed.extend(first)
             return (at, len(idx), first[-1])
 
-        specs = {"fused": [(cfg, launch(idx, lambda b, m, n, bm=cfg[2]: b * _cdiv(m, bm)))
-                           for cfg, idx in buckets.items()]}
+        specs = {"fused": [(cfg, align, launch(idx, lambda b, m, n, bm=cfg[2]: b * _cdiv(m, bm)))
+                           for (cfg, align), idx in buckets.items()]}
         if wide:
-            specs["wide"] = (launch(wide, lambda b, m, n: b * _cdiv(m, rbm) * _cdiv(n, rbn)),
-                             launch(wide, lambda b, m, n: b * _cdiv(m, sb)),
-                             launch(wide, lambda b, m, n: b * _cdiv(m, cbm) * _cdiv(n, cbn)))
-        every = range(len(ps))
-        specs["cscale"] = launch(every, lambda b, m, n: b * _cdiv(n, sb))
-        specs["update"] = launch(every, lambda b, m, n: b * _cdiv(m, ubm) * _cdiv(n, ubn))
+            idx = [i for i, _ in wide]
+            specs["wide"] = (min(a for _, a in wide),
+                             (launch(idx, lambda b, m, n: b * _cdiv(m, rbm) * _cdiv(n, rbn)),
+                              launch(idx, lambda b, m, n: b * _cdiv(m, sb)),
+                              launch(idx, lambda b, m, n: b * _cdiv(m, cbm) * _cdiv(n, cbn))))
+        specs["cscale"] = launch(range(len(ps)), lambda b, m, n: b * _cdiv(n, sb))
+        specs["update"] = [(align, launch(idx, lambda b, m, n: b * _cdiv(m, ubm) * _cdiv(n, ubn)))
+                           for align, idx in upd.items()]
         table = torch.tensor(packed, dtype=torch.int64).to(dev)
         cols = int(K.META_COLS)
 
@@ -118,10 +125,10 @@ class _Plan:
             end = at + n_mats * cols
             return table[at:end], table[end:end + n_mats + 1], n_mats, grid
 
-        self.fused = [(cfg, views(sp)) for cfg, sp in specs["fused"]]
-        self.wide = tuple(views(sp) for sp in specs["wide"]) if wide else None
+        self.fused = [(cfg, align, views(sp)) for cfg, align, sp in specs["fused"]]
+        self.wide = (specs["wide"][0], tuple(views(sp) for sp in specs["wide"][1])) if wide else None
         self.cscale = views(specs["cscale"])
-        self.update = views(specs["update"])
+        self.update = [(align, views(sp)) for align, sp in specs["update"]]
         self.lens = (r_off, c_off, pr_off, pc_off)
         self.n_coef = coef_off
         # lr factors: one per batch entry (coef_x), then one per matrix (coef_w)
@@ -172,17 +179,18 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
     gdt, wdt = gs[0], ps[0]  # dtype carriers: the addresses come from the tables
     for it in range(iters):
         first = it == 0  # r and c are still all ones: the kernels neither read nor need them
-        for (block_n, rb, bm, warps), (t_meta, t_first, n_mats, grid) in plan.fused:
+        for (block_n, rb, bm, warps), align, (t_meta, t_first, n_mats, grid) in plan.fused:
             K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gdt, r, c, part_c, eps, ONES_R=first,
-                                           ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, num_warps=warps)
+                                           ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align,
+                                           num_warps=warps)
         if plan.wide is not None:
-            (m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c) = plan.wide
+            align, ((m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c)) = plan.wide
             K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
-                                          ONES_R=first, ONES_C=first, num_warps=rw)
+                                          ONES_R=first, ONES_C=first, ALIGN=align, num_warps=rw)
             K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=sb,
                                            ONES=first)
             K._sinkgd_sums_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
-                                          ONES_R=False, ONES_C=first, num_warps=cw)
+                                          ONES_R=False, ONES_C=first, ALIGN=align, num_warps=cw)
         t_meta, t_first, n_mats, grid = plan.cscale
         K._sinkgd_scale_kernel[(grid,)](t_meta, t_first, n_mats, c, part_c, eps, AXIS=1, PART_TILE=cbm, BLOCK=sb,
                                         ONES=first)
@@ -196,10 +204,11 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
                 _as3d(gs[i]), r[ro:ro + b * m].view(b, m), c[co:co + b * n].view(b, n), vecs[i], spectral_iters,
                 target, eps))
         spec = torch.cat(s_all)
-    t_meta, t_first, n_mats, grid = plan.update
-    K._sinkgd_update_kernel[(grid,)](t_meta, t_first, n_mats, gdt, wdt, r, c, lr_d, plan.fac, plan.n_coef, spec,
-                                     float(weight_decay), seed.to(dev), STOCHASTIC=stochastic,
-                                     HAS_SPEC=spectral_norm, BM=ubm, BN=ubn, num_warps=uw)
+    seed_d = seed.to(dev)
+    for align, (t_meta, t_first, n_mats, grid) in plan.update:
+        K._sinkgd_update_kernel[(grid,)](t_meta, t_first, n_mats, gdt, wdt, r, c, lr_d, plan.fac, plan.n_coef, spec,
+                                         float(weight_decay), seed_d, STOCHASTIC=stochastic,
+                                         HAS_SPEC=spectral_norm, BM=ubm, BN=ubn, ALIGN=align, num_warps=uw)
 
 
 def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
