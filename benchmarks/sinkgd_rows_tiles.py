@@ -1,6 +1,6 @@
 """Tile sweep of SinkGD's one-read row pass (kernels/sinkgd.py::_sinkgd_rows_kernel) on one
 Llama-3-8B layer and on GPT-2 small's 2-D weights (bf16): for each (ROWS_ELEMS, ROWS_MAX_WARPS,
-ROWS_BM), the row pass alone (every bucket's launch, an iteration past the first) as a fraction
+ROWS_BM, ROWS_RB), the row pass alone (every bucket's launch, an iteration past the first) as a fraction
 of one read of G at the same-run copy bandwidth, and the whole L=5 step against fused AdamW.
 Every config's step is checked against the shipped config's. Configs are timed in interleaved
 rounds, so the spread shows the run's noise. Run on the device:
@@ -16,7 +16,7 @@ from torch_fused.kernels import sinkgd as K
 from torch_fused.ops import sinkgd as S
 
 OPS = torch.ops.fused
-CONFIGS = [None, (16, 16, 32), (16, 16, 128), (8, 16, 64), (32, 16, 64), (16, 8, 64), (8, 8, 64)]
+CONFIGS = [None, (16, 16, 64, 2), (8, 16, 64, 1), (16, 16, 128, 1), (16, 16, 32, 1), (16, 8, 64, 1), (8, 16, 64, 2)]
 ROUNDS = 3
 
 
@@ -25,14 +25,14 @@ def ms(fn):
 
 
 def set_config(cfg):
-    K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM = cfg
+    K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_RB = cfg
     S._PLANS.clear()
 
 
 def main():
     copy = copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s")
-    shipped = (K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM)
+    shipped = (K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_RB)
     lr = torch.tensor(1e-3, device="cuda")
     seed = torch.zeros((), device="cuda")
     for name, shapes in [("Llama-3-8B x1 layer", LLAMA_LAYER), ("GPT-2 small", GPT2_SMALL)]:

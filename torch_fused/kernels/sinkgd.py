@@ -60,22 +60,26 @@ MAX_FUSED_N = 16384  # widest row a _sinkgd_rows_kernel program holds in registe
 ROW_TILE = (8, 1024, 4)  # two-pass path, row sums: BM, BN, warps
 COL_TILE = (128, 64, 4)  # two-pass path, column sums
 UPD_TILE = (8, 1024, 4)
-SCALE_BLOCK = 1024
+SCALE_BLOCK = 128  # _sinkgd_scale_kernel: entries per program
+SCALE_PARTS = 16  # and partials per trip
 # _sinkgd_rows_kernel tiles (rows_config), set by benchmarks/sinkgd_rows_tiles.py on an H200:
-# elements per thread and trip, the most warps a program gets, rows per program
+# elements per thread and row, the most warps a program gets, rows per program, rows per trip
 ROWS_ELEMS = 16
 ROWS_MAX_WARPS = 16
 ROWS_BM = 64
+ROWS_RB = 1
 
 
 def rows_config(n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, RB, BM, num_warps) of _sinkgd_rows_kernel for rows of n elements: a trip's
-    tile of RB rows holds ROWS_ELEMS elements per thread (RB * BLOCK_N = ROWS_ELEMS * 32 *
-    warps, more where BLOCK_N needs it), and a program owns BM rows (BM / RB trips; m / BM
-    column partials per column)."""
+    """(BLOCK_N, RB, BM, num_warps) of _sinkgd_rows_kernel for rows of n elements: a trip
+    loads RB rows (ROWS_RB, fewer for long rows, more for short ones) with ROWS_ELEMS elements
+    per thread and row (more where ROWS_MAX_WARPS caps the warps); a program owns BM rows
+    (BM / RB trips; m / BM column partials per column)."""
     block_n = max(16, triton.next_power_of_2(n))
-    warps = max(1, min(ROWS_MAX_WARPS, block_n // (32 * ROWS_ELEMS)))
-    rb = max(1, ROWS_ELEMS * 32 * warps // block_n)
+    # more rows per trip only where ROWS_ELEMS per thread still holds (the registers spill else)
+    rb = max(1, min(ROWS_RB, ROWS_ELEMS * 32 * ROWS_MAX_WARPS // block_n))
+    warps = max(1, min(ROWS_MAX_WARPS, rb * block_n // (32 * ROWS_ELEMS)))
+    rb = max(rb, ROWS_ELEMS * 32 * warps // block_n)
     return block_n, rb, max(rb, ROWS_BM), warps
 
 
@@ -130,15 +134,19 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
     target = tl.sqrt(n.to(tl.float32))
     o_n = tl.arange(0, BLOCK_N)
     m_n = o_n < n
-    if ONES_C:
-        b_c = tl.where(m_n, 1.0, 0.0)
-    else:
-        b_c = tl.load(p_c + tl.load(row + C_OFF) + b * n + o_n, mask=m_n, other=0.0)
+    p_cb = p_c + tl.load(row + C_OFF) + b * n
+    p_pc = p_part + tl.load(row + PC_OFF) + (b * tiles_m + t_m) * n
+    if ALIGN > 1:  # C_OFF and PC_OFF are multiples of 4 floats (the plan pads them)
+        p_cb = tl.multiple_of(p_cb, 16)
+        p_pc = tl.multiple_of(p_pc, 16)
     n_rows = tl.minimum(m - r0, BM).to(tl.int32)
     o_r = tl.arange(0, RB)
     t_off = o_r[:, None] * n32 + o_n[None, :]  # in-trip offsets: BM * n < 2**31
     acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
-    # software pipelined: the next RB rows are loaded before this trip's reduction
+    # software pipelined: the next RB rows are loaded before this trip's reduction. Registers
+    # bound the bytes in flight, so across the reduction only x^2, the accumulator and the next
+    # rows stay live: c is re-read every trip (an L1 hit) instead of held, and the column terms
+    # come from x^2: (r_new g c)^2 = x^2 (r_new / r_old)^2.
     g_next = tl.load(p_g + t_off, mask=(o_r < n_rows)[:, None] & m_n[None, :], other=0.0)
     for k in range(0, tl.cdiv(n_rows, RB)):
         rows = k * RB + o_r
@@ -146,20 +154,22 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
         b_g = g_next
         g_next = tl.load(p_g + (k + 1) * RB * n + t_off, mask=(rows + RB < n_rows)[:, None] & m_n[None, :],
                          other=0.0)
-        t = b_g.to(tl.float32) * b_c[None, :]
+        x = b_g.to(tl.float32)
+        if not ONES_C:
+            x = x * tl.load(p_cb + o_n, mask=m_n, other=0.0)[None, :]
         if ONES_R:
-            x = t
             r_old = tl.full([RB], 1.0, tl.float32)
         else:
-            r_old = tl.load(p_rb + rows, mask=m_r, other=0.0)
-            x = t * r_old[:, None]
-        s = tl.sum(x * x, axis=1)
+            r_old = tl.load(p_rb + rows, mask=m_r, other=1.0)
+            x = x * r_old[:, None]
+        x2 = x * x
+        s = tl.sum(x2, axis=1)
         r_new = tl.minimum(r_old * target / tl.maximum(tl.sqrt(s), eps), 1e30)
         tl.store(p_rb + rows, r_new, mask=m_r)
-        z = t * r_new[:, None]
-        acc += z * z
+        ratio = tl.where(r_old > 0, r_new / r_old, 0.0)  # r_old = 0: x = 0 and r_new = 0
+        acc += x2 * (ratio * ratio)[:, None]
     col = tl.sum(acc, axis=0)
-    tl.store(p_part + tl.load(row + PC_OFF) + (b * tiles_m + t_m) * n + o_n, col, mask=m_n)
+    tl.store(p_pc + o_n, col, mask=m_n)
 
 
 @triton.jit
@@ -206,10 +216,14 @@ def _sinkgd_sums_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
 
 @triton.jit
 def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
-                         AXIS: tl.constexpr, PART_TILE: tl.constexpr, BLOCK: tl.constexpr, ONES: tl.constexpr):
+                         AXIS: tl.constexpr, PART_TILE: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
+                         ONES: tl.constexpr):
     """AXIS=0: r <- r sqrt(n) / max(row norm, eps), from row partials of PART_TILE-wide tiles;
     AXIS=1: c <- c sqrt(m) / max(col norm, eps), from the N_PC column partials the meta row
-    names. ONES: the vector is still all ones (first iteration): written, not read."""
+    names. ONES: the vector is still all ones (first iteration): written, not read. A program
+    finishes BLOCK entries, reading their partials PARTS at a time (a [PARTS, BLOCK] tile per
+    trip: few dependent trips even for a tall matrix's hundreds of partials), summed in a
+    fixed order: deterministic."""
     pid = tl.program_id(0).to(tl.int64)
     mat, local = _find_matrix(p_first, n_mats, pid)
     row = p_meta + mat * META_COLS
@@ -231,9 +245,14 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
     b = local // blocks
     o = (local % blocks) * BLOCK + tl.arange(0, BLOCK)
     msk = o < length
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in range(0, n_parts):  # fixed order: deterministic
-        acc += tl.load(p_part + poff + (b * n_parts + k) * length + o, mask=msk, other=0.0)
+    o_k = tl.arange(0, PARTS)
+    acc2 = tl.zeros([PARTS, BLOCK], dtype=tl.float32)
+    p_p = p_part + poff + b * n_parts * length
+    for k in range(0, n_parts, PARTS):
+        ks = k + o_k
+        acc2 += tl.load(p_p + ks[:, None] * length + o[None, :], mask=(ks < n_parts)[:, None] & msk[None, :],
+                        other=0.0)
+    acc = tl.sum(acc2, axis=0)
     p_v = p_vec + off + b * length + o
     if ONES:
         v = target / tl.maximum(tl.sqrt(acc), eps)
@@ -275,7 +294,10 @@ def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_lr,
     b_g = tl.load(p_g + t_off, mask=msk, other=0.0).to(tl.float32)
     b_w = tl.load(p_w + t_off, mask=msk, other=0.0).to(tl.float32)
     b_r = tl.load(p_r + tl.load(row + R_OFF) + b * m + o_m, mask=m_m, other=0.0)
-    b_c = tl.load(p_c + tl.load(row + C_OFF) + b * n + o_n, mask=m_n, other=0.0)
+    p_cb = p_c + tl.load(row + C_OFF) + b * n
+    if ALIGN > 1:  # C_OFF is a multiple of 4 floats (the plan pads it)
+        p_cb = tl.multiple_of(p_cb, 16)
+    b_c = tl.load(p_cb + o_n, mask=m_n, other=0.0)
     lr = tl.load(p_lr).to(tl.float32)
     i_coef = tl.load(row + COEF_OFF) + b
     coef_x = lr * tl.load(p_fac + i_coef)
@@ -317,7 +339,8 @@ def compile_cases():
     for axis in (0, 1):
         for ones in (False, True):
             yield (f"sinkgd_scale axis={axis} ones={ones}", _sinkgd_scale_kernel, scale,
-                   {"AXIS": axis, "PART_TILE": ROW_TILE[1], "BLOCK": SCALE_BLOCK, "ONES": ones}, 4)
+                   {"AXIS": axis, "PART_TILE": ROW_TILE[1], "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS,
+                    "ONES": ones}, 4)
     upd = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_gdt": "*fp16", "p_wdt": "*bf16",
            "p_r": "*fp32", "p_c": "*fp32", "p_lr": "*fp32", "p_fac": "*fp32", "n_coef": "i32", "p_spec": "*fp32",
            "wd": "fp32", "p_seed": "*fp32"}

@@ -89,9 +89,9 @@ class _Plan:
             factors_b += [f] * b
             factors_m.append(f)
             r_off += b * m
-            c_off += b * n
+            c_off += _cdiv(b * n, 4) * 4  # c and column partials start 16-byte aligned
             pr_off += b * n_pr * m
-            pc_off += b * n_pc * n
+            pc_off += _cdiv(b * n_pc * n, 4) * 4
             coef_off += b
         packed: list[int] = []
 
@@ -142,7 +142,7 @@ _MAX_PLANS = 16
 def _plan(ps, gs, lr_scale, base_width, width_exponent) -> _Plan:
     from ..kernels import sinkgd as K
 
-    key = (lr_scale, base_width, width_exponent, K.MAX_FUSED_N, K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM,
+    key = (lr_scale, base_width, width_exponent, K.MAX_FUSED_N, K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_RB,
            tuple((p.data_ptr(), g.data_ptr(), p.shape, p.dtype, g.dtype, p.device) for p, g in zip(ps, gs)))
     plan = _PLANS.get(key)
     if plan is None:
@@ -188,12 +188,12 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
             K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
                                           ONES_R=first, ONES_C=first, ALIGN=align, num_warps=rw)
             K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=sb,
-                                           ONES=first)
+                                           PARTS=K.SCALE_PARTS, ONES=first)
             K._sinkgd_sums_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
                                           ONES_R=False, ONES_C=first, ALIGN=align, num_warps=cw)
         t_meta, t_first, n_mats, grid = plan.cscale
         K._sinkgd_scale_kernel[(grid,)](t_meta, t_first, n_mats, c, part_c, eps, AXIS=1, PART_TILE=cbm, BLOCK=sb,
-                                        ONES=first)
+                                        PARTS=K.SCALE_PARTS, ONES=first)
     lr_d = lr.to(dev, torch.float32)
     spec = plan.fac  # a placeholder pointer unless the spectral scale is on
     if spectral_norm:
