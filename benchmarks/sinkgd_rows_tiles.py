@@ -1,7 +1,8 @@
 """Tile sweep of SinkGD's one-read row pass (kernels/sinkgd.py::_sinkgd_rows_kernel) on one
 Llama-3-8B layer and on GPT-2 small's 2-D weights (bf16): for each (ROWS_ELEMS, ROWS_MAX_WARPS,
-ROWS_BM, ROWS_RB), the row pass alone (every bucket's launch, an iteration past the first) as a fraction
-of one read of G at the same-run copy bandwidth, and the whole L=5 step against fused AdamW.
+ROWS_BM, ROWS_RB, ROWS_DEPTH, ROWS_C_HELD), the row pass alone (every bucket's launch, an
+iteration past the first) as a fraction of one read of G at the same-run copy bandwidth, and the
+whole L=5 step against fused AdamW.
 Every config's step is checked against the shipped config's. Configs are timed in interleaved
 rounds, so the spread shows the run's noise. Run on the device:
 python benchmarks/sinkgd_rows_tiles.py"""
@@ -16,7 +17,8 @@ from torch_fused.kernels import sinkgd as K
 from torch_fused.ops import sinkgd as S
 
 OPS = torch.ops.fused
-CONFIGS = [None, (16, 16, 64, 2), (8, 16, 64, 1), (16, 16, 128, 1), (16, 16, 32, 1), (16, 8, 64, 1), (8, 16, 64, 2)]
+CONFIGS = [None, (16, 16, 64, 1, 1, True), (8, 16, 64, 1, 3, False), (8, 16, 64, 1, 2, True),
+           (8, 16, 32, 1, 3, True), (8, 16, 128, 1, 3, True), (16, 16, 64, 1, 2, True)]
 ROUNDS = 3
 
 
@@ -25,14 +27,14 @@ def ms(fn):
 
 
 def set_config(cfg):
-    K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_RB = cfg
+    K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_RB, K.ROWS_DEPTH, K.ROWS_C_HELD = cfg
     S._PLANS.clear()
 
 
 def main():
     copy = copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s")
-    shipped = (K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_RB)
+    shipped = (K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_RB, K.ROWS_DEPTH, K.ROWS_C_HELD)
     lr = torch.tensor(1e-3, device="cuda")
     seed = torch.zeros((), device="cuda")
     for name, shapes in [("Llama-3-8B x1 layer", LLAMA_LAYER), ("GPT-2 small", GPT2_SMALL)]:
@@ -70,10 +72,10 @@ def main():
                 part = torch.empty(plan.lens[3], device="cuda")
 
                 def rows():
-                    for (bn, rb, bm, wp), align, (t_meta, t_first, n_mats, grid) in plan.fused:
+                    for (bn, rb, bm, wp, dp, held), align, (t_meta, t_first, n_mats, grid) in plan.fused:
                         K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gs[0], r, c, part, 1e-8, ONES_R=False,
                                                        ONES_C=False, BLOCK_N=bn, RB=rb, BM=bm, ALIGN=align,
-                                                       num_warps=wp)
+                                                       DEPTH=dp, C_HELD=held, num_warps=wp)
 
                 res.setdefault((cfg, "rows"), []).append(ms(rows))
                 res.setdefault((cfg, "step"), []).append(ms(step))
@@ -83,7 +85,7 @@ def main():
         for cfg in CONFIGS:
             rows_fr = sorted(floor_read / t for t in res[(cfg, "rows")])
             ratio = sorted(res[(cfg, "ratio")])
-            print(f"  {str(cfg or f'shipped {shipped}'):22s} row pass {min(res[(cfg, 'rows')]):.3f} ms "
+            print(f"  {str(cfg or f'shipped {shipped}'):34s} row pass {min(res[(cfg, 'rows')]):.3f} ms "
                   f"({rows_fr[0]:.3f}/{rows_fr[-1]:.3f} of one read)  step L=5 {min(res[(cfg, 'step')]):.3f} ms "
                   f"= {ratio[0]:.2f}-{ratio[-1]:.2f}x AdamW", flush=True)
         set_config(shipped)

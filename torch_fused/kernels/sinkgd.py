@@ -63,24 +63,29 @@ UPD_TILE = (8, 1024, 4)
 SCALE_BLOCK = 128  # _sinkgd_scale_kernel: entries per program
 SCALE_PARTS = 16  # and partials per trip
 # _sinkgd_rows_kernel tiles (rows_config), set by benchmarks/sinkgd_rows_tiles.py on an H200:
-# elements per thread and row, the most warps a program gets, rows per program, rows per trip
-ROWS_ELEMS = 16
+# elements per thread and row, the most warps a program gets, rows per program, rows per trip,
+# trips loaded ahead, c held in registers
+ROWS_ELEMS = 8
 ROWS_MAX_WARPS = 16
 ROWS_BM = 64
 ROWS_RB = 1
+ROWS_DEPTH = 3
+ROWS_C_HELD = True
 
 
-def rows_config(n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, RB, BM, num_warps) of _sinkgd_rows_kernel for rows of n elements: a trip
-    loads RB rows (ROWS_RB, fewer for long rows, more for short ones) with ROWS_ELEMS elements
-    per thread and row (more where ROWS_MAX_WARPS caps the warps); a program owns BM rows
-    (BM / RB trips; m / BM column partials per column)."""
+def rows_config(n: int) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_N, RB, BM, num_warps, DEPTH, C_HELD) of _sinkgd_rows_kernel for rows of n
+    elements: a trip loads RB rows (ROWS_RB, fewer for long rows, more for short ones) with
+    ROWS_ELEMS elements per thread and row (more where ROWS_MAX_WARPS caps the warps); a program
+    owns BM rows (BM / RB trips; m / BM column partials per column)."""
     block_n = max(16, triton.next_power_of_2(n))
     # more rows per trip only where ROWS_ELEMS per thread still holds (the registers spill else)
     rb = max(1, min(ROWS_RB, ROWS_ELEMS * 32 * ROWS_MAX_WARPS // block_n))
     warps = max(1, min(ROWS_MAX_WARPS, rb * block_n // (32 * ROWS_ELEMS)))
     rb = max(rb, ROWS_ELEMS * 32 * warps // block_n)
-    return block_n, rb, max(rb, ROWS_BM), warps
+    # rows in flight cost registers: long rows (more than ROWS_ELEMS per thread) load one trip ahead
+    depth = ROWS_DEPTH if rb * block_n <= ROWS_ELEMS * 32 * warps else 1
+    return block_n, rb, max(rb, ROWS_BM), warps, depth, ROWS_C_HELD
 
 
 @triton.jit
@@ -110,8 +115,10 @@ def _tile_coords(local, m, n, BM: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
                         ONES_R: tl.constexpr, ONES_C: tl.constexpr, BLOCK_N: tl.constexpr, RB: tl.constexpr,
-                        BM: tl.constexpr, ALIGN: tl.constexpr):
+                        BM: tl.constexpr, ALIGN: tl.constexpr, DEPTH: tl.constexpr, C_HELD: tl.constexpr):
     """One SR-Sinkhorn row step and the column partials that follow it, for BM whole rows.
+    DEPTH: trips of rows loaded ahead (1-3); C_HELD: c is loaded once and held in registers
+    (else re-read every trip, an L1 hit).
     ONES_R / ONES_C: r / c are still all ones (the first iteration): not read. ALIGN: see
     the module docstring."""
     pid = tl.program_id(0).to(tl.int64)
@@ -140,35 +147,57 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
         p_cb = tl.multiple_of(p_cb, 16)
         p_pc = tl.multiple_of(p_pc, 16)
     n_rows = tl.minimum(m - r0, BM).to(tl.int32)
-    o_r = tl.arange(0, RB)
-    t_off = o_r[:, None] * n32 + o_n[None, :]  # in-trip offsets: BM * n < 2**31
+    # every per-row and per-column value is kept 2-D ([RB, 1] / [1, BLOCK_N]) in the tile's own
+    # register layout: a 1-D vector would be converted through shared memory on every trip
+    o_r = tl.arange(0, RB)[:, None]
+    o_n = o_n[None, :]
+    m_n = m_n[None, :]
+    t_off = o_r * n32 + o_n  # in-trip offsets: BM * n < 2**31
     acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
-    # software pipelined: the next RB rows are loaded before this trip's reduction. Registers
-    # bound the bytes in flight, so across the reduction only x^2, the accumulator and the next
-    # rows stay live: c is re-read every trip (an L1 hit) instead of held, and the column terms
-    # come from x^2: (r_new g c)^2 = x^2 (r_new / r_old)^2.
-    g_next = tl.load(p_g + t_off, mask=(o_r < n_rows)[:, None] & m_n[None, :], other=0.0)
+    # software pipelined: the rows of the next DEPTH trips are in flight during this trip's
+    # reduction. Registers bound the bytes in flight, so across the reduction only x^2, the
+    # accumulator, the rows in flight (and c if C_HELD) stay live: the column terms come from
+    # x^2, (r_new g c)^2 = x^2 (r_new / r_old)^2.
+    if C_HELD and not ONES_C:
+        c_held = tl.load(p_cb + o_n, mask=m_n, other=0.0)
+    g_a = tl.load(p_g + t_off, mask=(o_r < n_rows) & m_n, other=0.0)
+    if DEPTH >= 2:
+        g_b = tl.load(p_g + RB * n + t_off, mask=(o_r + RB < n_rows) & m_n, other=0.0)
+    if DEPTH >= 3:
+        g_c = tl.load(p_g + 2 * RB * n + t_off, mask=(o_r + 2 * RB < n_rows) & m_n, other=0.0)
     for k in range(0, tl.cdiv(n_rows, RB)):
         rows = k * RB + o_r
         m_r = rows < n_rows
-        b_g = g_next
-        g_next = tl.load(p_g + (k + 1) * RB * n + t_off, mask=(rows + RB < n_rows)[:, None] & m_n[None, :],
-                         other=0.0)
+        b_g = g_a
+        nxt = rows + DEPTH * RB  # the rows this trip starts loading
+        g_new = tl.load(p_g + (k + DEPTH) * RB * n + t_off, mask=(nxt < n_rows) & m_n, other=0.0)
+        if DEPTH == 1:
+            g_a = g_new
+        elif DEPTH == 2:
+            g_a = g_b
+            g_b = g_new
+        else:
+            g_a = g_b
+            g_b = g_c
+            g_c = g_new
         x = b_g.to(tl.float32)
         if not ONES_C:
-            x = x * tl.load(p_cb + o_n, mask=m_n, other=0.0)[None, :]
+            if C_HELD:
+                x = x * c_held
+            else:
+                x = x * tl.load(p_cb + o_n, mask=m_n, other=0.0)
         if ONES_R:
-            r_old = tl.full([RB], 1.0, tl.float32)
+            r_old = tl.full([RB, 1], 1.0, tl.float32)
         else:
             r_old = tl.load(p_rb + rows, mask=m_r, other=1.0)
-            x = x * r_old[:, None]
+            x = x * r_old
         x2 = x * x
-        s = tl.sum(x2, axis=1)
+        s = tl.sum(x2, axis=1, keep_dims=True)
         r_new = tl.minimum(r_old * target / tl.maximum(tl.sqrt(s), eps), 1e30)
         tl.store(p_rb + rows, r_new, mask=m_r)
         ratio = tl.where(r_old > 0, r_new / r_old, 0.0)  # r_old = 0: x = 0 and r_new = 0
-        acc += x2 * (ratio * ratio)[:, None]
-    col = tl.sum(acc, axis=0)
+        acc += x2 * (ratio * ratio)
+    col = tl.sum(acc, axis=0, keep_dims=True)
     tl.store(p_pc + o_n, col, mask=m_n)
 
 
@@ -322,11 +351,12 @@ def compile_cases():
     """(name, kernel, signature, constexprs, warps) for tests/test_kernels_compile.py."""
     rows = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_gdt": "*bf16", "p_r": "*fp32",
             "p_c": "*fp32", "p_part": "*fp32", "eps": "fp32"}
-    for n in (768, 4096, 14336):
-        block_n, rb, bm, w = rows_config(n)
+    for n, depth, held in ((768, 3, True), (4096, 2, False), (14336, 1, True)):
+        block_n, rb, bm, w, _, _ = rows_config(n)
         for ones in (False, True):
             yield (f"sinkgd_rows n={n} ones={ones}", _sinkgd_rows_kernel, rows,
-                   {"ONES_R": ones, "ONES_C": ones, "BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8}, w)
+                   {"ONES_R": ones, "ONES_C": ones, "BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8,
+                    "DEPTH": depth, "C_HELD": held}, w)
     sums = dict(rows)
     del sums["eps"]
     for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):
