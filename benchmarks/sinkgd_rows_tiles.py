@@ -17,8 +17,10 @@ from torch_fused.kernels import sinkgd as K
 from torch_fused.ops import sinkgd as S
 
 OPS = torch.ops.fused
-CONFIGS = [None, (16, 16, 64, 1, 1, True), (8, 16, 64, 1, 3, False), (8, 16, 64, 1, 2, True),
-           (8, 16, 32, 1, 3, True), (8, 16, 128, 1, 3, True), (16, 16, 64, 1, 2, True)]
+# overrides of kernels/sinkgd.py's ROWS_* settings (None: as shipped)
+CONFIGS = [None, {"MIN_PROGRAMS": 8}, {"BM": 32, "MIN_PROGRAMS": 8}, {"ELEMS": 16, "DEPTH": 1},
+           {"BM": 128, "MIN_PROGRAMS": 2}, {"DEPTH": 1}]
+NAMES = ("ELEMS", "MAX_WARPS", "BM", "MIN_PROGRAMS", "RB", "DEPTH", "C_HELD")
 ROUNDS = 3
 
 
@@ -27,14 +29,31 @@ def ms(fn):
 
 
 def set_config(cfg):
-    K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_RB, K.ROWS_DEPTH, K.ROWS_C_HELD = cfg
+    for k, v in cfg.items():
+        setattr(K, "ROWS_" + k, v)
     S._PLANS.clear()
+
+
+def profile(step):
+    """Device time per kernel over 3 steps (a torch.profiler table)."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            print(p.key_averages().table(sort_by=key, row_limit=10, max_name_column_width=48), flush=True)
+            return
+        except Exception:  # the sort key's name depends on the torch version
+            continue
 
 
 def main():
     copy = copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s")
-    shipped = (K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_RB, K.ROWS_DEPTH, K.ROWS_C_HELD)
+    shipped = {k: getattr(K, "ROWS_" + k) for k in NAMES}
     lr = torch.tensor(1e-3, device="cuda")
     seed = torch.zeros((), device="cuda")
     for name, shapes in [("Llama-3-8B x1 layer", LLAMA_LAYER), ("GPT-2 small", GPT2_SMALL)]:
@@ -54,12 +73,13 @@ def main():
         step(w32)
         ref = [w.clone() for w in w32]
         warm_up(step)
+        profile(step)
         res = {}
         for rnd in range(ROUNDS):
             adam_ms = ms(adam.step)
             res.setdefault("adam", []).append(adam_ms)
             for cfg in CONFIGS:
-                set_config(cfg or shipped)
+                set_config({**shipped, **(cfg or {})})
                 if rnd == 0:  # the shipped config's update (summation order differs: close, not equal)
                     for w in w32:
                         w.zero_()
@@ -77,16 +97,17 @@ def main():
                                                        ONES_C=False, BLOCK_N=bn, RB=rb, BM=bm, ALIGN=align,
                                                        DEPTH=dp, C_HELD=held, num_warps=wp)
 
-                res.setdefault((cfg, "rows"), []).append(ms(rows))
-                res.setdefault((cfg, "step"), []).append(ms(step))
-                res.setdefault((cfg, "ratio"), []).append(res[(cfg, "step")][-1] / adam_ms)
+                res.setdefault((str(cfg), "rows"), []).append(ms(rows))
+                res.setdefault((str(cfg), "step"), []).append(ms(step))
+                res.setdefault((str(cfg), "ratio"), []).append(res[(str(cfg), "step")][-1] / adam_ms)
+        print(f"shipped: {shipped}")
         print(f"{name}: G {g_bytes / 2**20:.0f} MiB, one-read floor {floor_read:.3f} ms, "
-              f"AdamW fused {min(res['adam']):.3f} ms; buckets {[(c, a) for c, a, _ in plan.fused]}")
+              f"AdamW fused {min(res['adam']):.3f} ms; buckets of the last config {[(c, a) for c, a, _ in plan.fused]}")
         for cfg in CONFIGS:
-            rows_fr = sorted(floor_read / t for t in res[(cfg, "rows")])
-            ratio = sorted(res[(cfg, "ratio")])
-            print(f"  {str(cfg or f'shipped {shipped}'):34s} row pass {min(res[(cfg, 'rows')]):.3f} ms "
-                  f"({rows_fr[0]:.3f}/{rows_fr[-1]:.3f} of one read)  step L=5 {min(res[(cfg, 'step')]):.3f} ms "
+            rows_fr = sorted(floor_read / t for t in res[(str(cfg), "rows")])
+            ratio = sorted(res[(str(cfg), "ratio")])
+            print(f"  {str(cfg or 'shipped'):34s} row pass {min(res[(str(cfg), 'rows')]):.3f} ms "
+                  f"({rows_fr[0]:.3f}/{rows_fr[-1]:.3f} of one read)  step L=5 {min(res[(str(cfg), 'step')]):.3f} ms "
                   f"= {ratio[0]:.2f}-{ratio[-1]:.2f}x AdamW", flush=True)
         set_config(shipped)
         del params, ws, gs, adam, w32, ref

@@ -68,6 +68,7 @@ SCALE_PARTS = 16  # and partials per trip
 ROWS_ELEMS = 8
 ROWS_MAX_WARPS = 16
 ROWS_BM = 64
+ROWS_MIN_PROGRAMS = 4  # per SM, see rows_bm
 ROWS_RB = 1
 ROWS_DEPTH = 3
 ROWS_C_HELD = True
@@ -86,6 +87,16 @@ def rows_config(n: int) -> tuple[int, int, int, int, int, bool]:
     # rows in flight cost registers: long rows (more than ROWS_ELEMS per thread) load one trip ahead
     depth = ROWS_DEPTH if rb * block_n <= ROWS_ELEMS * 32 * warps else 1
     return block_n, rb, max(rb, ROWS_BM), warps, depth, ROWS_C_HELD
+
+
+def rows_bm(total_rows: int, rb: int, n_sm: int) -> int:
+    """Rows per program of a row-pass launch over total_rows rows: ROWS_BM, halved (not below
+    16 or RB) until the launch has ROWS_MIN_PROGRAMS programs per SM. A launch of a few long
+    rows (a down projection's 4096 x 14336) otherwise runs on half the SMs."""
+    bm = max(rb, ROWS_BM)
+    while bm > max(16, rb) and total_rows < ROWS_MIN_PROGRAMS * n_sm * bm:
+        bm //= 2
+    return bm
 
 
 @triton.jit

@@ -16,6 +16,7 @@ import torch
 from .._library import NAMESPACE, TRITON_DEVICES
 from .. import reference
 from ..meta import sinkgd as meta
+from .mask_reduce import _n_sm
 
 
 def _as3d(t: torch.Tensor) -> torch.Tensor:
@@ -70,12 +71,24 @@ class _Plan:
         r_off = c_off = pr_off = pc_off = coef_off = 0
         factors_b, factors_m, self.spans = [], [], []
         vec = 16 // min(ps[0].element_size(), gs[0].element_size())
-        for i, (p, g) in enumerate(zip(ps, gs)):
+        # the one-read row pass's launches: one per (row tile, alignment); each launch's rows per
+        # program (BM) shrink until it has programs for every SM (K.rows_bm)
+        key_of, bucket_rows = [], {}
+        for p, g in zip(ps, gs):
             b, m, n = _as3d(p).shape
             align = vec if n % vec == 0 and p.data_ptr() % 16 == 0 and g.data_ptr() % 16 == 0 else 1
+            key = (K.rows_config(n), align) if n <= K.MAX_FUSED_N else None
+            key_of.append((key, align))
+            if key is not None:
+                bucket_rows[key] = bucket_rows.get(key, 0) + b * m
+        n_sm = _n_sm(dev)
+        cfgs = {key: key[0][:2] + (K.rows_bm(rows_, key[0][1], n_sm),) + key[0][3:] for key, rows_ in bucket_rows.items()}
+        for i, (p, g) in enumerate(zip(ps, gs)):
+            b, m, n = _as3d(p).shape
+            key, align = key_of[i]
             upd.setdefault(align, []).append(i)
-            if n <= K.MAX_FUSED_N:
-                cfg = K.rows_config(n)
+            if key is not None:
+                cfg = cfgs[key]
                 buckets.setdefault((cfg, align), []).append(i)
                 n_pr, n_pc = 0, _cdiv(m, cfg[2])
             else:
@@ -142,7 +155,7 @@ _MAX_PLANS = 16
 def _plan(ps, gs, lr_scale, base_width, width_exponent) -> _Plan:
     from ..kernels import sinkgd as K
 
-    key = (lr_scale, base_width, width_exponent, K.MAX_FUSED_N, K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_RB, K.ROWS_DEPTH, K.ROWS_C_HELD,
+    key = (lr_scale, base_width, width_exponent, K.MAX_FUSED_N, K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_MIN_PROGRAMS, K.ROWS_RB, K.ROWS_DEPTH, K.ROWS_C_HELD,
            tuple((p.data_ptr(), g.data_ptr(), p.shape, p.dtype, g.dtype, p.device) for p, g in zip(ps, gs)))
     plan = _PLANS.get(key)
     if plan is None:
