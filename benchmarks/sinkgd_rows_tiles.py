@@ -18,8 +18,8 @@ from torch_fused.ops import sinkgd as S
 
 OPS = torch.ops.fused
 # overrides of kernels/sinkgd.py's ROWS_* settings (None: as shipped)
-CONFIGS = [None, {"MIN_PROGRAMS": 8}, {"BM": 32, "MIN_PROGRAMS": 8}, {"ELEMS": 16, "DEPTH": 1},
-           {"BM": 128, "MIN_PROGRAMS": 2}, {"DEPTH": 1}]
+CONFIGS = [None, {"ELEMS": 8}, {"ELEMS": 32}, {"DEPTH": 2}, {"RB": 2}, {"BM": 128, "MIN_PROGRAMS": 2},
+           {"BM": 32, "MIN_PROGRAMS": 8}]
 NAMES = ("ELEMS", "MAX_WARPS", "BM", "MIN_PROGRAMS", "RB", "DEPTH", "C_HELD")
 ROUNDS = 3
 
@@ -92,10 +92,11 @@ def main():
                 part = torch.empty(plan.lens[3], device="cuda")
 
                 def rows():
-                    for (bn, rb, bm, wp, dp, held), align, (t_meta, t_first, n_mats, grid) in plan.fused:
+                    for ((bn, rb, bm, wp, dp, held), align, (t_meta, t_first, n_mats, grid)), even in zip(
+                            plan.fused, plan.fused_even):
                         K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gs[0], r, c, part, 1e-8, ONES_R=False,
                                                        ONES_C=False, BLOCK_N=bn, RB=rb, BM=bm, ALIGN=align,
-                                                       DEPTH=dp, C_HELD=held, num_warps=wp)
+                                                       DEPTH=dp, C_HELD=held, EVEN_N=even, num_warps=wp)
 
                 res.setdefault((str(cfg), "rows"), []).append(ms(rows))
                 res.setdefault((str(cfg), "step"), []).append(ms(step))

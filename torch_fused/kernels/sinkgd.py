@@ -60,17 +60,17 @@ MAX_FUSED_N = 16384  # widest row a _sinkgd_rows_kernel program holds in registe
 ROW_TILE = (8, 1024, 4)  # two-pass path, row sums: BM, BN, warps
 COL_TILE = (128, 64, 4)  # two-pass path, column sums
 UPD_TILE = (8, 1024, 4)
-SCALE_BLOCK = 128  # _sinkgd_scale_kernel: entries per program
-SCALE_PARTS = 16  # and partials per trip
+SCALE_BLOCK = 64  # _sinkgd_scale_kernel: entries per program
+SCALE_PARTS = 64  # and partials per trip
 # _sinkgd_rows_kernel tiles (rows_config), set by benchmarks/sinkgd_rows_tiles.py on an H200:
 # elements per thread and row, the most warps a program gets, rows per program, rows per trip,
 # trips loaded ahead, c held in registers
-ROWS_ELEMS = 8
+ROWS_ELEMS = 16
 ROWS_MAX_WARPS = 16
 ROWS_BM = 64
 ROWS_MIN_PROGRAMS = 4  # per SM, see rows_bm
 ROWS_RB = 1
-ROWS_DEPTH = 3
+ROWS_DEPTH = 1
 ROWS_C_HELD = True
 
 
@@ -126,10 +126,11 @@ def _tile_coords(local, m, n, BM: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
                         ONES_R: tl.constexpr, ONES_C: tl.constexpr, BLOCK_N: tl.constexpr, RB: tl.constexpr,
-                        BM: tl.constexpr, ALIGN: tl.constexpr, DEPTH: tl.constexpr, C_HELD: tl.constexpr):
+                        BM: tl.constexpr, ALIGN: tl.constexpr, DEPTH: tl.constexpr, C_HELD: tl.constexpr,
+                        EVEN_N: tl.constexpr):
     """One SR-Sinkhorn row step and the column partials that follow it, for BM whole rows.
     DEPTH: trips of rows loaded ahead (1-3); C_HELD: c is loaded once and held in registers
-    (else re-read every trip, an L1 hit).
+    (else re-read every trip, an L1 hit); EVEN_N: every row of the launch is BLOCK_N long.
     ONES_R / ONES_C: r / c are still all ones (the first iteration): not read. ALIGN: see
     the module docstring."""
     pid = tl.program_id(0).to(tl.int64)
@@ -166,22 +167,26 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
     t_off = o_r * n32 + o_n  # in-trip offsets: BM * n < 2**31
     acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
     # software pipelined: the rows of the next DEPTH trips are in flight during this trip's
-    # reduction. Registers bound the bytes in flight, so across the reduction only x^2, the
-    # accumulator, the rows in flight (and c if C_HELD) stay live: the column terms come from
-    # x^2, (r_new g c)^2 = x^2 (r_new / r_old)^2.
+    # reduction. The trip is issue-bound as much as memory-bound, so per element it does only a
+    # convert, y = g c, q = y^2, a sum and one fma: r stays out of the elementwise work, since
+    # |r g c| = r |g c| for the row norm and (r_new g c)^2 = r_new^2 q for the column terms.
+    # (y = g c is about as small as g: it underflows where the first iteration's g^2 does.)
+    m_ld = m_n
+    if EVEN_N:
+        m_ld = o_r >= 0  # a constant-true [RB, 1] mask: no per-element column test
     if C_HELD and not ONES_C:
-        c_held = tl.load(p_cb + o_n, mask=m_n, other=0.0)
-    g_a = tl.load(p_g + t_off, mask=(o_r < n_rows) & m_n, other=0.0)
+        c_held = tl.load(p_cb + o_n, mask=m_ld, other=0.0)
+    g_a = tl.load(p_g + t_off, mask=(o_r < n_rows) & m_ld, other=0.0)
     if DEPTH >= 2:
-        g_b = tl.load(p_g + RB * n + t_off, mask=(o_r + RB < n_rows) & m_n, other=0.0)
+        g_b = tl.load(p_g + RB * n + t_off, mask=(o_r + RB < n_rows) & m_ld, other=0.0)
     if DEPTH >= 3:
-        g_c = tl.load(p_g + 2 * RB * n + t_off, mask=(o_r + 2 * RB < n_rows) & m_n, other=0.0)
+        g_c = tl.load(p_g + 2 * RB * n + t_off, mask=(o_r + 2 * RB < n_rows) & m_ld, other=0.0)
     for k in range(0, tl.cdiv(n_rows, RB)):
         rows = k * RB + o_r
         m_r = rows < n_rows
         b_g = g_a
         nxt = rows + DEPTH * RB  # the rows this trip starts loading
-        g_new = tl.load(p_g + (k + DEPTH) * RB * n + t_off, mask=(nxt < n_rows) & m_n, other=0.0)
+        g_new = tl.load(p_g + (k + DEPTH) * RB * n + t_off, mask=(nxt < n_rows) & m_ld, other=0.0)
         if DEPTH == 1:
             g_a = g_new
         elif DEPTH == 2:
@@ -191,23 +196,22 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
             g_a = g_b
             g_b = g_c
             g_c = g_new
-        x = b_g.to(tl.float32)
+        y = b_g.to(tl.float32)
         if not ONES_C:
             if C_HELD:
-                x = x * c_held
+                y = y * c_held
             else:
-                x = x * tl.load(p_cb + o_n, mask=m_n, other=0.0)
+                y = y * tl.load(p_cb + o_n, mask=m_ld, other=0.0)
+        q = y * y
+        norm = tl.sqrt(tl.sum(q, axis=1, keep_dims=True))
         if ONES_R:
             r_old = tl.full([RB, 1], 1.0, tl.float32)
         else:
             r_old = tl.load(p_rb + rows, mask=m_r, other=1.0)
-            x = x * r_old
-        x2 = x * x
-        s = tl.sum(x2, axis=1, keep_dims=True)
-        r_new = tl.minimum(r_old * target / tl.maximum(tl.sqrt(s), eps), 1e30)
+            norm = r_old * norm
+        r_new = tl.minimum(r_old * target / tl.maximum(norm, eps), 1e30)
         tl.store(p_rb + rows, r_new, mask=m_r)
-        ratio = tl.where(r_old > 0, r_new / r_old, 0.0)  # r_old = 0: x = 0 and r_new = 0
-        acc += x2 * (ratio * ratio)
+        acc += q * tl.minimum(r_new * r_new, 3.0e38)  # a zero row's r_new = 1e30 meets q = 0
     col = tl.sum(acc, axis=0, keep_dims=True)
     tl.store(p_pc + o_n, col, mask=m_n)
 
@@ -367,7 +371,7 @@ def compile_cases():
         for ones in (False, True):
             yield (f"sinkgd_rows n={n} ones={ones}", _sinkgd_rows_kernel, rows,
                    {"ONES_R": ones, "ONES_C": ones, "BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8,
-                    "DEPTH": depth, "C_HELD": held}, w)
+                    "DEPTH": depth, "C_HELD": held, "EVEN_N": n == block_n}, w)
     sums = dict(rows)
     del sums["eps"]
     for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):

@@ -78,6 +78,8 @@ class _Plan:
             b, m, n = _as3d(p).shape
             align = vec if n % vec == 0 and p.data_ptr() % 16 == 0 and g.data_ptr() % 16 == 0 else 1
             key = (K.rows_config(n), align) if n <= K.MAX_FUSED_N else None
+            if key is not None and n != key[0][0]:
+                key = key + ("uneven",)  # EVEN_N launches: rows exactly BLOCK_N long
             key_of.append((key, align))
             if key is not None:
                 bucket_rows[key] = bucket_rows.get(key, 0) + b * m
@@ -89,7 +91,7 @@ class _Plan:
             upd.setdefault(align, []).append(i)
             if key is not None:
                 cfg = cfgs[key]
-                buckets.setdefault((cfg, align), []).append(i)
+                buckets.setdefault((cfg, align, len(key) == 2), []).append(i)
                 n_pr, n_pc = 0, _cdiv(m, cfg[2])
             else:
                 wide.append((i, align))
@@ -120,7 +122,7 @@ class _Plan:
             return (at, len(idx), first[-1])
 
         specs = {"fused": [(cfg, align, launch(idx, lambda b, m, n, bm=cfg[2]: b * _cdiv(m, bm)))
-                           for (cfg, align), idx in buckets.items()]}
+                           for (cfg, align, _), idx in buckets.items()]}
         if wide:
             idx = [i for i, _ in wide]
             specs["wide"] = (min(a for _, a in wide),
@@ -139,6 +141,7 @@ class _Plan:
             return table[at:end], table[end:end + n_mats + 1], n_mats, grid
 
         self.fused = [(cfg, align, views(sp)) for cfg, align, sp in specs["fused"]]
+        self.fused_even = [even for (_, _, even) in buckets]
         self.wide = (specs["wide"][0], tuple(views(sp) for sp in specs["wide"][1])) if wide else None
         self.cscale = views(specs["cscale"])
         self.update = [(align, views(sp)) for align, sp in specs["update"]]
@@ -192,10 +195,11 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
     gdt, wdt = gs[0], ps[0]  # dtype carriers: the addresses come from the tables
     for it in range(iters):
         first = it == 0  # r and c are still all ones: the kernels neither read nor need them
-        for (block_n, rb, bm, warps, depth, held), align, (t_meta, t_first, n_mats, grid) in plan.fused:
+        for ((block_n, rb, bm, warps, depth, held), align, (t_meta, t_first, n_mats, grid)), even in zip(
+                plan.fused, plan.fused_even):
             K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gdt, r, c, part_c, eps, ONES_R=first,
                                            ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align,
-                                           DEPTH=depth, C_HELD=held, num_warps=warps)
+                                           DEPTH=depth, C_HELD=held, EVEN_N=even, num_warps=warps)
         if plan.wide is not None:
             align, ((m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c)) = plan.wide
             K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
