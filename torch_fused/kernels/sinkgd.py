@@ -211,7 +211,8 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
             norm = r_old * norm
         r_new = tl.minimum(r_old * target / tl.maximum(norm, eps), 1e30)
         tl.store(p_rb + rows, r_new, mask=m_r)
-        acc += q * tl.minimum(r_new * r_new, 3.0e38)  # a zero row's r_new = 1e30 meets q = 0
+        r_sq = tl.minimum(r_new, 1.8e19)  # a zero row's r_new = 1e30 meets q = 0: keep r_new^2 finite
+        acc += q * (r_sq * r_sq)
     col = tl.sum(acc, axis=0, keep_dims=True)
     tl.store(p_pc + o_n, col, mask=m_n)
 
