@@ -65,7 +65,7 @@ SCALE_PARTS = 64  # and partials per trip
 # _sinkgd_rows_kernel tiles (rows_config), set by benchmarks/sinkgd_rows_tiles.py on an H200:
 # elements per thread and row, the most warps a program gets, rows per program, rows per trip,
 # trips loaded ahead, c held in registers
-ROWS_ELEMS = 16
+ROWS_ELEMS = 32
 ROWS_MAX_WARPS = 16
 ROWS_BM = 64
 ROWS_MIN_PROGRAMS = 4  # per SM, see rows_bm

@@ -10,6 +10,15 @@ PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SPECTRAL_TARGETS = ("unit", "muon")
 
 
+def _all_valid(params, grads) -> bool:
+    """Whether every (param, grad) pair passes the per-parameter checks of check_sinkgd (one
+    cheap pass: a step of a model with many matrices runs this on the host every time)."""
+    strided = torch.strided
+    return all(p.dim() >= 2 and p.dtype in PARAM_DTYPES and p.layout == strided and g.layout == strided
+               and p.is_contiguous() and g.shape == p.shape and g.device == p.device
+               for p, g in zip(params, grads))
+
+
 def check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
                  spectral_iters, eps, seed) -> None:
     check(len(params) == len(grads),
@@ -24,6 +33,8 @@ def check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm
         check(len(spectral_vecs) == len(params),
               lambda: f"spectral_vecs: expected one vector per parameter ({len(params)}), got {len(spectral_vecs)}")
         check(spectral_iters >= 1, lambda: f"spectral_iters: expected >= 1, got {spectral_iters}")
+    if not spectral_norm and _all_valid(params, grads):
+        return  # the common case, checked in one pass; the loop below names what is wrong
     for i, (p, g) in enumerate(zip(params, grads)):
         check(p.dim() >= 2, lambda: f"params[{i}]: SinkGD needs a matrix [..., m, n], got shape {tuple(p.shape)}")
         check(p.dtype in PARAM_DTYPES, lambda: f"params[{i}]: expected a floating dtype, got {p.dtype}")

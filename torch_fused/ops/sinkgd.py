@@ -237,7 +237,7 @@ def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhor
         if p.numel() == 0:
             continue
         if use_triton and torch.float64 not in (p.dtype, g.dtype):
-            groups.setdefault((p.dtype, g.dtype), []).append(i)
+            groups.setdefault((p.device, p.dtype, g.dtype), []).append(i)  # one plan per device
             continue
         # the reference path (CPU, and float64 anywhere)
         w3 = _as3d(p)  # a view: p is contiguous
@@ -251,7 +251,7 @@ def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhor
             s = torch.ones(b, dtype=torch.float32, device=p.device)
         coef_x, coef_w = _coefs(lr.to(p.device), n, lr_scale, weight_decay, base_width, width_exponent, s)
         reference.sinkgd_update_(w3, g3, r, c, coef_x, coef_w)
-    for (pdt, _), idx in groups.items():
+    for (_, pdt, _), idx in groups.items():
         _triton_group([params[i] for i in idx], [grads[i] for i in idx],
                       [spectral_vecs[i] for i in idx] if spectral_norm else [], lr, lr_scale, weight_decay, eps,
                       sinkhorn_iters, spectral_norm, spectral_target, spectral_iters, base_width, width_exponent,
