@@ -1,5 +1,5 @@
-"""Host time of one SinkGD step on GPT-2 small's 2-D weights (bf16): the optimizer's step and
-the bare op, each enqueued behind a long sleep kernel (so nothing waits on the GPU), then a
+"""Host time of one SinkGD step on GPT-2 small's 2-D weights (bf16): the optimizer's step, the
+op through the dispatcher and its implementation called directly, each enqueued behind a long sleep kernel (so nothing waits on the GPU), then a
 cProfile of optimizer steps. Run on the device: python benchmarks/sinkgd_host.py"""
 
 import cProfile
@@ -10,6 +10,7 @@ import torch
 
 import torch_fused  # noqa: F401
 from torch_fused.bench.sinkgd import GPT2_SMALL, _params
+from torch_fused.ops.sinkgd import sinkgd_step_eager
 from torch_fused.optim import SinkGD
 
 
@@ -35,10 +36,15 @@ def main():
     def op():
         torch.ops.fused.sinkgd_step(ws, gs, [], lr, 0.05, 0.0, 1e-8, 5, False, "unit", 1, None, 1.0, False, seed)
 
+    def direct():
+        sinkgd_step_eager(ws, gs, [], lr, 0.05, 0.0, 1e-8, 5, False, "unit", 1, None, 1.0, False, seed)
+
     for _ in range(3):
         opt.step()
         op()
-    print(f"host per step: optimizer {host_ms(opt.step):.3f} ms, bare op {host_ms(op):.3f} ms", flush=True)
+        direct()
+    print(f"host per step: optimizer {host_ms(opt.step):.3f} ms, the op through the dispatcher {host_ms(op):.3f} ms, "
+          f"its implementation called directly {host_ms(direct):.3f} ms", flush=True)
     torch.cuda.synchronize()
     torch.cuda._sleep(4_000_000_000)
     pr = cProfile.Profile()

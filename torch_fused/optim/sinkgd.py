@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
+from ..ops.sinkgd import sinkgd_step_eager
+
 _FALLBACKS = ("adamw",)
 
 
@@ -130,7 +132,10 @@ class SinkGD(Optimizer):
                     st0["step"] = torch.zeros((), dtype=torch.float32, device=mats[0].device)
                 st0["step"].add_(1)
                 lr_t = lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, dtype=torch.float32)
-                torch.ops.fused.sinkgd_step(
+                # eager: the op's implementation without torch.library's per-call wrapper (see
+                # ops/sinkgd.py::sinkgd_step_eager); compiled: the op, traced as one node
+                step_fn = torch.ops.fused.sinkgd_step if torch.compiler.is_compiling() else sinkgd_step_eager
+                step_fn(
                     mats, grads, vecs, lr_t.reshape(()).to(mats[0].device), float(group["lr_scale"]),
                     float(group["weight_decay"]), float(group["eps"]), int(group["sinkhorn_iters"]),
                     bool(group["spectral_norm"]), group["spectral_target"], int(group["spectral_iters"]),
