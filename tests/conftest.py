@@ -45,6 +45,7 @@ if INTERPRET:
     _sgk.MAX_FUSED_N = 64
     _sgk.ROWS_ELEMS = 1
     _sgk.ROWS_BM = 4
+    _sgk.ROWS_MAX_PARTIALS = 16  # a 300-row matrix gets 32-row programs, small ones 4
     _sgk.SCALE_PARTS = 4  # several partial trips per column, with a masked tail
 
 

@@ -69,6 +69,7 @@ ROWS_ELEMS = 32
 ROWS_MAX_WARPS = 16
 ROWS_BM = 64
 ROWS_MIN_PROGRAMS = 4  # per SM, see rows_bm
+ROWS_MAX_PARTIALS = 1024  # per column of a matrix, see rows_bm
 ROWS_RB = 1
 ROWS_DEPTH = 1
 ROWS_C_HELD = True
@@ -89,14 +90,16 @@ def rows_config(n: int) -> tuple[int, int, int, int, int, bool]:
     return block_n, rb, max(rb, ROWS_BM), warps, depth, ROWS_C_HELD
 
 
-def rows_bm(total_rows: int, rb: int, n_sm: int) -> int:
+def rows_bm(total_rows: int, rb: int, n_sm: int, max_m: int) -> int:
     """Rows per program of a row-pass launch over total_rows rows: ROWS_BM, halved (not below
-    16 or RB) until the launch has ROWS_MIN_PROGRAMS programs per SM. A launch of a few long
-    rows (a down projection's 4096 x 14336) otherwise runs on half the SMs."""
+    16 or RB) until the launch has ROWS_MIN_PROGRAMS programs per SM (a launch of a few long
+    rows, a down projection's 4096 x 14336, otherwise runs on half the SMs); then raised to a
+    power of two that leaves the tallest matrix (max_m rows) at most ROWS_MAX_PARTIALS column
+    partials per column, so the partials stay O(cols) per matrix."""
     bm = max(rb, ROWS_BM)
     while bm > max(16, rb) and total_rows < ROWS_MIN_PROGRAMS * n_sm * bm:
         bm //= 2
-    return bm
+    return max(bm, triton.next_power_of_2(triton.cdiv(max_m, ROWS_MAX_PARTIALS)))
 
 
 @triton.jit

@@ -73,7 +73,7 @@ class _Plan:
         vec = 16 // min(ps[0].element_size(), gs[0].element_size())
         # the one-read row pass's launches: one per (row tile, alignment); each launch's rows per
         # program (BM) shrink until it has programs for every SM (K.rows_bm)
-        key_of, bucket_rows = [], {}
+        key_of, bucket_rows, bucket_m = [], {}, {}
         for p, g in zip(ps, gs):
             b, m, n = _as3d(p).shape
             align = vec if n % vec == 0 and p.data_ptr() % 16 == 0 and g.data_ptr() % 16 == 0 else 1
@@ -83,8 +83,10 @@ class _Plan:
             key_of.append((key, align))
             if key is not None:
                 bucket_rows[key] = bucket_rows.get(key, 0) + b * m
+                bucket_m[key] = max(bucket_m.get(key, 0), m)
         n_sm = _n_sm(dev)
-        cfgs = {key: key[0][:2] + (K.rows_bm(rows_, key[0][1], n_sm),) + key[0][3:] for key, rows_ in bucket_rows.items()}
+        cfgs = {key: key[0][:2] + (K.rows_bm(rows_, key[0][1], n_sm, bucket_m[key]),) + key[0][3:]
+                for key, rows_ in bucket_rows.items()}
         for i, (p, g) in enumerate(zip(ps, gs)):
             b, m, n = _as3d(p).shape
             key, align = key_of[i]
@@ -158,7 +160,7 @@ _MAX_PLANS = 16
 def _plan(ps, gs, lr_scale, base_width, width_exponent) -> _Plan:
     from ..kernels import sinkgd as K
 
-    key = (lr_scale, base_width, width_exponent, K.MAX_FUSED_N, K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_MIN_PROGRAMS, K.ROWS_RB, K.ROWS_DEPTH, K.ROWS_C_HELD,
+    key = (lr_scale, base_width, width_exponent, K.MAX_FUSED_N, K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_MIN_PROGRAMS, K.ROWS_MAX_PARTIALS, K.ROWS_RB, K.ROWS_DEPTH, K.ROWS_C_HELD,
            tuple((p.data_ptr(), g.data_ptr(), p.shape, p.dtype, g.dtype, p.device) for p, g in zip(ps, gs)))
     plan = _PLANS.get(key)
     if plan is None:
