@@ -102,8 +102,7 @@ def main():
                 part = torch.empty(plan.lens[3], device="cuda")
 
                 def rows():
-                    for ((bn, rb, bm, wp, dp, held), align, (t_meta, t_first, n_mats, grid)), even in zip(
-                            plan.fused, plan.fused_even):
+                    for (bn, rb, bm, wp, dp, held), align, even, (t_meta, t_first, n_mats, grid) in plan.fused:
                         K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gs[0], r, c, part, 1e-8, ONES_R=False,
                                                        ONES_C=False, BLOCK_N=bn, RB=rb, BM=bm, ALIGN=align,
                                                        DEPTH=dp, C_HELD=held, EVEN_N=even, num_warps=wp)
@@ -113,7 +112,7 @@ def main():
                 res.setdefault((str(cfg), "ratio"), []).append(res[(str(cfg), "step")][-1] / adam_ms)
         print(f"shipped: {shipped}")
         print(f"{name}: G {g_bytes / 2**20:.0f} MiB, one-read floor {floor_read:.3f} ms, "
-              f"AdamW fused {min(res['adam']):.3f} ms; buckets of the last config {[(c, a) for c, a, _ in plan.fused]}")
+              f"AdamW fused {min(res['adam']):.3f} ms; buckets of the last config {[(c, a, e) for c, a, e, _ in plan.fused]}")
         for cfg in CONFIGS:
             rows_fr = sorted(floor_read / t for t in res[(str(cfg), "rows")])
             ratio = sorted(res[(str(cfg), "ratio")])

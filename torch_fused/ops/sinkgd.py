@@ -53,11 +53,12 @@ class _Plan:
     re-created gradient the same address in a steady training loop). A step then does no
     host-to-device copy and no Python work per matrix beyond its key.
 
-    Launches: ``fused`` [(rows_config, align, launch)] one per (row width bucket, alignment)
-    (matrices with n <= MAX_FUSED_N); ``wide`` (align, (row sums, row scale, column sums)) for
-    the rest, or None; ``cscale`` over every matrix; ``update`` [(align, launch)]. A launch is
-    (meta, first, n_mats, grid); align is the kernels' ALIGN (kernels/sinkgd.py): 16 bytes of
-    the narrower dtype where n is a multiple of it and G and W are 16-byte aligned, else 1."""
+    Launches: ``fused`` [(rows_config, align, even, launch)] one per (row width bucket,
+    alignment, rows exactly BLOCK_N long or not) for matrices with n <= MAX_FUSED_N; ``wide``
+    (align, (row sums, row scale, column sums)) for the rest, or None; ``cscale`` over every
+    matrix; ``update`` [(align, launch)]. A launch is (meta, first, n_mats, grid); align is the
+    kernels' ALIGN (kernels/sinkgd.py): 16 bytes of the narrower dtype where n is a multiple of
+    it and G and W are 16-byte aligned, else 1."""
 
     def __init__(self, ps, gs, lr_scale, base_width, width_exponent):
         from ..kernels import sinkgd as K
@@ -123,8 +124,8 @@ class _Plan:
             packed.extend(first)
             return (at, len(idx), first[-1])
 
-        specs = {"fused": [(cfg, align, launch(idx, lambda b, m, n, bm=cfg[2]: b * _cdiv(m, bm)))
-                           for (cfg, align, _), idx in buckets.items()]}
+        specs = {"fused": [(cfg, align, even, launch(idx, lambda b, m, n, bm=cfg[2]: b * _cdiv(m, bm)))
+                           for (cfg, align, even), idx in buckets.items()]}
         if wide:
             idx = [i for i, _ in wide]
             specs["wide"] = (min(a for _, a in wide),
@@ -142,8 +143,7 @@ class _Plan:
             end = at + n_mats * cols
             return table[at:end], table[end:end + n_mats + 1], n_mats, grid
 
-        self.fused = [(cfg, align, views(sp)) for cfg, align, sp in specs["fused"]]
-        self.fused_even = [even for (_, _, even) in buckets]
+        self.fused = [(cfg, align, even, views(sp)) for cfg, align, even, sp in specs["fused"]]
         self.wide = (specs["wide"][0], tuple(views(sp) for sp in specs["wide"][1])) if wide else None
         self.cscale = views(specs["cscale"])
         self.update = [(align, views(sp)) for align, sp in specs["update"]]
@@ -160,7 +160,9 @@ _MAX_PLANS = 16
 def _plan(ps, gs, lr_scale, base_width, width_exponent) -> _Plan:
     from ..kernels import sinkgd as K
 
-    key = (lr_scale, base_width, width_exponent, K.MAX_FUSED_N, K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_MIN_PROGRAMS, K.ROWS_MAX_PARTIALS, K.ROWS_RB, K.ROWS_DEPTH, K.ROWS_C_HELD,
+    tiles = (K.MAX_FUSED_N, K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_MIN_PROGRAMS, K.ROWS_MAX_PARTIALS,
+             K.ROWS_RB, K.ROWS_DEPTH, K.ROWS_C_HELD)  # the plan's row-pass tiling depends on these
+    key = (lr_scale, base_width, width_exponent, tiles,
            tuple((p.data_ptr(), g.data_ptr(), p.shape, p.dtype, g.dtype, p.device) for p, g in zip(ps, gs)))
     plan = _PLANS.get(key)
     if plan is None:
@@ -197,8 +199,7 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
     gdt, wdt = gs[0], ps[0]  # dtype carriers: the addresses come from the tables
     for it in range(iters):
         first = it == 0  # r and c are still all ones: the kernels neither read nor need them
-        for ((block_n, rb, bm, warps, depth, held), align, (t_meta, t_first, n_mats, grid)), even in zip(
-                plan.fused, plan.fused_even):
+        for (block_n, rb, bm, warps, depth, held), align, even, (t_meta, t_first, n_mats, grid) in plan.fused:
             K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gdt, r, c, part_c, eps, ONES_R=first,
                                            ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align,
                                            DEPTH=depth, C_HELD=held, EVEN_N=even, num_warps=warps)
