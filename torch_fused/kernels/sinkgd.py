@@ -116,6 +116,16 @@ def _find_matrix(p_first, n_mats, pid):
 
 
 @triton.jit
+def _program_matrix(p_meta, p_first, n_mats):
+    """This program's matrix in the launch's work table: (its index, the program's index among
+    the matrix's programs, a pointer to its meta row). The kernels load n and the addresses
+    from the row themselves: an alignment hint on a value returned from here would be lost."""
+    pid = tl.program_id(0).to(tl.int64)
+    mat, local = _find_matrix(p_first, n_mats, pid)
+    return mat, local, p_meta + mat * META_COLS
+
+
+@triton.jit
 def _tile_coords(local, m, n, BM: tl.constexpr, BN: tl.constexpr):
     """A program's tile of its matrix from its index among the matrix's programs: batch entry
     b and tile coordinates (t_m, t_n) of [BM, BN] tiles."""
@@ -136,9 +146,7 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
     (else re-read every trip, an L1 hit); EVEN_N: every row of the launch is BLOCK_N long.
     ONES_R / ONES_C: r / c are still all ones (the first iteration): not read. ALIGN: see
     the module docstring."""
-    pid = tl.program_id(0).to(tl.int64)
-    mat, local = _find_matrix(p_first, n_mats, pid)
-    row = p_meta + mat * META_COLS
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + M)
     n = tl.load(row + N)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
@@ -225,9 +233,7 @@ def _sinkgd_sums_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
                         AXIS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         ONES_R: tl.constexpr, ONES_C: tl.constexpr, ALIGN: tl.constexpr):
     """ONES_R / ONES_C: r / c are still all ones (the first iteration): not read."""
-    pid = tl.program_id(0).to(tl.int64)
-    mat, local = _find_matrix(p_first, n_mats, pid)
-    row = p_meta + mat * META_COLS
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + M)
     n = tl.load(row + N)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
@@ -272,9 +278,7 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
     finishes BLOCK entries, reading their partials PARTS at a time (a [PARTS, BLOCK] tile per
     trip: few dependent trips even for a tall matrix's hundreds of partials), summed in a
     fixed order: deterministic."""
-    pid = tl.program_id(0).to(tl.int64)
-    mat, local = _find_matrix(p_first, n_mats, pid)
-    row = p_meta + mat * META_COLS
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + M)
     n = tl.load(row + N)
     if AXIS == 0:
@@ -316,9 +320,7 @@ def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_lr,
                           ALIGN: tl.constexpr):
     """coef_x = lr * fac[COEF_OFF + b] (* spec[COEF_OFF + b], the spectral scale), coef_w =
     lr * fac[n_coef + mat] * wd: lr is a device scalar, fac the cached per-matrix lr factors."""
-    pid = tl.program_id(0).to(tl.int64)
-    mat, local = _find_matrix(p_first, n_mats, pid)
-    row = p_meta + mat * META_COLS
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + M)
     n = tl.load(row + N)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
