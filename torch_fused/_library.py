@@ -8,6 +8,7 @@ Triton's interpreter instead of the plain-PyTorch reference.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -41,6 +42,14 @@ def check(cond, message) -> None:
     if cond is True:
         return
     torch._check(cond, message)
+
+
+@functools.lru_cache(maxsize=None)
+def n_sm(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (sizes grids); a nominal 132 elsewhere (interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

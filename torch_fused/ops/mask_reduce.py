@@ -8,11 +8,9 @@ routing weight or a constant whose gradient users take from their own graph if t
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .._library import NAMESPACE, TRITON_DEVICES, acc_dtype, new_output
+from .._library import NAMESPACE, TRITON_DEVICES, acc_dtype, n_sm, new_output
 from .. import reference
 from ..meta import mask_reduce as meta
 
@@ -42,14 +40,6 @@ def mask_reduce_backward(
 
 mask_reduce.register_fake(meta.mask_reduce_fake)
 mask_reduce_backward.register_fake(meta.mask_reduce_backward_fake)
-
-
-@functools.lru_cache(maxsize=None)
-def _n_sm(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (sizes the grid); a nominal 132 elsewhere (interpreter)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
 
 
 def _operand(t, shape, d):
@@ -90,7 +80,7 @@ def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
     # a mask broadcast over an output dim is read by several programs: keep it in L2 for them
     m_outer = mask is not None and ((sm[1] == 0 and o0 > 1) or (sm[2] == 0 and o1 > 1))
     m_shared = K.EVICT_HINTS and mask is not None and (m_outer or (sm[3] == 0 and i > 1))
-    block_r, block_i, warps, vec, pipeline, unroll = K.pick_blocks(r, i, o0 * o1, r_contig, x.element_size(), _n_sm(x.device))
+    block_r, block_i, warps, vec, pipeline, unroll = K.pick_blocks(r, i, o0 * o1, r_contig, x.element_size(), n_sm(x.device))
     n_iblk = K.triton.cdiv(i, block_i)
     # in-tile offsets fit 32 bits unless a tile spans more than 2**31 elements of some operand
     span = max(abs(st[0]) * block_r + abs(st[3]) * block_i for st in (sx, sm, ss))

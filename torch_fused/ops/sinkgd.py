@@ -13,10 +13,9 @@ import math
 
 import torch
 
-from .._library import NAMESPACE, TRITON_DEVICES
+from .._library import NAMESPACE, TRITON_DEVICES, n_sm
 from .. import reference
 from ..meta import sinkgd as meta
-from .mask_reduce import _n_sm
 
 
 def _as3d(t: torch.Tensor) -> torch.Tensor:
@@ -85,8 +84,8 @@ class _Plan:
             if key is not None:
                 bucket_rows[key] = bucket_rows.get(key, 0) + b * m
                 bucket_m[key] = max(bucket_m.get(key, 0), m)
-        n_sm = _n_sm(dev)
-        cfgs = {key: key[0][:2] + (K.rows_bm(rows_, key[0][1], n_sm, bucket_m[key]),) + key[0][3:]
+        sms = n_sm(dev)
+        cfgs = {key: key[0][:2] + (K.rows_bm(rows_, key[0][1], sms, bucket_m[key]),) + key[0][3:]
                 for key, rows_ in bucket_rows.items()}
         for i, (p, g) in enumerate(zip(ps, gs)):
             b, m, n = _as3d(p).shape
