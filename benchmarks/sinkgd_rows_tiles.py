@@ -1,6 +1,6 @@
 """Tile sweep of SinkGD's one-read row pass (kernels/sinkgd.py::_sinkgd_rows_kernel) on one
 Llama-3-8B layer and on GPT-2 small's 2-D weights (bf16): for each (ROWS_ELEMS, ROWS_MAX_WARPS,
-ROWS_BM, ROWS_RB, ROWS_DEPTH, ROWS_C_HELD), the row pass alone (every bucket's launch, an
+ROWS_BM, ROWS_MIN_PROGRAMS, ROWS_RB), the row pass alone (every bucket's launch, an
 iteration past the first) as a fraction of one read of G at the same-run copy bandwidth, and the
 whole L=5 step against fused AdamW.
 Every config's step is checked against the shipped config's. Configs are timed in interleaved
@@ -20,8 +20,8 @@ from torch_fused.ops import sinkgd as S
 
 OPS = torch.ops.fused
 # overrides of kernels/sinkgd.py's ROWS_* settings (None: as shipped)
-CONFIGS = [None, {"ELEMS": 16}, {"BM": 32, "MIN_PROGRAMS": 8}, {"ELEMS": 64}, {"DEPTH": 2}]
-NAMES = ("ELEMS", "MAX_WARPS", "BM", "MIN_PROGRAMS", "RB", "DEPTH", "C_HELD")
+CONFIGS = [None, {"ELEMS": 16}, {"BM": 32, "MIN_PROGRAMS": 8}, {"ELEMS": 64}, {"RB": 2}]
+NAMES = ("ELEMS", "MAX_WARPS", "BM", "MIN_PROGRAMS", "RB")
 ROUNDS = 3
 
 
@@ -102,10 +102,10 @@ def main():
                 part = torch.empty(plan.lens[3], device="cuda")
 
                 def rows():
-                    for (bn, rb, bm, wp, dp, held), align, even, (t_meta, t_first, n_mats, grid) in plan.fused:
+                    for (bn, rb, bm, wp), align, even, (t_meta, t_first, n_mats, grid) in plan.fused:
                         K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gs[0], r, c, part, 1e-8, ONES_R=False,
                                                        ONES_C=False, BLOCK_N=bn, RB=rb, BM=bm, ALIGN=align,
-                                                       DEPTH=dp, C_HELD=held, EVEN_N=even, num_warps=wp)
+                                                       EVEN_N=even, num_warps=wp)
 
                 res.setdefault((str(cfg), "rows"), []).append(ms(rows))
                 res.setdefault((str(cfg), "step"), []).append(ms(step))

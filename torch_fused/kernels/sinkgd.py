@@ -63,20 +63,17 @@ UPD_TILE = (8, 1024, 4)
 SCALE_BLOCK = 64  # _sinkgd_scale_kernel: entries per program
 SCALE_PARTS = 64  # and partials per trip
 # _sinkgd_rows_kernel tiles (rows_config), set by benchmarks/sinkgd_rows_tiles.py on an H200:
-# elements per thread and row, the most warps a program gets, rows per program, rows per trip,
-# trips loaded ahead, c held in registers
+# elements per thread and row, the most warps a program gets, rows per program, rows per trip
 ROWS_ELEMS = 32
 ROWS_MAX_WARPS = 16
 ROWS_BM = 64
 ROWS_MIN_PROGRAMS = 4  # per SM, see rows_bm
 ROWS_MAX_PARTIALS = 1024  # per column of a matrix, see rows_bm
 ROWS_RB = 1
-ROWS_DEPTH = 1
-ROWS_C_HELD = True
 
 
-def rows_config(n: int) -> tuple[int, int, int, int, int, bool]:
-    """(BLOCK_N, RB, BM, num_warps, DEPTH, C_HELD) of _sinkgd_rows_kernel for rows of n
+def rows_config(n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, RB, BM, num_warps) of _sinkgd_rows_kernel for rows of n
     elements: a trip loads RB rows (ROWS_RB, fewer for long rows, more for short ones) with
     ROWS_ELEMS elements per thread and row (more where ROWS_MAX_WARPS caps the warps); a program
     owns BM rows (BM / RB trips; m / BM column partials per column)."""
@@ -85,9 +82,7 @@ def rows_config(n: int) -> tuple[int, int, int, int, int, bool]:
     rb = max(1, min(ROWS_RB, ROWS_ELEMS * 32 * ROWS_MAX_WARPS // block_n))
     warps = max(1, min(ROWS_MAX_WARPS, rb * block_n // (32 * ROWS_ELEMS)))
     rb = max(rb, ROWS_ELEMS * 32 * warps // block_n)
-    # rows in flight cost registers: long rows (more than ROWS_ELEMS per thread) load one trip ahead
-    depth = ROWS_DEPTH if rb * block_n <= ROWS_ELEMS * 32 * warps else 1
-    return block_n, rb, max(rb, ROWS_BM), warps, depth, ROWS_C_HELD
+    return block_n, rb, max(rb, ROWS_BM), warps
 
 
 def rows_bm(total_rows: int, rb: int, n_sm: int, max_m: int) -> int:
@@ -139,11 +134,9 @@ def _tile_coords(local, m, n, BM: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
                         ONES_R: tl.constexpr, ONES_C: tl.constexpr, BLOCK_N: tl.constexpr, RB: tl.constexpr,
-                        BM: tl.constexpr, ALIGN: tl.constexpr, DEPTH: tl.constexpr, C_HELD: tl.constexpr,
-                        EVEN_N: tl.constexpr):
+                        BM: tl.constexpr, ALIGN: tl.constexpr, EVEN_N: tl.constexpr):
     """One SR-Sinkhorn row step and the column partials that follow it, for BM whole rows.
-    DEPTH: trips of rows loaded ahead (1-3); C_HELD: c is loaded once and held in registers
-    (else re-read every trip, an L1 hit); EVEN_N: every row of the launch is BLOCK_N long.
+    EVEN_N: every row of the launch is BLOCK_N long.
     ONES_R / ONES_C: r / c are still all ones (the first iteration): not read. ALIGN: see
     the module docstring."""
     mat, local, row = _program_matrix(p_meta, p_first, n_mats)
@@ -177,42 +170,26 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
     m_n = m_n[None, :]
     t_off = o_r * n32 + o_n  # in-trip offsets: BM * n < 2**31
     acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
-    # software pipelined: the rows of the next DEPTH trips are in flight during this trip's
-    # reduction. The trip is issue-bound as much as memory-bound, so per element it does only a
+    # software pipelined: the next trip's rows are in flight during this trip's reduction (two
+    # or three trips ahead, and c re-read every trip instead of held, measured slower: session 3
+    # in docs/BENCHMARKS.md). The trip is issue-bound as much as memory-bound, so per element it does only a
     # convert, y = g c, q = y^2, a sum and one fma: r stays out of the elementwise work, since
     # |r g c| = r |g c| for the row norm and (r_new g c)^2 = r_new^2 q for the column terms.
     # (y = g c is about as small as g: it underflows where the first iteration's g^2 does.)
     m_ld = m_n
     if EVEN_N:
         m_ld = o_r >= 0  # a constant-true [RB, 1] mask: no per-element column test
-    if C_HELD and not ONES_C:
-        c_held = tl.load(p_cb + o_n, mask=m_ld, other=0.0)
-    g_a = tl.load(p_g + t_off, mask=(o_r < n_rows) & m_ld, other=0.0)
-    if DEPTH >= 2:
-        g_b = tl.load(p_g + RB * n + t_off, mask=(o_r + RB < n_rows) & m_ld, other=0.0)
-    if DEPTH >= 3:
-        g_c = tl.load(p_g + 2 * RB * n + t_off, mask=(o_r + 2 * RB < n_rows) & m_ld, other=0.0)
+    if not ONES_C:
+        b_c = tl.load(p_cb + o_n, mask=m_ld, other=0.0)
+    g_next = tl.load(p_g + t_off, mask=(o_r < n_rows) & m_ld, other=0.0)
     for k in range(0, tl.cdiv(n_rows, RB)):
         rows = k * RB + o_r
         m_r = rows < n_rows
-        b_g = g_a
-        nxt = rows + DEPTH * RB  # the rows this trip starts loading
-        g_new = tl.load(p_g + (k + DEPTH) * RB * n + t_off, mask=(nxt < n_rows) & m_ld, other=0.0)
-        if DEPTH == 1:
-            g_a = g_new
-        elif DEPTH == 2:
-            g_a = g_b
-            g_b = g_new
-        else:
-            g_a = g_b
-            g_b = g_c
-            g_c = g_new
+        b_g = g_next
+        g_next = tl.load(p_g + (k + 1) * RB * n + t_off, mask=(rows + RB < n_rows) & m_ld, other=0.0)
         y = b_g.to(tl.float32)
         if not ONES_C:
-            if C_HELD:
-                y = y * c_held
-            else:
-                y = y * tl.load(p_cb + o_n, mask=m_ld, other=0.0)
+            y = y * b_c
         q = y * y
         norm = tl.sqrt(tl.sum(q, axis=1, keep_dims=True))
         if ONES_R:
@@ -372,12 +349,12 @@ def compile_cases():
     """(name, kernel, signature, constexprs, warps) for tests/test_kernels_compile.py."""
     rows = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_gdt": "*bf16", "p_r": "*fp32",
             "p_c": "*fp32", "p_part": "*fp32", "eps": "fp32"}
-    for n, depth, held in ((768, 3, True), (4096, 2, False), (14336, 1, True)):
-        block_n, rb, bm, w, _, _ = rows_config(n)
+    for n in (768, 4096, 14336):
+        block_n, rb, bm, w = rows_config(n)
         for ones in (False, True):
             yield (f"sinkgd_rows n={n} ones={ones}", _sinkgd_rows_kernel, rows,
                    {"ONES_R": ones, "ONES_C": ones, "BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8,
-                    "DEPTH": depth, "C_HELD": held, "EVEN_N": n == block_n}, w)
+                    "EVEN_N": n == block_n}, w)
     sums = dict(rows)
     del sums["eps"]
     for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):

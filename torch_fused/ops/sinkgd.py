@@ -160,7 +160,7 @@ def _plan(ps, gs, lr_scale, base_width, width_exponent) -> _Plan:
     from ..kernels import sinkgd as K
 
     tiles = (K.MAX_FUSED_N, K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_MIN_PROGRAMS, K.ROWS_MAX_PARTIALS,
-             K.ROWS_RB, K.ROWS_DEPTH, K.ROWS_C_HELD)  # the plan's row-pass tiling depends on these
+             K.ROWS_RB)  # the plan's row-pass tiling depends on these
     key = (lr_scale, base_width, width_exponent, tiles,
            tuple((p.data_ptr(), g.data_ptr(), p.shape, p.dtype, g.dtype, p.device) for p, g in zip(ps, gs)))
     plan = _PLANS.get(key)
@@ -198,10 +198,10 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
     gdt, wdt = gs[0], ps[0]  # dtype carriers: the addresses come from the tables
     for it in range(iters):
         first = it == 0  # r and c are still all ones: the kernels neither read nor need them
-        for (block_n, rb, bm, warps, depth, held), align, even, (t_meta, t_first, n_mats, grid) in plan.fused:
+        for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in plan.fused:
             K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gdt, r, c, part_c, eps, ONES_R=first,
                                            ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align,
-                                           DEPTH=depth, C_HELD=held, EVEN_N=even, num_warps=warps)
+                                           EVEN_N=even, num_warps=warps)
         if plan.wide is not None:
             align, ((m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c)) = plan.wide
             K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
