@@ -282,21 +282,15 @@ def sinkgd_step(
           spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, False)
 
 
-def _sinkgd_step_triton(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters,
-                        spectral_norm, spectral_target, spectral_iters, base_width, width_exponent,
-                        stochastic_round, seed):
-    _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
-          spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, True)
-
-
 def sinkgd_step_eager(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters,
                       spectral_norm, spectral_target, spectral_iters, base_width, width_exponent,
                       stochastic_round, seed) -> None:
-    """What fused::sinkgd_step runs for the parameters' device, called directly: the eager
-    optimizer step's path. torch.library's wrapper around a custom op's kernel collects the
-    storage of every tensor argument to check for aliasing, about 0.3 ms per call for a
-    GPT-2-sized list on an H200's host (benchmarks/sinkgd_host.py), as long as the GPU work
-    itself; under torch.compile the optimizer calls the op."""
+    """What fused::sinkgd_step runs for the parameters' device: its registered Triton-device
+    kernel, and what the eager optimizer step calls directly. torch.library's wrapper around a
+    custom op's kernel collects the storage of every tensor argument to check for aliasing on
+    each call: the largest self time in a cProfile of GPT-2 optimizer steps (100 tensors), whose
+    benchmark went from 1.52 ms through the op to 0.78 ms calling this, same kernels
+    (docs/BENCHMARKS.md). Under torch.compile the optimizer calls the op."""
     use_triton = bool(params) and params[0].device.type in TRITON_DEVICES
     _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
           spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, use_triton)
@@ -304,4 +298,4 @@ def sinkgd_step_eager(params, grads, spectral_vecs, lr, lr_scale, weight_decay, 
 
 sinkgd_step.register_fake(meta.sinkgd_step_fake)
 if TRITON_DEVICES:
-    sinkgd_step.register_kernel(TRITON_DEVICES)(_sinkgd_step_triton)
+    sinkgd_step.register_kernel(TRITON_DEVICES)(sinkgd_step_eager)
