@@ -1,5 +1,5 @@
 """Multi-tensor Triton kernels of fused::sinkgd_step: a few launches per stage for a whole list
-of matrices (of one param/grad dtype pair), however many parameters there are.
+of matrices (of one device and param/grad dtype pair), however many parameters there are.
 
 Every SR-Sinkhorn iteration is a diagonal scaling, X = diag(r) G diag(c), so the kernels carry
 only the scale vectors r [B, m] and c [B, n] of each matrix, never a full-size temporary.
