@@ -1,7 +1,8 @@
 """Tile sweep of fused::mask_reduce on the three benchmark cases (bf16 x, bool mask), with a
 correctness check per config, against the shipped picker. Configs are
-(BLOCK_R, BLOCK_I, num_warps, VEC, PIPELINE, UNROLL), VEC = 8 bf16 elements (16 bytes) per thread and row;
-rows per thread = BLOCK_R * BLOCK_I / (VEC * 32 * num_warps). Run on the device: python benchmarks/mask_reduce_tiles.py"""
+(BLOCK_R, BLOCK_I, num_warps, VEC, PIPELINE, U): a trip loads a [U, BLOCK_R, BLOCK_I] tile, VEC = 8
+bf16 elements (16 bytes) per thread and row, U rows per thread and column run.
+Run on the device: python benchmarks/mask_reduce_tiles.py"""
 
 import os
 
@@ -18,8 +19,17 @@ CASES = [((65536, 4, 8192), "B M 1 expanded"), ((8192, 4, 8192), "full"), ((8, 4
 CONFIGS = {
     "B M 1 expanded": [None, (1, 1024, 4, 8, False, 4), (1, 2048, 8, 8, False, 4)],
     "full": [None, (1, 1024, 4, 8, False, 4), (1, 2048, 8, 8, False, 4)],
-    "1 M N expanded": [None, (32, 64, 4, 8, True, 1), (128, 64, 8, 8, True, 1), (32, 128, 8, 8, True, 1),
-                       (16, 256, 8, 8, True, 1)],
+    # sm_90 registers per thread (local triton 3.8 compile) in the comments: they set programs per SM
+    "1 M N expanded": [None,
+                       (32, 64, 8, 8, True, 4),  # session 3's shipped tile, 124 regs (with a mask)
+                       (32, 64, 8, 8, False, 4),  # 74 regs
+                       (16, 64, 4, 8, False, 4),  # 56
+                       (16, 64, 4, 8, False, 8),  # 124
+                       (8, 64, 2, 8, False, 8),  # 124
+                       (8, 128, 4, 8, False, 8),  # 122
+                       (32, 32, 4, 8, False, 8),  # 124
+                       (16, 32, 2, 8, False, 8),
+                       (32, 64, 8, 8, False, 8)],  # 124
 }
 ROUNDS = 3  # every config timed ROUNDS times, interleaved: the spread shows the run's noise
 HINTS = os.environ.get("HINTS") == "1"  # instead: the shipped tile with and without eviction hints
@@ -80,11 +90,16 @@ def main():
                 fr = sorted(fr)
                 print(f"{pat:6s} shipped, OUTER_FIRST={on!s:5s}            floor fraction min/med/max "
                       f"{fr[0]:.3f}/{fr[len(fr) // 2]:.3f}/{fr[-1]:.3f}", flush=True)
-            # probes: the same strips without a mask, and eager torch.sum
-            for name, fn in [("no mask", lambda: torch_fused.mask_reduce(x, 1)), ("torch.sum", lambda: x.sum(1))]:
+            # probes: the strips without a mask (shipped and two fixed tiles), and eager torch.sum
+            probes = [("no mask", None), ("no mask (16,64,4,8,F,8)", (16, 64, 4, 8, False, 8)),
+                      ("no mask (32,64,8,8,T,4)", (32, 64, 8, 8, True, 4)), ("torch.sum", "sum")]
+            for name, cfg in probes:
+                K.pick_blocks = orig if cfg in (None, "sum") else (lambda *args, _c=cfg: _c)
+                fn = (lambda: x.sum(1)) if cfg == "sum" else (lambda: torch_fused.mask_reduce(x, 1))
                 nfloor = (x.numel() + x.numel() // m) * 2 / (copy * 1e9) * 1e3
                 t = triton.testing.do_bench(fn, return_mode="median")
                 print(f"{pat:6s} {name:18s} {t:.4f} ms  {nfloor / t:.3f} of its floor", flush=True)
+            K.pick_blocks = orig
             # a copy moving the op's floor bytes (half read, half written): the ceiling at this size
             fb = torch_fused.mask_reduce_cost(x, 1, mask)["floor_bytes"]
             a = torch.empty(fb // 4, dtype=torch.bfloat16, device="cuda")

@@ -34,9 +34,9 @@ if INTERPRET:
     from torch_fused.kernels import mask_reduce as _mrk
 
     _lpk.pick_block = lambda v, elem_size, kind="fwd": (16, 1)
-    # mask_reduce: pipelined loop for even reduce lengths, UNROLL=2 for odd ones
+    # mask_reduce: [2, 2, 4] trips (U=2 rows of 2 per thread), the pipelined loop for even reduce
+    # lengths, the plain one for odd ones
     _mrk._shipped_pick_blocks = _mrk.pick_blocks
-    _mrk.R_ROTATE_TILES = 1  # the interpreter runs the wrapped row order of the pipelined loop
     _mrk.pick_blocks = lambda r, i, n_outer, r_contiguous, *a: (2, 4, 1, 2, r % 2 == 0, 2)
     # sinkgd: rows wider than 64 take the two-pass path; the one-read row pass gets programs of
     # 4 rows in 1-2 row trips, so small matrices still have several programs and trips each

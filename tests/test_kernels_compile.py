@@ -40,20 +40,20 @@ def _cases():
                {"HAS_GLP": glp, "HAS_GH": gh, "SINGLE_K": sk, "EXACT_SHIFT": False, "T_FROM_PTR": dt,
                 "HAS_DT": dt, "BLOCK_V": 2048, "BLOCK_K": 4}, 4)
     mr = {"p_x": "*bf16", "p_m": "*u8", "p_s": "*fp32", "p_y": "*bf16", "R": "i32", "O1": "i32", "I": "i32",
-          "n_iblk": "i32", "n_outer": "i32", "r_rot": "i32"}
+          "n_iblk": "i32", "n_outer": "i32"}
     for pre in ("sx", "sm", "ss"):
         for suf in ("r", "0", "1", "i"):
             mr[f"{pre}_{suf}"] = "i64"
     for hm, hs, f64, mb, sb, wide, (br, bi, w, vec, pipe, un) in [
             (True, True, False, (False, True), (True, False), False, (1, 2048, 8, 8, False, 4)),
             (False, False, True, (False, False), (False, False), True, (4, 1024, 4, 2, True, 1)),
-            (True, True, False, (False, False), (False, True), False, (64, 64, 8, 8, True, 1)),
-            (True, False, False, (True, False), (False, False), False, (64, 64, 8, 8, False, 2))]:
+            (True, True, False, (False, False), (False, True), False, (16, 64, 4, 8, False, 8)),
+            (True, False, False, (True, False), (False, False), False, (32, 64, 8, 8, True, 4))]:
         yield (f"mask_reduce mask={hm}{mb} scale={hs}{sb} f64={f64} wide={wide}", MR._mask_reduce_forward_kernel, mr,
                {"HAS_MASK": hm, "HAS_SCALE": hs, "ACC_F64": f64, "M_BCAST_R": mb[0], "M_BCAST_I": mb[1],
                 "S_BCAST_R": sb[0], "S_BCAST_I": sb[1], "PRED_X": mb[1], "WIDE": wide, "BLOCK_R": br, "BLOCK_I": bi, "VEC": vec,
                 "M_EVICT": "evict_last" if mb[0] else "", "X_EVICT": "evict_first" if mb[0] else "",
-                "PIPELINE": pipe, "UNROLL": un, "OUTER_FIRST": pipe and hm}, w)
+                "PIPELINE": pipe, "U": un, "OUTER_FIRST": pipe and hm, "EVEN": not wide}, w)
     try:
         from torch_fused.kernels import sinkgd as SG
     except ImportError:
