@@ -20,20 +20,18 @@ CONFIGS = {
     "B M 1 expanded": [None, (1, 1024, 4, 8, False, 4), (1, 2048, 8, 8, False, 4)],
     "full": [None, (1, 1024, 4, 8, False, 4), (1, 2048, 8, 8, False, 4)],
     # sm_90 registers per thread (local triton 3.8 compile) in the comments: they set programs per SM
-    "1 M N expanded": [None,
-                       (32, 64, 8, 8, True, 4),  # session 3's shipped tile, 124 regs (with a mask)
-                       (32, 64, 8, 8, False, 4),  # 74 regs
-                       (16, 64, 4, 8, False, 4),  # 56
-                       (16, 64, 4, 8, False, 8),  # 124
-                       (8, 64, 2, 8, False, 8),  # 124
-                       (8, 128, 4, 8, False, 8),  # 122
-                       (32, 32, 4, 8, False, 8),  # 124
-                       (16, 32, 2, 8, False, 8),
-                       (32, 64, 8, 8, False, 8)],  # 124
+    # (BLOCK_R, BLOCK_I, warps, VEC, PIPELINE, U): rows of 128 B (BLOCK_I 64) to 512 B, 4 or 8 rows per thread
+    "1 M N expanded": [None, (16, 64, 4, 8, False, 4), (32, 64, 8, 8, False, 4), (16, 64, 4, 8, False, 8),
+                       (8, 64, 2, 8, False, 8), (32, 64, 8, 8, False, 8), (16, 128, 8, 8, False, 4),
+                       (32, 128, 16, 8, False, 4), (8, 256, 8, 8, False, 4), (16, 256, 16, 8, False, 4),
+                       (32, 256, 32, 8, False, 4), (8, 128, 4, 8, False, 8), (16, 128, 8, 8, False, 8),
+                       (32, 64, 8, 8, True, 4), (16, 64, 4, 8, True, 4), (16, 32, 2, 8, False, 8),
+                       (32, 32, 4, 8, False, 8)],
 }
 ROUNDS = 3  # every config timed ROUNDS times, interleaved: the spread shows the run's noise
 HINTS = os.environ.get("HINTS") == "1"  # instead: the shipped tile with and without eviction hints
-ONLY = os.environ.get("ONLY")  # e.g. ONLY="1 M N expanded": that case alone
+ONLY = os.environ.get("ONLY")
+NOMASK = os.environ.get("NOMASK") == "1"  # also time each config once without a mask  # e.g. ONLY="1 M N expanded": that case alone
 
 
 def main():
@@ -51,6 +49,7 @@ def main():
         ref = torch.where(mask, x.float(), 0.0).sum(1)
         print(f"{pat}: shipped picks {orig(m, n, bb, False, 2, torch.cuda.get_device_properties(0).multi_processor_count)}")
         times = {}
+        nomask = {}
         for rnd in range(0 if HINTS else ROUNDS):
             for cfg in CONFIGS[pat]:
                 K.pick_blocks = orig if cfg is None else (lambda *args, _c=cfg: _c)
@@ -60,10 +59,14 @@ def main():
                     assert err < 1e-5, (cfg, err)
                 t = triton.testing.do_bench(lambda: torch_fused.mask_reduce(x, 1, mask), return_mode="median")
                 times.setdefault(cfg, []).append(t)
+                if NOMASK and rnd == 0:  # the same tiles without a mask: the strip walk alone
+                    t = triton.testing.do_bench(lambda: torch_fused.mask_reduce(x, 1), return_mode="median")
+                    nomask[cfg] = (x.numel() + x.numel() // m) * 2 / (copy * 1e9) * 1e3 / t
         for cfg, ts in times.items():
             fr = sorted(floor_ms / t for t in ts)
+            extra = f"  no mask {nomask[cfg]:.3f} of its floor" if cfg in nomask else ""
             print(f"{pat:6s} {str(cfg or 'shipped'):32s} {min(ts):.4f} ms  floor fraction min/med/max "
-                  f"{fr[0]:.3f}/{fr[len(fr) // 2]:.3f}/{fr[-1]:.3f}", flush=True)
+                  f"{fr[0]:.3f}/{fr[len(fr) // 2]:.3f}/{fr[-1]:.3f}{extra}", flush=True)
         K.pick_blocks = orig
         if pat == "1 M N expanded" and HINTS:
             hint = {}

@@ -32,27 +32,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile_offsets(s_r, s_i, BCAST_R: tl.constexpr, BCAST_I: tl.constexpr, WIDE: tl.constexpr, U: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr, VEC: tl.constexpr):
-    """In-tile element offsets of one operand: [U, BLOCK_R, BLOCK_I] (row u * BLOCK_R + j of the
-    trip), or [1, 1, BLOCK_I] / [U, BLOCK_R, 1] when the operand is broadcast (stride 0) along r /
-    i, so a broadcast mask is loaded once per distinct stored element instead of once per lane.
-    int32 unless WIDE. Contiguity is declared in runs of VEC only (see the module docstring)."""
-    o_u = tl.arange(0, U)
-    o_r = tl.max_contiguous(tl.arange(0, BLOCK_R), VEC)
+def _tile_offsets(s_r, s_i, BCAST_R: tl.constexpr, BCAST_I: tl.constexpr, WIDE: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK_I: tl.constexpr, VEC: tl.constexpr):
+    """In-tile element offsets of one operand: [ROWS, BLOCK_I], or [1, BLOCK_I] / [ROWS, 1] when
+    the operand is broadcast (stride 0) along r / i, so a broadcast mask is loaded once per
+    distinct stored element instead of once per lane. int32 unless WIDE. Contiguity is declared
+    in runs of VEC only (see the module docstring)."""
+    o_r = tl.max_contiguous(tl.arange(0, ROWS), VEC)
     o_i = tl.max_contiguous(tl.arange(0, BLOCK_I), VEC)
     if WIDE:
-        o_u = o_u.to(tl.int64)
         o_r = o_r.to(tl.int64)
         o_i = o_i.to(tl.int64)
     if BCAST_R:
-        return (o_i * s_i)[None, None, :]
+        return (o_i * s_i)[None, :]
+    elif BCAST_I:
+        return (o_r * s_r)[:, None]
     else:
-        rows = o_u[:, None] * (BLOCK_R * s_r) + o_r[None, :] * s_r
-        if BCAST_I:
-            return rows[:, :, None]
-        else:
-            return rows[:, :, None] + (o_i * s_i)[None, None, :]
+        return o_r[:, None] * s_r + o_i[None, :] * s_i
 
 
 @triton.jit
@@ -66,7 +62,7 @@ def _operand_tile(p, a, b, i0, s_0, s_1, s_r, s_i, m_i, PRESENT: tl.constexpr, B
     row = 0
     if PRESENT:
         p_t = p + a * s_0 + b * s_1 + i0 * s_i
-        t = _tile_offsets(s_r, s_i, BCAST_R, BCAST_I, WIDE, U, BLOCK_R, BLOCK_I, VEC)
+        t = _tile_offsets(s_r, s_i, BCAST_R, BCAST_I, WIDE, U * BLOCK_R, BLOCK_I, VEC)
         if BCAST_R:
             row = tl.load(p_t + t, mask=m_i, other=0)
     return p_t, t, row
@@ -118,14 +114,17 @@ def _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0, o_r, m_i, R, s
 
 @triton.jit
 def _add_tile(acc, b_x, mk, b_sc, HAS_MASK: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """acc ([BLOCK_R, BLOCK_I]) plus the trip's [U, BLOCK_R, BLOCK_I] values summed over U: the
-    U rows of one thread and column are added in registers before they reach acc."""
+    """acc ([BLOCK_R, BLOCK_I]) plus the trip's [U * BLOCK_R, BLOCK_I] values summed over rows
+    j, j + BLOCK_R, ...: the tile's layout repeats every BLOCK_R rows, so those U rows are one
+    thread's registers and the sum over them is a few adds (no data leaves the thread)."""
     v = b_x.to(acc.dtype)
     if HAS_SCALE:
         v = v * b_sc.to(acc.dtype)
     if HAS_MASK:
         v = tl.where(mk != 0, v, 0.0)  # a select: NaN/inf under the mask never reaches y
-    return acc + tl.sum(v, axis=0)
+    if v.shape[0] != acc.shape[0]:
+        v = tl.sum(tl.reshape(v, [v.shape[0] // acc.shape[0], acc.shape[0], v.shape[1]]), axis=0)
+    return acc + v
 
 
 @triton.jit
@@ -153,12 +152,12 @@ def _mask_reduce_forward_kernel(
     a = outer // O1
     b = outer % O1
     i0 = blk_i * BLOCK_I
-    # trip rows u * BLOCK_R + j, [U, BLOCK_R, 1]; columns [1, 1, BLOCK_I]
-    o_r = (tl.arange(0, U)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :])[:, :, None]
-    m_i = ((i0 + tl.arange(0, BLOCK_I)) < I)[None, None, :]
+    # a trip's rows [U * BLOCK_R, 1] and columns [1, BLOCK_I]
+    o_r = tl.arange(0, U * BLOCK_R)[:, None]
+    m_i = ((i0 + tl.arange(0, BLOCK_I)) < I)[None, :]
     # scalar int64 bases; per-tile offsets stay 32-bit (host sets WIDE when they could not)
     p_xt = p_x + a * sx_0 + b * sx_1 + i0 * sx_i
-    t_x = _tile_offsets(sx_r, sx_i, False, False, WIDE, U, BLOCK_R, BLOCK_I, VEC)
+    t_x = _tile_offsets(sx_r, sx_i, False, False, WIDE, U * BLOCK_R, BLOCK_I, VEC)
     p_mt, t_m, keep_i = _operand_tile(p_m, a, b, i0, sm_0, sm_1, sm_r, sm_i, m_i, HAS_MASK, M_BCAST_R, M_BCAST_I,
                                       WIDE, U, BLOCK_R, BLOCK_I, VEC)
     p_st, t_s, sc_i = _operand_tile(p_s, a, b, i0, ss_0, ss_1, ss_r, ss_i, m_i, HAS_SCALE, S_BCAST_R, S_BCAST_I,
