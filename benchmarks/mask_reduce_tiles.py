@@ -11,7 +11,7 @@ import triton
 import triton.testing
 
 import torch_fused
-from torch_fused.bench.common import copy_bandwidth_gbps
+from torch_fused.bench.common import copy_bandwidth_gbps, device_ms
 from torch_fused.bench.mask_reduce import make_mask
 from torch_fused.kernels import mask_reduce as K
 
@@ -20,13 +20,12 @@ CONFIGS = {
     "B M 1 expanded": [None, (1, 1024, 4, 8, False, 4), (1, 2048, 8, 8, False, 4)],
     "full": [None, (1, 1024, 4, 8, False, 4), (1, 2048, 8, 8, False, 4)],
     # sm_90 registers per thread (local triton 3.8 compile) in the comments: they set programs per SM
-    # (BLOCK_R, BLOCK_I, warps, VEC, PIPELINE, U): rows of 128 B (BLOCK_I 64) to 512 B, 4 or 8 rows per thread
-    "1 M N expanded": [None, (16, 64, 4, 8, False, 4), (32, 64, 8, 8, False, 4), (16, 64, 4, 8, False, 8),
-                       (8, 64, 2, 8, False, 8), (32, 64, 8, 8, False, 8), (16, 128, 8, 8, False, 4),
-                       (32, 128, 16, 8, False, 4), (8, 256, 8, 8, False, 4), (16, 256, 16, 8, False, 4),
-                       (32, 256, 32, 8, False, 4), (8, 128, 4, 8, False, 8), (16, 128, 8, 8, False, 8),
-                       (32, 64, 8, 8, True, 4), (16, 64, 4, 8, True, 4), (16, 32, 2, 8, False, 8),
-                       (32, 32, 4, 8, False, 8)],
+    # rows of 128 B (BLOCK_I 64) to 512 B, 4 or 8 rows per thread
+    "1 M N expanded": [None, (32, 64, 8, 8, False, 4), (32, 64, 8, 8, False, 8), (32, 128, 16, 8, False, 4),
+                       (32, 128, 16, 8, False, 8), (32, 256, 32, 8, False, 4), (16, 128, 8, 8, False, 8),
+                       (16, 64, 4, 8, False, 8), (16, 64, 4, 8, True, 4), (32, 64, 8, 8, True, 4),
+                       (64, 64, 16, 8, False, 4), (16, 256, 16, 8, False, 8), (64, 128, 32, 8, False, 4),
+                       (16, 128, 8, 8, False, 4)],
 }
 ROUNDS = 3  # every config timed ROUNDS times, interleaved: the spread shows the run's noise
 HINTS = os.environ.get("HINTS") == "1"  # instead: the shipped tile with and without eviction hints
@@ -57,10 +56,10 @@ def main():
                     y = torch_fused.mask_reduce(x, 1, mask, out_dtype=torch.float32)
                     err = ((y - ref).norm() / ref.norm()).item()
                     assert err < 1e-5, (cfg, err)
-                t = triton.testing.do_bench(lambda: torch_fused.mask_reduce(x, 1, mask), return_mode="median")
+                t = device_ms(lambda: torch_fused.mask_reduce(x, 1, mask))[0]
                 times.setdefault(cfg, []).append(t)
                 if NOMASK and rnd == 0:  # the same tiles without a mask: the strip walk alone
-                    t = triton.testing.do_bench(lambda: torch_fused.mask_reduce(x, 1), return_mode="median")
+                    t = device_ms(lambda: torch_fused.mask_reduce(x, 1))[0]
                     nomask[cfg] = (x.numel() + x.numel() // m) * 2 / (copy * 1e9) * 1e3 / t
         for cfg, ts in times.items():
             fr = sorted(floor_ms / t for t in ts)
@@ -73,7 +72,7 @@ def main():
             for rnd in range(4):
                 for on in (True, False):
                     K.EVICT_HINTS = on
-                    t = triton.testing.do_bench(lambda: torch_fused.mask_reduce(x, 1, mask), return_mode="median")
+                    t = device_ms(lambda: torch_fused.mask_reduce(x, 1, mask))[0]
                     hint.setdefault(on, []).append(floor_ms / t)
             K.EVICT_HINTS = True
             for on, fr in hint.items():
@@ -86,7 +85,7 @@ def main():
                     if rnd == 0:
                         y = torch_fused.mask_reduce(x, 1, mask, out_dtype=torch.float32)
                         assert ((y - ref).norm() / ref.norm()).item() < 1e-5, on
-                    t = triton.testing.do_bench(lambda: torch_fused.mask_reduce(x, 1, mask), return_mode="median")
+                    t = device_ms(lambda: torch_fused.mask_reduce(x, 1, mask))[0]
                     order.setdefault(on, []).append(floor_ms / t)
             K.OUTER_FIRST = True
             for on, fr in order.items():
@@ -100,14 +99,14 @@ def main():
                 K.pick_blocks = orig if cfg in (None, "sum") else (lambda *args, _c=cfg: _c)
                 fn = (lambda: x.sum(1)) if cfg == "sum" else (lambda: torch_fused.mask_reduce(x, 1))
                 nfloor = (x.numel() + x.numel() // m) * 2 / (copy * 1e9) * 1e3
-                t = triton.testing.do_bench(fn, return_mode="median")
+                t = device_ms(fn)[0]
                 print(f"{pat:6s} {name:18s} {t:.4f} ms  {nfloor / t:.3f} of its floor", flush=True)
             K.pick_blocks = orig
             # a copy moving the op's floor bytes (half read, half written): the ceiling at this size
             fb = torch_fused.mask_reduce_cost(x, 1, mask)["floor_bytes"]
             a = torch.empty(fb // 4, dtype=torch.bfloat16, device="cuda")
             b = torch.empty_like(a)
-            t = triton.testing.do_bench(lambda: b.copy_(a), return_mode="median")
+            t = device_ms(lambda: b.copy_(a))[0]
             print(f"{pat:6s} {'copy, same bytes':18s} {t:.4f} ms  {floor_ms / t:.3f} of the floor", flush=True)
             del a, b
         del x, mask, ref

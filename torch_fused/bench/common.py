@@ -52,6 +52,46 @@ def bench_ms(fn, warmup=25, rep=100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def device_ms(fn, rep: int = 60, lead_us: float = 400.0, flush_bytes: int = 256 << 20) -> tuple[float, float]:
+    """(median device ms, median host enqueue ms) of one call of fn.
+
+    do_bench's events bracket the host's launch path as well whenever that path outlasts the
+    device work queued before it (its L2 flush): a ~70 us kernel behind ~80 us of Python
+    dispatch then reads as ~80 us. Here each call is preceded by an L2 flush and a device-side
+    spin of lead_us, so the host has enqueued the events and the call before the device
+    reaches them, and the events time the device alone. The host's enqueue time is returned
+    beside it; if it exceeds lead_us the device time is not clean, and this raises."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    cache = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
+    # the spin's cycles per microsecond, from one timed spin
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    torch.cuda._sleep(1_000_000)
+    e.record()
+    torch.cuda.synchronize()
+    cycles = int(1_000_000 / (s.elapsed_time(e) * 1e3) * lead_us)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    host = []
+    for i in range(rep):
+        cache.zero_()
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        starts[i].record()
+        fn()
+        ends[i].record()
+        host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    dev = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
+    host.sort()
+    if host[rep // 2] > 0.8 * lead_us * 1e-3:
+        raise RuntimeError(f"host enqueue {host[rep // 2]:.3f} ms is not well inside the {lead_us} us lead")
+    return dev[rep // 2], host[rep // 2]
+
+
 def warm_up(fn, ms: float = 300.0) -> None:
     """Run fn back to back for about ms milliseconds (device time), so the first timing of a
     group does not catch the GPU's clocks ramping up after host-side setup (new inputs, a dynamo
