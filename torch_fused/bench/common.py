@@ -52,7 +52,7 @@ def bench_ms(fn, warmup=25, rep=100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def device_ms(fn, rep: int = 60, lead_us: float = 400.0, flush_bytes: int = 256 << 20) -> tuple[float, float]:
+def device_ms(fn, rep: int = 60, lead_us: float = 1000.0, flush_bytes: int = 256 << 20) -> tuple[float, float]:
     """(median device ms, median host enqueue ms) of one call of fn.
 
     do_bench's events bracket the host's launch path as well whenever that path outlasts the
