@@ -109,7 +109,7 @@ SHIPPED_TILE_CASES = [
     # (x shape, dtype, dim, mask storage shape or None, scale storage shape or None): each hits
     # one branch of kernels.mask_reduce.pick_blocks with n_sm=1
     ((300, 3, 1000), torch.bfloat16, 1, (300, 3, 1000), None),  # many outputs, R < BLOCK_R
-    ((2, 300, 200), torch.float32, 1, (1, 300, 200), None),  # few outputs: strips, tall tiles, tail
+    ((1, 300, 200), torch.float32, 1, (1, 300, 200), None),  # few outputs: strips, tall tiles, tail
     ((5, 3000), torch.bfloat16, -1, (5, 3000), (1, 3000)),  # reduce dim contiguous
     ((50, 4, 700), torch.float16, 1, (50, 4, 1), (1, 1, 700)),  # [B, M, 1] mask: predicated x
 ]

@@ -55,17 +55,21 @@ def bench_ms(fn, warmup=25, rep=100) -> float:
 def device_ms(fn, rep: int = 60, lead_us: float = 1000.0, flush_bytes: int = 256 << 20) -> tuple[float, float]:
     """(median device ms, median host enqueue ms) of one call of fn.
 
-    do_bench's events bracket the host's launch path as well whenever that path outlasts the
-    device work queued before it (its L2 flush): a ~70 us kernel behind ~80 us of Python
-    dispatch then reads as ~80 us. Here each call is preceded by an L2 flush and a device-side
-    spin of lead_us, so the host has enqueued the events and the call before the device
-    reaches them, and the events time the device alone. The host's enqueue time is returned
-    beside it; if it exceeds lead_us the device time is not clean, and this raises."""
+    Two biases of do_bench are removed, for every implementation alike:
+    - Host time. do_bench's events bracket the host's launch path as well whenever that path
+      outlasts the device work queued before it: a ~70 us kernel behind ~90 us of Python
+      dispatch reads as ~80 us. Here a device-side spin of lead_us precedes each call, so the
+      host has enqueued the events and the call before the device reaches them.
+    - Dirty L2. do_bench flushes L2 by zeroing a buffer, which leaves up to the whole L2 dirty;
+      the timed call then pays for writing those lines back (measured: ~10 us of a ~70 us
+      call). Here the flush reads a buffer instead, so L2 holds clean lines of it.
+    The host's enqueue time is returned beside it; if it is not well inside lead_us the device
+    time is not clean, and this raises."""
     import time
 
     fn()
     torch.cuda.synchronize()
-    cache = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
+    cache = torch.zeros(flush_bytes // 4, dtype=torch.float32, device="cuda")
     # the spin's cycles per microsecond, from one timed spin
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
@@ -77,7 +81,7 @@ def device_ms(fn, rep: int = 60, lead_us: float = 1000.0, flush_bytes: int = 256
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     host = []
     for i in range(rep):
-        cache.zero_()
+        cache.sum()  # a read-only pass: evicts what fn left in L2 without leaving dirty lines
         torch.cuda._sleep(cycles)
         t0 = time.perf_counter()
         starts[i].record()
@@ -107,10 +111,11 @@ def warm_up(fn, ms: float = 300.0) -> None:
 
 
 def copy_bandwidth_gbps(nbytes: int = 4 << 30) -> float:
-    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written (device_ms:
+    clean L2, the host kept ahead)."""
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     b = torch.empty_like(a)
-    ms = bench_ms(lambda: b.copy_(a))
+    ms = device_ms(lambda: b.copy_(a), rep=20)[0]
     del a, b
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3) / 1e9

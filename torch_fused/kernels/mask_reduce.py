@@ -27,6 +27,8 @@ Two details carry the bandwidth (measured on an H200, docs/BENCHMARKS.md):
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -195,13 +197,28 @@ EVICT_HINTS = True
 # program order where the mask is shared across outer (batch) indices: those indices fastest
 OUTER_FIRST = True
 # the column-strip tiles: rows per thread and trip, warps, software pipelining
-STRIP_U = 4
+STRIP_U = 8
 STRIP_WARPS = 8
-STRIP_PIPELINE = True
+STRIP_PIPELINE = False
+
+
+def _np2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int = 2,
                 n_sm: int = 132) -> tuple[int, int, int, int, bool, int]:
+    """The launch's tiles (see _pick); cached per shape and the STRIP_* knobs' current values."""
+    return _pick(r, i, n_outer, r_contiguous, x_bytes, n_sm, STRIP_U, STRIP_WARPS, STRIP_PIPELINE)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pick(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int, n_sm: int, strip_u: int,
+          strip_warps: int, strip_pipeline: bool) -> tuple[int, int, int, int, bool, int]:
     """(BLOCK_R, BLOCK_I, num_warps, VEC, PIPELINE, U), VEC = 16 bytes of x. A trip loads a
     [U, BLOCK_R, BLOCK_I] tile, U 16-byte x vectors per thread and column run, whose U rows a
     thread adds in registers; the accumulator is [BLOCK_R, BLOCK_I], one per thread and vector.
@@ -218,7 +235,7 @@ def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int =
     - reduce dim contiguous (token losses, [B, L] -> [B]): the tile's fast axis is r, pipelined.
     Measured on an H200: benchmarks/mask_reduce_tiles.py, docs/BENCHMARKS.md.
     """
-    np2 = triton.next_power_of_2
+    np2 = _np2  # plain Python: triton.next_power_of_2 and triton.cdiv run through triton's JIT-function call path on the host
     vec = max(1, 16 // x_bytes)
     cap = vec * 32 * 8  # one 8-warp tile row
     r2 = np2(max(r, 1))
@@ -231,13 +248,13 @@ def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int =
         return block_r, block_i, warps, vec, pipeline, u
     min_i = max(1, 128 // x_bytes)
     block_i = min(i2, 2 * vec * 32)
-    while block_i > min_i and n_outer * triton.cdiv(i, block_i) < 8 * n_sm:
+    while block_i > min_i and n_outer * _cdiv(i, block_i) < 8 * n_sm:
         block_i //= 2
-    if n_outer * triton.cdiv(i, block_i) >= 8 * n_sm:
+    if n_outer * _cdiv(i, block_i) >= 8 * n_sm:
         u, pipeline, block_r = min(4, r2), False, 1
     else:
-        u, pipeline = min(STRIP_U, r2), STRIP_PIPELINE
-        # threads along r: all of an 8-warp program's threads not needed along i, fewer if r is short
-        block_r = max(1, min(r2 // u, STRIP_WARPS * 32 * vec // block_i))
-    warps = max(1, min(8, block_r * block_i // (vec * 32)))
+        u, pipeline = min(strip_u, r2), strip_pipeline
+        # threads along r: all of the program's threads not needed along i, fewer if r is short
+        block_r = max(1, min(r2 // u, strip_warps * 32 * vec // block_i))
+    warps = max(1, min(strip_warps, block_r * block_i // (vec * 32)))
     return block_r, block_i, warps, vec, pipeline, u

@@ -81,7 +81,7 @@ def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
     m_outer = mask is not None and ((sm[1] == 0 and o0 > 1) or (sm[2] == 0 and o1 > 1))
     m_shared = K.EVICT_HINTS and mask is not None and (m_outer or (sm[3] == 0 and i > 1))
     block_r, block_i, warps, vec, pipeline, u = K.pick_blocks(r, i, o0 * o1, r_contig, x.element_size(), n_sm(x.device))
-    n_iblk = K.triton.cdiv(i, block_i)
+    n_iblk = K._cdiv(i, block_i)
     # in-tile offsets fit 32 bits unless a tile spans more than 2**31 elements of some operand
     span = max(abs(st[0]) * block_r * u + abs(st[3]) * block_i for st in (sx, sm, ss))
     K._mask_reduce_forward_kernel[(o0 * o1 * n_iblk,)](
