@@ -2,9 +2,9 @@
 
 The launcher hands every operand as (pointer, 4 strides): the reduce dim r, two outer output dims
 and the innermost output dim i. Broadcast operands keep stride 0, so a mask expanded over the
-hidden size is read from its few stored elements and never materialized. A program owns a
-[BLOCK_R, BLOCK_I] tile of one output row block, walks r, and accumulates into a tile-shaped
-register accumulator (one reduction over the tile's rows at the end). Where the mask is
+hidden size is read from its few stored elements and never materialized. A program owns
+BLOCK_I outputs of one output row, walks r in trips of U * BLOCK_R rows, and accumulates into a
+[BLOCK_R, BLOCK_I] register accumulator (one reduction over its rows at the end). Where the mask is
 constant along the fast (contiguous) axis, as a [T, k, 1] keep-mask is along the hidden size,
 the x load is predicated on it and masked-off rows of x cost no memory traffic; a mask that
 varies along the fast axis would break the vectorized load into scalar ones, so there x is
@@ -14,15 +14,19 @@ compile-time constants) and becomes the fast axis of the tile, so both the MoE c
 (reduce a small middle dim, contiguous hidden size) and token losses (reduce the contiguous
 last dim) read coalesced memory with the same code.
 
-Two details carry the bandwidth (measured on an H200, docs/BENCHMARKS.md):
+What carries the bandwidth (measured on an H200, docs/BENCHMARKS.md):
 - Register layout. The fast-axis offsets are marked contiguous in runs of VEC = 16 bytes of x
   only, so x and a narrower mask get the same layout (one 16-byte x vector and one VEC-byte mask
   vector per thread and row). Left alone, the compiler may give a bool mask 16 elements per
   thread and x 8, and convert one layout to the other through shared memory on every trip.
-- Bytes in flight. ptxas places each load right before its first use, so several row vectors
-  loaded for one trip are still consumed one at a time. The loads of trip k+1 are therefore
-  issued before the adds of trip k (software pipelining), which keeps a whole tile per program
-  in flight while the previous one is added.
+- Bytes in flight. ptxas places each load right before its first use, so a trip's U row
+  vectors per thread are one tile load, issued together before any add. Column strips (long
+  reduce dims) hide the latency with occupancy: a small accumulator (the U rows are summed in
+  registers first) and the mask kept as loaded bytes until its use keep them at ~72 registers,
+  every program resident. Software pipelining (the loads of trip k+1 issued before the adds of
+  trip k, PIPELINE) remains for the contiguous-r tiles; in the strips it cost more than it gave,
+  since every value carried across the loop's back edge is unpacked per element (168-186
+  registers with a mask).
 """
 
 from __future__ import annotations
@@ -220,7 +224,7 @@ def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int =
 def _pick(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int, n_sm: int, strip_u: int,
           strip_warps: int, strip_pipeline: bool) -> tuple[int, int, int, int, bool, int]:
     """(BLOCK_R, BLOCK_I, num_warps, VEC, PIPELINE, U), VEC = 16 bytes of x. A trip loads a
-    [U, BLOCK_R, BLOCK_I] tile, U 16-byte x vectors per thread and column run, whose U rows a
+    [U * BLOCK_R, BLOCK_I] tile, U 16-byte x vectors per thread and column run, whose U rows a
     thread adds in registers; the accumulator is [BLOCK_R, BLOCK_I], one per thread and vector.
 
     - reduce dim not contiguous, plenty of outputs (MoE combine, [T, k, H] -> [T, H]): one
@@ -228,10 +232,12 @@ def _pick(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int, n_sm: 
       programs, and no reduction across threads at all. On the (8192, 4, 8192) full-mask case,
       1 / 2 / 4 KB rows measured 0.948 / 0.927 / 0.892 of the floor.
     - few outputs and a long reduce dim ([B, M, N] -> [B, N] with small B): narrower column
-      strips (not below 128 bytes per row) until there are programs for every SM, STRIP_U rows
-      per thread and trip, a software-pipelined loop; one cross-warp reduction at the very end.
-      (Splitting the reduce dim instead, with fp32 partials, measured no faster here: 0.72
-      against 0.81 of the floor on (8, 4096, 4096), and it needs a workspace.)
+      strips (not below 128 bytes per row) until there are programs for every SM, STRIP_U = 8
+      rows per thread and trip, 32 rows of threads (8 warps), no software pipelining; one
+      cross-warp reduction at the very end. On (8, 4096, 4096): 0.957-0.961 of the floor, against
+      0.932 with 4 rows per thread, 0.953 / 0.874 with 256 / 512-byte rows, 0.905 pipelined
+      (device-timed sweep). (Splitting the reduce dim instead, with fp32 partials, measured no
+      faster in session 2, and it needs a workspace larger than the output.)
     - reduce dim contiguous (token losses, [B, L] -> [B]): the tile's fast axis is r, pipelined.
     Measured on an H200: benchmarks/mask_reduce_tiles.py, docs/BENCHMARKS.md.
     """
