@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 
 import torch
 
@@ -70,6 +71,8 @@ class _Plan:
         rows, shapes, buckets, wide, upd = [], [], {}, [], {}
         r_off = c_off = pr_off = pc_off = coef_off = 0
         factors_b, factors_m, self.spans = [], [], []
+        self.graphs: dict = {}  # CUDA graphs of this plan's launches, per scalars (_triton_group)
+        self.graph_seen: dict = {}
         vec = 16 // min(ps[0].element_size(), gs[0].element_size())
         # the one-read row pass's launches: one per (row tile, alignment); each launch's rows per
         # program (BM) shrink until it has programs for every SM (K.rows_bm)
@@ -173,16 +176,67 @@ def _plan(ps, gs, lr_scale, base_width, width_exponent) -> _Plan:
     return plan
 
 
+# Replay a step's launches from a CUDA graph once the same plan and scalars come back
+# (GRAPH_AFTER calls): the step's device work is unchanged, its host work drops from ~17 Triton
+# launches to one replay. TORCH_FUSED_SINKGD_GRAPHS=0 turns it off.
+GRAPHS = os.environ.get("TORCH_FUSED_SINKGD_GRAPHS", "1") != "0"
+GRAPH_AFTER = 2
+
+
 def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral_norm, spectral_target,
                   spectral_iters, base_width, width_exponent, stochastic, seed):
     """One SinkGD step for matrices sharing a (param dtype, grad dtype) pair: per iteration one
     row pass per row-width bucket and one column scale launch (plus three launches for rows
-    wider than MAX_FUSED_N), then the update, whatever the number of matrices."""
+    wider than MAX_FUSED_N), then the update, whatever the number of matrices.
+
+    On CUDA, without the spectral scale (PyTorch ops in between) and outside another capture,
+    the launches of a (plan, scalars, lr and seed tensors) seen GRAPH_AFTER times are captured
+    into a CUDA graph kept on the plan, and later steps replay it. The graph reads the tensors
+    at the addresses the plan was built for, exactly like the plan's work tables, and lr and
+    the seed at theirs (their values are read on the device at replay, so a changed lr takes
+    effect); r, c and the partials live in the graph's memory pool for as long as the plan is
+    cached (the step's extra memory, held instead of re-allocated)."""
+    gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
+    plan = _plan(ps, gs, lr_scale, base_width, width_exponent)
+    args = (ps, gs, vecs, lr, weight_decay, eps, iters, spectral_norm, spectral_target, spectral_iters,
+            stochastic, seed)
+    dev = ps[0].device
+    if not (GRAPHS and dev.type == "cuda" and not spectral_norm and not torch.cuda.is_current_stream_capturing()):
+        _launch_group(plan, *args)
+        return
+    key = (iters, stochastic, float(weight_decay), float(eps), lr.data_ptr(), lr.dtype, lr.device,
+           seed.data_ptr(), seed.dtype, seed.device)
+    graph = plan.graphs.get(key)
+    if graph is None:
+        seen = plan.graph_seen[key] = plan.graph_seen.get(key, 0) + 1
+        if seen < GRAPH_AFTER or len(plan.graphs) >= 4:
+            _launch_group(plan, *args)  # also compiles the kernels before any capture
+            return
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(dev):
+            with torch.cuda.graph(graph):
+                _launch_group(plan, *args)
+        plan.graphs[key] = graph
+    with torch.cuda.device(dev):
+        graph.replay()
+
+
+def graph_held_bytes() -> int:
+    """Device memory the cached CUDA graphs hold between steps: each graph's r, c and partial
+    buffers (fp32), allocated in its private pool at capture and reused by every replay."""
+    total = 0
+    for plan in _PLANS.values():
+        r_len, c_len, pr_len, pc_len = plan.lens
+        total += 4 * (r_len + c_len + max(pr_len, 1) + pc_len) * len(plan.graphs)
+    return total
+
+
+def _launch_group(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
+                  spectral_iters, stochastic, seed):
+    """The launches of one step of a matrix group (see _triton_group)."""
     from ..kernels import sinkgd as K
 
     dev = ps[0].device
-    gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
-    plan = _plan(ps, gs, lr_scale, base_width, width_exponent)
     rbm, rbn, rw = K.ROW_TILE
     cbm, cbn, cw = K.COL_TILE
     ubm, ubn, uw = K.UPD_TILE
