@@ -184,13 +184,15 @@ GRAPH_AFTER = 2
 
 
 def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral_norm, spectral_target,
-                  spectral_iters, base_width, width_exponent, stochastic, seed):
+                  spectral_iters, base_width, width_exponent, stochastic, seed, graphs=False):
     """One SinkGD step for matrices sharing a (param dtype, grad dtype) pair: per iteration one
     row pass per row-width bucket and one column scale launch (plus three launches for rows
     wider than MAX_FUSED_N), then the update, whatever the number of matrices.
 
-    On CUDA, without the spectral scale (PyTorch ops in between) and outside another capture,
-    the launches of a (plan, scalars, lr and seed tensors) seen GRAPH_AFTER times are captured
+    With graphs (the eager optimizer step; not the op, which may run inside torch.compile's own
+    CUDA graphs), on CUDA, without the spectral scale (PyTorch ops in between) and outside
+    another capture, the launches of a (plan, scalars, lr and seed tensors) seen GRAPH_AFTER
+    times are captured
     into a CUDA graph kept on the plan, and later steps replay it. The graph reads the tensors
     at the addresses the plan was built for, exactly like the plan's work tables, and lr and
     the seed at theirs (their values are read on the device at replay, so a changed lr takes
@@ -201,7 +203,8 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
     args = (ps, gs, vecs, lr, weight_decay, eps, iters, spectral_norm, spectral_target, spectral_iters,
             stochastic, seed)
     dev = ps[0].device
-    if not (GRAPHS and dev.type == "cuda" and not spectral_norm and not torch.cuda.is_current_stream_capturing()):
+    if not (graphs and GRAPHS and dev.type == "cuda" and not spectral_norm
+            and not torch.cuda.is_current_stream_capturing()):
         _launch_group(plan, *args)
         return
     key = (iters, stochastic, float(weight_decay), float(eps), lr.data_ptr(), lr.dtype, lr.device,
@@ -285,7 +288,8 @@ def _launch_group(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_nor
 
 
 def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
-          spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, use_triton):
+          spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, use_triton,
+          graphs=False):
     meta.check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
                       spectral_iters, eps, seed)
     groups: dict = {}
@@ -311,7 +315,7 @@ def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhor
         _triton_group([params[i] for i in idx], [grads[i] for i in idx],
                       [spectral_vecs[i] for i in idx] if spectral_norm else [], lr, lr_scale, weight_decay, eps,
                       sinkhorn_iters, spectral_norm, spectral_target, spectral_iters, base_width, width_exponent,
-                      bool(stochastic_round) and pdt == torch.bfloat16, seed)
+                      bool(stochastic_round) and pdt == torch.bfloat16, seed, graphs)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::sinkgd_step", mutates_args=("params", "spectral_vecs"))
@@ -338,16 +342,18 @@ def sinkgd_step(
 
 def sinkgd_step_eager(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters,
                       spectral_norm, spectral_target, spectral_iters, base_width, width_exponent,
-                      stochastic_round, seed) -> None:
+                      stochastic_round, seed, graphs=False) -> None:
     """What fused::sinkgd_step runs for the parameters' device: its registered Triton-device
     kernel, and what the eager optimizer step calls directly. torch.library's wrapper around a
     custom op's kernel collects the storage of every tensor argument to check for aliasing on
     each call: the largest self time in a cProfile of GPT-2 optimizer steps (100 tensors), whose
     benchmark went from 1.52 ms through the op to 0.78 ms calling this, same kernels
-    (docs/BENCHMARKS.md). Under torch.compile the optimizer calls the op."""
+    (docs/BENCHMARKS.md). Under torch.compile the optimizer calls the op. graphs=True (the eager
+    optimizer step) replays repeated steps from a CUDA graph (_triton_group)."""
     use_triton = bool(params) and params[0].device.type in TRITON_DEVICES
     _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
-          spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, use_triton)
+          spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, use_triton,
+          graphs)
 
 
 sinkgd_step.register_fake(meta.sinkgd_step_fake)

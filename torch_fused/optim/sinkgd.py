@@ -3,6 +3,8 @@ AdamW for the parameters SinkGD does not take (ndim < 2: biases, norms)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.optim import Optimizer
 
@@ -134,7 +136,8 @@ class SinkGD(Optimizer):
                 lr_t = lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, dtype=torch.float32)
                 # eager: the op's implementation without torch.library's per-call wrapper (see
                 # ops/sinkgd.py::sinkgd_step_eager); compiled: the op, traced as one node
-                step_fn = torch.ops.fused.sinkgd_step if torch.compiler.is_compiling() else sinkgd_step_eager
+                compiling = torch.compiler.is_compiling()
+                step_fn = torch.ops.fused.sinkgd_step if compiling else functools.partial(sinkgd_step_eager, graphs=True)
                 step_fn(
                     mats, grads, vecs, lr_t.reshape(()).to(mats[0].device), float(group["lr_scale"]),
                     float(group["weight_decay"]), float(group["eps"]), int(group["sinkhorn_iters"]),
