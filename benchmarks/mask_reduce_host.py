@@ -5,25 +5,18 @@ cProfile of dispatcher calls. Run on the device: python benchmarks/mask_reduce_h
 
 import cProfile
 import pstats
-import time
 
 import torch
 
 import torch_fused
+from torch_fused.bench.common import host_ms as common_host_ms
 from torch_fused.bench.mask_reduce import make_mask
 from torch_fused.ops import mask_reduce as op
 
 
 def host_ms(fn, reps=200):
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    ms = (time.perf_counter() - t0) / reps * 1e3
-    torch.cuda.synchronize()
-    return ms
+    fn()  # compiled and cached before the timed calls
+    return common_host_ms(fn, reps, spin_cycles=2_000_000_000)
 
 
 def main():

@@ -7,26 +7,15 @@ per step (steps enqueued behind a long device-side spin), and fused AdamW on the
 """
 
 import sys
-import time
 
 sys.path.insert(0, sys.argv[1])
 
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
+from torch_fused.bench.common import host_ms  # noqa: E402
 from torch_fused.bench.sinkgd import GPT2_SMALL, _params  # noqa: E402
 from torch_fused.optim import SinkGD  # noqa: E402
-
-
-def host_ms(fn, reps=20):
-    torch.cuda.synchronize()
-    torch.cuda._sleep(4_000_000_000)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    ms = (time.perf_counter() - t0) / reps * 1e3
-    torch.cuda.synchronize()
-    return ms
 
 
 def main():

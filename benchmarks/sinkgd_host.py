@@ -4,25 +4,14 @@ cProfile of optimizer steps. Run on the device: python benchmarks/sinkgd_host.py
 
 import cProfile
 import pstats
-import time
 
 import torch
 
 import torch_fused  # noqa: F401
+from torch_fused.bench.common import host_ms
 from torch_fused.bench.sinkgd import GPT2_SMALL, _params
 from torch_fused.ops.sinkgd import sinkgd_step_eager
 from torch_fused.optim import SinkGD
-
-
-def host_ms(fn, reps=20):
-    torch.cuda.synchronize()
-    torch.cuda._sleep(4_000_000_000)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    ms = (time.perf_counter() - t0) / reps * 1e3
-    torch.cuda.synchronize()
-    return ms
 
 
 def main():
