@@ -181,6 +181,8 @@ def _plan(ps, gs, lr_scale, base_width, width_exponent) -> _Plan:
 # launches to one replay. TORCH_FUSED_SINKGD_GRAPHS=0 turns it off.
 GRAPHS = os.environ.get("TORCH_FUSED_SINKGD_GRAPHS", "1") != "0"
 GRAPH_AFTER = 2
+_MAX_GRAPHS = 4  # graphs per plan (per distinct scalars and lr / seed tensors)
+_MAX_SEEN = 64  # keys counted per plan before the counts start over
 
 
 def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral_norm, spectral_target,
@@ -211,8 +213,10 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
            seed.data_ptr(), seed.dtype, seed.device)
     graph = plan.graphs.get(key)
     if graph is None:
+        if len(plan.graph_seen) >= _MAX_SEEN:  # keys that never repeat (an lr re-made every step)
+            plan.graph_seen.clear()
         seen = plan.graph_seen[key] = plan.graph_seen.get(key, 0) + 1
-        if seen < GRAPH_AFTER or len(plan.graphs) >= 4:
+        if seen < GRAPH_AFTER or len(plan.graphs) >= _MAX_GRAPHS:
             _launch_group(plan, *args)  # also compiles the kernels before any capture
             return
         graph = torch.cuda.CUDAGraph()
