@@ -1,22 +1,35 @@
 #!/usr/bin/env bash
-# One device call: the CUDA tests, then (only if they pass) the benchmarks; everything lands
-# in $OUT. Used as:  run(command="bash benchmarks/device_run.sh [bench args]", carry=[".whl"])
+# The CUDA tests, then (only if they all pass) python -m torch_fused.bench.
+#
+#   bash benchmarks/device_run.sh [bench options, e.g. --only mask_reduce --quick]
+#
+# Run from the repository root on a machine with a CUDA device. Results go to $OUT (default
+# benchmarks/results): <suite>.json/.md/.png from the benchmark, and gpu.txt with the GPU,
+# its driver, and the torch and triton versions. Settings, all optional:
+#   TESTS=...          test paths to run first (default: tests)
+#   TEST_TIMEOUT=300   seconds allowed for the tests
+#   NOBENCH=1          run the tests only
+#   SINKGD_NO_COMPILE=1  skip the slow-to-compile torch.compile SinkGD baseline
+# If a .whl/ folder of wheels is present (dependencies for a machine without network access),
+# they are installed into /tmp/site first.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
+OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 TESTS=${TESTS:-tests}
-HYPOTHESIS_PROFILE=cuda timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -m cuda -p no:cacheprovider $TESTS 2>&1 | tail -40 | tee "$OUT/tests.log"
+HYPOTHESIS_PROFILE=cuda timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -x -m cuda -p no:cacheprovider $TESTS 2>&1 | tail -40
 rc=${PIPESTATUS[0]}
 if [ "$rc" != "0" ]; then
   echo "CUDA tests failed (rc=$rc): no benchmark is reported"
   exit 1
 fi
 [ "${NOBENCH:-0}" = "1" ] && exit 0
-python3 -m torch_fused.bench --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -vE "^\|" | tail -80
+# progress lines to the terminal; the tables themselves are in $OUT/<suite>.md
+python3 -m torch_fused.bench --out "$OUT" "$@" 2>&1 | grep -vE "^\|"
+exit "${PIPESTATUS[0]}"

@@ -1,12 +1,13 @@
-"""python -m torch_fused.bench [--only logprobs,mask_reduce,sinkgd] [--sweep] [--quick] [--out DIR]
+"""``python -m torch_fused.bench``: time the fused ops against same-run baselines on a CUDA device.
 
-Writes <out>/<suite>.json, .md and .png per suite. Refuses to report while the CUDA tests
-are red: run `pytest -m cuda` first (the device script does).
+Writes <out>/<suite>.json, <suite>.md and <suite>.png for each suite; ``--sweep`` writes
+<out>/sweep_<suite>.json instead. ``python -m torch_fused.bench --help`` explains every option.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from pathlib import Path
 
@@ -16,34 +17,90 @@ from . import common
 
 SUITES = ("logprobs", "mask_reduce", "sinkgd")
 
+DESCRIPTION = """\
+Benchmark the torch_fused ops on a CUDA device against baselines timed in the same run
+(torch eager, torch.compile of the plain formula, TRL's looped/chunked versions, fused AdamW).
 
-def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m torch_fused.bench")
-    ap.add_argument("--only", default=",".join(SUITES))
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--sweep", action="store_true", help="block-size sweep of the log-prob kernels")
-    ap.add_argument("--sweep-shape", default="4,4096,151936", help="B,L,V of the sweep")
-    ap.add_argument("--quick", action="store_true", help="first shape of each suite only")
-    args = ap.parse_args()
+Each row reports the time, the bandwidth and the fraction of the memory floor: the fewest bytes
+the op must move (each input read once, each output written once) divided by the
+device-to-device copy bandwidth measured at the start of the same run, over the measured time.
+1.0 means the op runs as fast as a copy of the bytes it cannot avoid moving.
+
+Suites:
+  logprobs     selective_log_softmax, entropy_from_logits, logprobs_and_entropy (bf16 logits)
+  mask_reduce  fused::mask_reduce against torch.where(...).sum and its torch.compile
+  sinkgd       one SinkGD optimizer step against torch.optim.AdamW(fused=True)
+
+Results go to <out>/<suite>.json, <suite>.md and <suite>.png (the plot needs matplotlib:
+pip install -e '.[bench]').
+
+Run the CUDA tests first and benchmark only when they pass; benchmarks/device_run.sh does both."""
+
+EPILOG = """\
+examples:
+  python -m torch_fused.bench                                  every suite, results in benchmarks/results
+  python -m torch_fused.bench --only mask_reduce --out /tmp/r  one suite, results in /tmp/r
+  python -m torch_fused.bench --quick                          a fast smoke run over fewer shapes
+  python -m torch_fused.bench --sweep --only logprobs          block-size sweep of the log-prob kernels
+  bash benchmarks/device_run.sh                                CUDA tests, then every suite
+
+environment:
+  SINKGD_NO_COMPILE=1  skip the torch.compile'd SinkGD loop baseline of the sinkgd suite
+                       (its compilation takes minutes)"""
+
+
+def _suites(only: str) -> list[str]:
+    names = [s for s in only.split(",") if s]
+    for s in names:
+        if s not in SUITES:
+            raise SystemExit(f"--only: unknown suite {s!r}; choose from {', '.join(SUITES)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m torch_fused.bench",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--only", default=",".join(SUITES), metavar="SUITES",
+        help=f"comma-separated suites to run, in this order (default: all of {','.join(SUITES)})")
+    ap.add_argument(
+        "--out", default="benchmarks/results", metavar="DIR",
+        help="folder for the result files, created if missing (default: benchmarks/results)")
+    ap.add_argument(
+        "--quick", action="store_true",
+        help="fewer shapes: the first shape of logprobs and mask_reduce, sinkgd without its "
+             "4-layer case; a fast smoke run, not the published figures")
+    ap.add_argument(
+        "--sweep", action="store_true",
+        help="instead of the benchmark tables, time each kernel configuration (block size, warps) "
+             "of the selected suites that offer a sweep (logprobs) and write <out>/sweep_<suite>.json; "
+             "suites without a sweep are skipped")
+    ap.add_argument(
+        "--sweep-shape", default=None, metavar="INTS",
+        help="comma-separated input shape of the sweep; for logprobs B,L,V (default: 4,4096,151936)")
+    args = ap.parse_args(argv)
+    suites = _suites(args.only)
     if not torch.cuda.is_available():
-        raise SystemExit("torch_fused.bench needs a CUDA device")
+        raise SystemExit("python -m torch_fused.bench needs a CUDA device (none is visible to torch)")
     out = Path(args.out)
     copy = common.copy_bandwidth_gbps()
     print(f"copy bandwidth (read+write): {copy:.0f} GB/s", flush=True)
-    if args.sweep:
-        from . import logprobs
-
-        b, l, v = (int(t) for t in args.sweep_shape.split(","))
-        res = logprobs.sweep(copy, b, l, v)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"sweep_logprobs_V{v}.json").write_text(
-            json.dumps(dict(copy_gbps=copy, shape=[b, l, v], results=res), indent=1))
-    for suite in [s for s in args.only.split(",") if s]:
-        if suite not in SUITES:
-            raise SystemExit(f"--only: unknown suite {suite!r}; choose from {SUITES}")
-        import importlib
-
+    for suite in suites:
         mod = importlib.import_module(f".{suite}", __package__)
+        if args.sweep:
+            sweep = getattr(mod, "sweep", None)
+            if sweep is None:
+                print(f"{suite}: no sweep offered, skipped", flush=True)
+                continue
+            shape = None if args.sweep_shape is None else tuple(int(t) for t in args.sweep_shape.split(","))
+            res = sweep(copy, shape)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"sweep_{suite}.json").write_text(json.dumps(res, indent=1))
+            continue
         report = common.new_report()
         report.copy_gbps = copy
         mod.run(report, copy, quick=args.quick)

@@ -96,21 +96,6 @@ def device_ms(fn, rep: int = 60, lead_us: float = 1000.0, flush_bytes: int = 256
     return dev[rep // 2], host[rep // 2]
 
 
-def host_ms(fn, reps: int = 20, spin_cycles: int = 4_000_000_000) -> float:
-    """Host milliseconds per call of fn: reps calls enqueued behind a long device-side spin, so
-    no call waits on the device and the wall time is the host's enqueue work alone."""
-    import time
-
-    torch.cuda.synchronize()
-    torch.cuda._sleep(spin_cycles)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    ms = (time.perf_counter() - t0) / reps * 1e3
-    torch.cuda.synchronize()
-    return ms
-
-
 def warm_up(fn, ms: float = 300.0) -> None:
     """Run fn back to back for about ms milliseconds (device time), so the first timing of a
     group does not catch the GPU's clocks ramping up after host-side setup (new inputs, a dynamo
@@ -180,7 +165,7 @@ def save(report: Report, out_dir: Path, name: str) -> None:
     (out_dir / f"{name}.md").write_text(markdown(report))
     try:
         plot(report, out_dir / f"{name}.png")
-    except Exception as e:  # matplotlib missing on the device: the JSON is enough to plot here
+    except Exception as e:  # matplotlib not installed (the `bench` extra): the JSON and markdown are written
         print(f"(no plot: {e})")
 
 

@@ -145,30 +145,39 @@ def run(report, copy_gbps, quick=False):
     print(buf.getvalue()[-2500:])
 
 
-def sweep(copy_gbps, b=4, l=4096, v=151936):
-    """Time each kernel over (BLOCK_V, num_warps) on one strided bf16 shape: log-probs forward,
-    log-probs + entropy forward, and the backward (fwd+bwd minus fwd)."""
+SWEEP_SHAPE = (4, 4096, 151936)
+SWEEP_CONFIGS = ((1024, 2), (1024, 4), (2048, 2), (2048, 4), (4096, 4))  # (BLOCK_V, num_warps)
+
+
+def sweep(copy_gbps, shape=None):
+    """Time the log-prob kernels over (BLOCK_V, num_warps) on one strided bf16 shape (B, L, V),
+    every kernel with the same configuration: log-probs forward, log-probs + entropy forward, and
+    the backward (forward+backward minus forward). Returns a dict for ``sweep_logprobs.json``:
+    the copy bandwidth, the shape and, per configuration, the times in ms and the fractions of
+    the memory floor. The shipped choice is ``_CONFIGS`` in ``torch_fused/kernels/logprobs.py``."""
     from ..kernels import logprobs as K
 
+    b, l, v = shape or SWEEP_SHAPE
     x, idx = _inputs(b, l, v, "strided")
     xg = x.detach().requires_grad_(True)
     floor_ms = x.numel() * x.element_size() / (copy_gbps * 1e9) * 1e3
-    orig = K.pick_block
+    shipped = K.pick_block
     results = []
-    for block, warps in ((1024, 2), (1024, 4), (2048, 2), (2048, 4), (4096, 4)):
-        if True:
+    try:
+        for block, warps in SWEEP_CONFIGS:
             K.pick_block = lambda v_, e_, kind="fwd", _b=block, _w=warps: (min(_b, K.triton.next_power_of_2(v_)), _w)
             try:
                 f = bench_ms(lambda: torch_fused.selective_log_softmax(x, idx))
                 fe = bench_ms(lambda: torch_fused.logprobs_and_entropy(x, idx))
                 fb = bench_ms(_fwdbwd(lambda t: torch_fused.selective_log_softmax(t, idx), xg))
-            except Exception as e:  # too many registers / shared memory for this config
-                print(f"block {block} warps {warps}: {type(e).__name__}")
+            except Exception as e:  # too many registers or too much shared memory for this config
+                print(f"block {block} warps {warps}: {type(e).__name__}", flush=True)
                 continue
             r = dict(block=block, warps=warps, fwd=floor_ms / f, fwd_ent=floor_ms / fe, bwd=2 * floor_ms / (fb - f),
                      fwd_ms=f, fwd_ent_ms=fe, fwdbwd_ms=fb)
             results.append(r)
             print(f"block {block:5d} warps {warps}: fraction of floor: fwd {r['fwd']:.3f}  fwd_ent {r['fwd_ent']:.3f}  "
                   f"bwd {r['bwd']:.3f}", flush=True)
-    K.pick_block = orig
-    return results
+    finally:
+        K.pick_block = shipped
+    return dict(copy_gbps=copy_gbps, shape=[b, l, v], results=results)
