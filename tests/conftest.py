@@ -1,5 +1,9 @@
 import os
+import subprocess
+import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,8 +49,13 @@ if INTERPRET:
     _sgk.MAX_FUSED_N = 64
     _sgk.ROWS_ELEMS = 1
     _sgk.ROWS_BM = 4
-    _sgk.ROWS_MAX_PARTIALS = 16  # a 300-row matrix gets 32-row programs, small ones 4
+    _sgk.ROWS_MAX_PARTIALS = 16  # a 70-row matrix gets 8-row programs, small ones 4
     _sgk.SCALE_PARTS = 4  # several partial trips per column, with a masked tail
+    # two-pass path and update: 64-wide tiles, so rows of 65-150 already span several tiles
+    # (several row partials per row) and matrices of more than 8 rows several column partials
+    _sgk.ROW_TILE = (8, 64, 4)
+    _sgk.COL_TILE = (8, 64, 4)
+    _sgk.UPD_TILE = (8, 64, 4)
 
 
 @pytest.fixture(autouse=True)
@@ -59,12 +68,39 @@ def _poison_outputs():
 
 
 def pytest_collection_modifyitems(config, items):
-    skip_cuda = pytest.mark.skip(reason="needs CUDA (runs on the lent H200)")
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
 
 
-def devices():
-    """Devices a test runs on: CPU always, CUDA where present (marked, so -m cuda selects it)."""
-    return ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+# The interpreter run (tests/test_interpreter.py) is a second pytest process. It starts with the
+# session, so that it runs beside this one, and the test that owns it waits for it.
+_INTERPRETER = {}
+
+
+def interpreter_run(config):
+    """The interpreter run's process (started if it is not running yet); stdout is a text pipe."""
+    if "proc" not in _INTERPRETER:
+        root = Path(__file__).resolve().parent.parent
+        cache = tempfile.mkdtemp(prefix="torch_fused_interp_")
+        env = dict(os.environ, TRITON_INTERPRET="1", TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                   PYTHONUNBUFFERED="1")
+        _INTERPRETER["proc"] = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
+             "--deselect", "tests/test_interpreter.py", "tests"],
+            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        )
+    return _INTERPRETER["proc"]
+
+
+def pytest_collection_finish(session):
+    if (not INTERPRET and _library.HAS_TRITON and not session.config.getoption("collectonly")
+            and any("test_suite_under_triton_interpreter" in i.nodeid for i in session.items)):
+        interpreter_run(session.config)
+
+
+def pytest_unconfigure(config):
+    proc = _INTERPRETER.pop("proc", None)
+    if proc is not None and proc.poll() is None:
+        proc.kill()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import torch_fused
-from _helpers import DEVICES, make_logits
+from _helpers import DEVICES, SMALL, make_logits
+from torch_fused._library import INTERPRET
 
 OPS = torch.ops.fused
 
@@ -16,7 +17,7 @@ OPS = torch.ops.fused
 def _samples(device):
     g = torch.Generator().manual_seed(0)
     out = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.bfloat16,) if SMALL else (torch.float32, torch.bfloat16):
         x = make_logits((2, 3), 37, dtype, device, "sliced", gen=g).requires_grad_(True)
         idx = torch.randint(0, 37, (2, 3), generator=g).to(device)
         idxk = torch.randint(0, 37, (2, 3, 2), generator=g).to(device)
@@ -33,6 +34,13 @@ def test_opcheck_all_ops(device):
         torch.library.opcheck(OPS.logprobs_and_entropy, (x, idx, 0.9, -100))
         torch.library.opcheck(OPS._logprobs_entropy_forward, (x, idxk, 1.0, -100, True))
         torch.library.opcheck(OPS._logprobs_entropy_forward, (x, None, 2.0, -100, True))
+        # shift: the [B, L+1, V] tensor the sliced sample is a view of; a tensor temperature
+        full = x._base if x._base is not None else x
+        full = full.detach().requires_grad_(True)
+        t = torch.tensor(0.8, device=device, requires_grad=True)
+        torch.library.opcheck(OPS.logprobs_and_entropy, (full, idx), {"shift": True})
+        torch.library.opcheck(OPS.logprobs_and_entropy, (x, idx), {"temperature_tensor": t})
+        torch.library.opcheck(OPS._logprobs_entropy_forward, (full, idxk, 1.0, -100, True, t, True))
         lp, ent, stats = OPS._logprobs_entropy_forward(x.detach(), idx, 1.0, -100, True)
         g1 = torch.randn_like(lp)
         g2 = torch.randn_like(ent)
@@ -40,6 +48,10 @@ def test_opcheck_all_ops(device):
             torch.library.opcheck(
                 OPS._logprobs_entropy_backward, (gl, gh, x.detach(), idx, stats, ent, 1.0, -100)
             )
+        lp, ent, stats = OPS._logprobs_entropy_forward(full.detach(), idx, 1.0, -100, True, None, True)
+        torch.library.opcheck(OPS._logprobs_entropy_backward,
+                              (torch.randn_like(lp), torch.randn_like(ent), full.detach(), idx, stats, ent, 1.0, -100,
+                               None, True))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -53,6 +65,7 @@ def test_gradcheck_float64(device):
     assert torch.autograd.gradcheck(lambda t: torch_fused.selective_log_softmax(t, idxk), (x,))
     assert torch.autograd.gradcheck(lambda t: torch_fused.entropy_from_logits(t, temperature=1.9), (x,))
     assert torch.autograd.gradcheck(lambda t: torch_fused.logprobs_and_entropy(t, idx, temperature=1.1), (x,))
+    assert torch.autograd.gradcheck(lambda t: torch_fused.logprobs_and_entropy(t, idx[:, :2], shift=True), (x,))
 
 
 def _pg_loss(logits, index, adv, beta):
@@ -60,12 +73,20 @@ def _pg_loss(logits, index, adv, beta):
     return -(adv[:, None] * logp).mean() - beta * ent.mean()
 
 
-def test_compile_fullgraph_dynamic_length_no_recompile():
+def _pg_loss_shift(logits, index, adv, beta):
+    logp, ent = torch_fused.logprobs_and_entropy(logits, index, shift=True)
+    return -(adv[:, None] * logp).mean() - beta * ent.mean()
+
+
+@pytest.mark.parametrize("loss_fn", [_pg_loss, _pg_loss_shift], ids=["slice", "shift"])
+def test_compile_fullgraph_dynamic_length_no_recompile(loss_fn):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    cnt = CompileCounterWithBackend("inductor")
-    step = torch.compile(_pg_loss, fullgraph=True, backend=cnt, dynamic=True)
+    # the interpreter run checks the trace through the real kernels; Inductor's code generation
+    # (the same for either implementation, as the op is opaque) is the plain run's
+    cnt = CompileCounterWithBackend("aot_eager" if INTERPRET else "inductor")
+    step = torch.compile(loss_fn, fullgraph=True, backend=cnt, dynamic=True)
     for length in (9, 17, 33):
         g = torch.Generator().manual_seed(length)
         logits = torch.randn(2, length + 1, 50, generator=g, requires_grad=True)
@@ -74,46 +95,78 @@ def test_compile_fullgraph_dynamic_length_no_recompile():
         loss = step(logits, index, adv, 0.01)
         loss.backward()
         ref_logits = logits.detach().clone().requires_grad_(True)
-        ref = _pg_loss(ref_logits, index, adv, 0.01)
+        ref = loss_fn(ref_logits, index, adv, 0.01)
         ref.backward()
         torch.testing.assert_close(loss, ref)
         torch.testing.assert_close(logits.grad, ref_logits.grad)
     assert cnt.frame_count == 1, f"recompiled across sequence lengths: {cnt.frame_count} frames"
 
 
-def test_compile_graph_holds_opaque_core_ops():
-    """The public ops decompose to the two opaque core nodes; nothing else of ours is traced."""
-    from torch._dynamo.testing import EagerAndRecordGraphs
+def _record_aot_graphs():
+    """A torch.compile backend that keeps the forward and backward graphs AOTAutograd makes."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
 
+    graphs = {"fw": [], "bw": []}
+
+    def keep(kind):
+        def compiler(gm, _inputs):
+            graphs[kind].append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    return aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")), graphs
+
+
+def _fused_targets(gm):
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "fused" in str(n.target)]
+
+
+@pytest.mark.parametrize("public", ["selective_log_softmax", "entropy_from_logits", "logprobs_and_entropy"])
+@pytest.mark.parametrize("shift", [False, True])
+def test_compile_graph_holds_opaque_core_ops(public, shift):
+    """The public ops decompose to exactly one opaque core node forward and one backward; no
+    public (composite) op, and with shift no slice of the logits, is left in the graphs."""
     torch._dynamo.reset()
-    rec = EagerAndRecordGraphs()
-    f = torch.compile(lambda x, i: torch_fused.selective_log_softmax(x, i).sum(), fullgraph=True, backend=rec)
-    f(torch.randn(3, 20), torch.randint(0, 20, (3,)))
-    code = rec.graphs[0].code
-    assert "fused.selective_log_softmax" in code or "fused._logprobs_entropy_forward" in code
+    backend, graphs = _record_aot_graphs()
+    fn = getattr(torch_fused, public)
+
+    def f(x, i):
+        out = fn(x, shift=shift) if public == "entropy_from_logits" else fn(x, i, shift=shift)
+        return sum(o.sum() for o in out) if isinstance(out, tuple) else out.sum()
+
+    x = torch.randn(2, 4, 20, requires_grad=True)
+    i = torch.randint(0, 20, (2, 3 if shift else 4))
+    torch.compile(f, fullgraph=True, backend=backend)(x, i).backward()
+    (fw,), (bw,) = graphs["fw"], graphs["bw"]
+    assert _fused_targets(fw) == ["fused._logprobs_entropy_forward.default"], fw.code
+    assert _fused_targets(bw) == ["fused._logprobs_entropy_backward.default"], bw.code
+    if shift:
+        for gm in (fw, bw):
+            assert not any("slice" in str(n.target) for n in gm.graph.nodes if n.op == "call_function"), gm.code
 
 
 class TestSchemas(expecttest.TestCase):
     def test_pinned_schemas(self):
         self.assertExpectedInline(
             str(OPS.selective_log_softmax.default._schema),
-            """fused::selective_log_softmax(Tensor logits, Tensor index, float temperature=1., int ignore_index=-100) -> Tensor""",
+            """fused::selective_log_softmax(Tensor logits, Tensor index, float temperature=1., int ignore_index=-100, *, bool shift=False, Tensor? temperature_tensor=None) -> Tensor""",
         )
         self.assertExpectedInline(
             str(OPS.entropy_from_logits.default._schema),
-            """fused::entropy_from_logits(Tensor logits, float temperature=1.) -> Tensor""",
+            """fused::entropy_from_logits(Tensor logits, float temperature=1., *, bool shift=False, Tensor? temperature_tensor=None) -> Tensor""",
         )
         self.assertExpectedInline(
             str(OPS.logprobs_and_entropy.default._schema),
-            """fused::logprobs_and_entropy(Tensor logits, Tensor index, float temperature=1., int ignore_index=-100) -> (Tensor, Tensor)""",
+            """fused::logprobs_and_entropy(Tensor logits, Tensor index, float temperature=1., int ignore_index=-100, *, bool shift=False, Tensor? temperature_tensor=None) -> (Tensor, Tensor)""",
         )
         self.assertExpectedInline(
             str(OPS._logprobs_entropy_forward.default._schema),
-            """fused::_logprobs_entropy_forward(Tensor logits, Tensor? index, float temperature, SymInt ignore_index, bool compute_entropy, Tensor? temperature_t=None) -> (Tensor, Tensor, Tensor)""",
+            """fused::_logprobs_entropy_forward(Tensor logits, Tensor? index, float temperature, SymInt ignore_index, bool compute_entropy, Tensor? temperature_t=None, bool shift=False) -> (Tensor, Tensor, Tensor)""",
         )
         self.assertExpectedInline(
             str(OPS._logprobs_entropy_backward.default._schema),
-            """fused::_logprobs_entropy_backward(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor? index, Tensor stats, Tensor entropy, float temperature, SymInt ignore_index, Tensor? temperature_t=None) -> (Tensor, Tensor)""",
+            """fused::_logprobs_entropy_backward(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor? index, Tensor stats, Tensor entropy, float temperature, SymInt ignore_index, Tensor? temperature_t=None, bool shift=False) -> (Tensor, Tensor)""",
         )
 
 
@@ -124,9 +177,11 @@ BAD_INPUTS = [
     ("shape mismatch", lambda: (torch.randn(2, 3, 5), torch.zeros(2, 4, dtype=torch.long), 1.0),
      r"index: expected shape \(2, 3\) \(one id per row\) or \(2, 3, 'K'\)"),
     ("zero temperature", lambda: (torch.randn(2, 5), torch.zeros(2, dtype=torch.long), 0.0),
-     r"temperature: expected a positive number, got 0.0"),
+     r"temperature: expected a positive finite number, got 0.0"),
     ("negative temperature", lambda: (torch.randn(2, 5), torch.zeros(2, dtype=torch.long), -1.0),
-     r"temperature: expected a positive number, got -1.0"),
+     r"temperature: expected a positive finite number, got -1.0"),
+    ("infinite temperature", lambda: (torch.randn(2, 5), torch.zeros(2, dtype=torch.long), float("inf")),
+     r"temperature: expected a positive finite number, got inf"),
     ("empty vocab", lambda: (torch.randn(2, 0), torch.zeros(2, dtype=torch.long), 1.0),
      r"logits: the last dim \(vocabulary V\) must be >= 1"),
 ]

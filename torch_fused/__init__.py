@@ -26,21 +26,26 @@ __all__ = [
 ]
 
 
-def _as_temperature(temperature, logits):
-    """A tensor temperature as a 0-dim tensor on the logits' device (differentiably), else None."""
-    if not isinstance(temperature, torch.Tensor):
-        return None
-    if temperature.numel() != 1:
-        raise ValueError(f"temperature: expected a float or a 1-element tensor, got shape {tuple(temperature.shape)}")
-    return temperature.to(logits.device).reshape(())
+def _temperature_args(temperature) -> tuple[float, torch.Tensor | None]:
+    """(float temperature, temperature tensor or None) for the ops' schemas: a Python number is a
+    constant of the op; a 1-element tensor is passed as ``temperature_tensor`` (differentiable).
+    None means 1.0: a literal here, so torch.compile never sees a float default as an input."""
+    if temperature is None:
+        return 1.0, None
+    if isinstance(temperature, torch.Tensor):
+        if temperature.numel() != 1:
+            raise ValueError(f"temperature: expected a float or a 1-element tensor, got shape {tuple(temperature.shape)}")
+        return 1.0, temperature.reshape(())
+    return float(temperature), None
 
 
 def selective_log_softmax(
     logits: torch.Tensor,
     index: torch.Tensor,
     *,
-    temperature: float | torch.Tensor = 1.0,
+    temperature: float | torch.Tensor | None = None,
     ignore_index: int = -100,
+    shift: bool = False,
 ) -> torch.Tensor:
     """``log_softmax(logits / temperature, -1)`` gathered at ``index``, never materialized.
 
@@ -48,55 +53,59 @@ def selective_log_softmax(
         logits: ``[..., V]`` float16/bfloat16/float32/float64; any strides in the leading dims
             (``logits[:, :-1]`` runs without a copy).
         index: ``[...]`` (one id per row) or ``[..., K]`` (K ids per row), int32 or int64.
-        temperature: > 0, applied inside the kernel: a float (a constant of the op), or a 0-dim
-            tensor, which is read on the device and differentiated (d T = -(1/T) sum x dx, from
-            the same backward pass). A non-positive tensor temperature gives NaN on CUDA and
-            raises on CPU.
+        temperature: > 0 and finite (default None: 1.0), applied inside the kernel: a float (a constant of the op),
+            or a 0-dim tensor on the logits' device, which is read on the device and
+            differentiated (d T = -(1/T) sum x dx, from the same backward pass). A bad value
+            raises ``ValueError``; a tensor's value is checked where reading it costs no device
+            sync (CPU), and gives NaN on CUDA.
         ignore_index: positions holding it give 0 and receive no gradient.
+        shift: the model's call pattern without a slice: logits ``[..., L+1, V]`` as the model
+            returns them and index ``[..., L]`` (or ``[..., L, K]``); position t of the logits
+            scores index t and the last position is dropped. Outputs are ``[..., L]``; the
+            gradient is ``[..., L+1, V]``, zero at the last position, written in one pass (no
+            slice node and no second logits-sized buffer in the autograd graph).
 
     Returns:
         float32 log-probs shaped like ``index`` (float64 for float64 logits). An index outside
         ``[0, V)`` that is not ``ignore_index`` raises ``IndexError`` on CPU; on CUDA (where
         checking would cost a device sync) it gives NaN at that position and a NaN gradient row.
     """
-    t = _as_temperature(temperature, logits)
-    if t is not None:
-        return torch.ops.fused._logprobs_entropy_forward(logits, index, 1.0, ignore_index, False, t)[0]
-    return torch.ops.fused.selective_log_softmax(logits, index, temperature, ignore_index)
+    t, t_tensor = _temperature_args(temperature)
+    return torch.ops.fused.selective_log_softmax(logits, index, t, ignore_index, shift=shift,
+                                                 temperature_tensor=t_tensor)
 
 
 def entropy_from_logits(
-    logits: torch.Tensor, chunk_size: int | None = None, *, temperature: float | torch.Tensor = 1.0
+    logits: torch.Tensor, chunk_size: int | None = None, *, temperature: float | torch.Tensor | None = None,
+    shift: bool = False,
 ) -> torch.Tensor:
     """Shannon entropy (nats) of ``softmax(logits / temperature)`` per row, in one pass over V.
 
     ``chunk_size`` exists so TRL's call form ``entropy_from_logits(logits, chunk_size)`` keeps
     working; it is ignored (the kernel never materializes a chunk). Returns float32 (float64
-    for float64 logits) of shape ``logits.shape[:-1]``. Entries of ``-inf`` are masked
-    vocabulary and contribute nothing; a row of equal logits gives ``log V``. ``temperature``: as
-    in :func:`selective_log_softmax` (a tensor one is differentiated).
+    for float64 logits) of shape ``logits.shape[:-1]`` (``[..., L]`` with ``shift=True``, which
+    drops the last position of ``[..., L+1, V]``). Entries of ``-inf`` are masked vocabulary and
+    contribute nothing; a row of equal logits gives ``log V``. ``temperature``: as in
+    :func:`selective_log_softmax` (a tensor one is differentiated).
     """
     del chunk_size
-    t = _as_temperature(temperature, logits)
-    if t is not None:
-        return torch.ops.fused._logprobs_entropy_forward(logits, None, 1.0, -100, True, t)[1]
-    return torch.ops.fused.entropy_from_logits(logits, temperature)
+    t, t_tensor = _temperature_args(temperature)
+    return torch.ops.fused.entropy_from_logits(logits, t, shift=shift, temperature_tensor=t_tensor)
 
 
 def logprobs_and_entropy(
     logits: torch.Tensor,
     index: torch.Tensor,
     *,
-    temperature: float | torch.Tensor = 1.0,
+    temperature: float | torch.Tensor | None = None,
     ignore_index: int = -100,
+    shift: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(selective_log_softmax(...), entropy_from_logits(...))`` from ONE read of the logits.
 
     Same arguments and index semantics as :func:`selective_log_softmax`. The backward is one
     fused pass for any combination of the two upstream gradients.
     """
-    t = _as_temperature(temperature, logits)
-    if t is not None:
-        logp, ent, _ = torch.ops.fused._logprobs_entropy_forward(logits, index, 1.0, ignore_index, True, t)
-        return logp, ent
-    return torch.ops.fused.logprobs_and_entropy(logits, index, temperature, ignore_index)
+    t, t_tensor = _temperature_args(temperature)
+    return torch.ops.fused.logprobs_and_entropy(logits, index, t, ignore_index, shift=shift,
+                                                temperature_tensor=t_tensor)

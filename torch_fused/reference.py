@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ._library import acc_dtype
+from ._library import LN2, LOG2E, acc_dtype
 
 # Rows per chunk are chosen so that one chunk's float temporaries stay near this many elements.
 _CHUNK_ELEMS = 1 << 21
@@ -46,8 +46,6 @@ def check_index_range(index: torch.Tensor, v: int, ignore_index: int) -> None:
         )
 
 
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 def _temperature_value(temperature: float, temperature_t: torch.Tensor | None) -> float:
@@ -56,8 +54,8 @@ def _temperature_value(temperature: float, temperature_t: torch.Tensor | None) -
     if temperature_t is None:
         return temperature
     t = float(temperature_t)
-    if not t > 0:
-        raise ValueError(f"temperature: expected a positive number, got {t}")
+    if not (t > 0 and math.isfinite(t)):
+        raise ValueError(f"temperature: expected a positive finite number, got {t}")
     return t
 
 
@@ -76,9 +74,11 @@ def logprobs_entropy_forward(
     ignore_index: int,
     compute_entropy: bool,
     temperature_t: torch.Tensor | None = None,
+    shift: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (logp shaped like index or empty, entropy [lead] or empty, stats [lead, 2]).
-    ``temperature_t``, a 0-dim tensor, replaces ``temperature`` when given.
+    ``temperature_t``, a 0-dim tensor, replaces ``temperature`` when given. With ``shift``,
+    logits are [..., L+1, V] and only positions 0..L-1 are scored (lead = [..., L]).
 
     With c = log2(e) / T, m the row max of the logits and d = (x - m) c:
     stats = (m, log2 s) with s = sum 2^d; logp = (d[index] - log2 s) ln2 (0 at ignore_index,
@@ -86,6 +86,8 @@ def logprobs_entropy_forward(
     H = (log2 s - sum 2^d d / s) ln2. Intermediates are float64 here (the kernels use fp32 and
     the same formulas); outputs are float32, float64 for float64 logits.
     """
+    if shift:
+        logits = logits[..., :-1, :]
     lead = logits.shape[:-1]
     v = logits.shape[-1]
     rows = math.prod(lead)
@@ -100,7 +102,7 @@ def logprobs_entropy_forward(
     logp = None
     if idx2 is not None:
         logp = torch.empty(idx2.shape, dtype=dt, device=logits.device)
-    c = _LOG2E / temperature
+    c = LOG2E / temperature
     for a, b in _chunks(rows, v):
         x = x2[a:b].double()
         m = x.amax(dim=-1, keepdim=True)
@@ -113,11 +115,11 @@ def logprobs_entropy_forward(
         stats[a:b, 1] = log2s.to(dt)
         if compute_entropy:
             t = torch.where(e > 0, e * d, torch.zeros_like(d)).sum(-1)
-            ent[a:b] = ((log2s - t / s) * _LN2).to(dt)
+            ent[a:b] = ((log2s - t / s) * LN2).to(dt)
         if idx2 is not None:
             ib = idx2[a:b]
             valid = (ib >= 0) & (ib < v)
-            g = (torch.gather(d, 1, ib.clamp(0, max(v - 1, 0))) - log2s[:, None]) * _LN2
+            g = (torch.gather(d, 1, ib.clamp(0, max(v - 1, 0))) - log2s[:, None]) * LN2
             g = torch.where(valid, g, torch.full_like(g, float("nan")))
             logp[a:b] = torch.where(ib == ignore_index, torch.zeros_like(g), g).to(dt)
     logp_out = logp.reshape(index.shape) if logp is not None else stats.new_empty(0)
@@ -134,19 +136,25 @@ def logprobs_entropy_backward(
     temperature: float,
     ignore_index: int,
     temperature_t: torch.Tensor | None = None,
+    shift: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d logits, d T) of sum(grad_logp * logp) + sum(grad_entropy * entropy); d T only for a
     tensor temperature (else an empty tensor): d T = -(1/T) sum x * d logits, as z = x / T.
+    With ``shift``, d logits is [..., L+1, V] with exactly zero rows L.
 
     With p = softmax(z), lp = log p, H the entropy, gH its gradient and G the sum of grad_logp
     over the row's valid indices:  d z_j = sum_k g_k [j == idx_k] - p_j (G + gH (lp_j + H)),
     and d logits = d z / T. Only stats and H are saved from the forward.
     """
+    full = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if shift:
+        full[..., -1, :] = 0
+        logits = logits[..., :-1, :]
     lead = logits.shape[:-1]
     v = logits.shape[-1]
     rows = math.prod(lead)
     x2 = logits.reshape(rows, v)
-    out = torch.empty((rows, v), dtype=logits.dtype, device=logits.device)
+    out = torch.empty((rows, v), dtype=logits.dtype, device=logits.device) if shift else full.view(rows, v)
     temperature = _temperature_value(temperature, temperature_t)
     xdx = torch.zeros((), dtype=torch.float64, device=logits.device)
     st = stats.reshape(rows, 2).double()
@@ -165,10 +173,10 @@ def logprobs_entropy_backward(
     if grad_entropy is not None:
         gh = grad_entropy.reshape(rows).double()
         h = entropy.reshape(rows).double()
-    c = _LOG2E / temperature
+    c = LOG2E / temperature
     inv_t = 1.0 / temperature
     for a, b in _chunks(rows, v):
-        lp = ((x2[a:b].double() - st[a:b, :1]) * c - st[a:b, 1:]) * _LN2
+        lp = ((x2[a:b].double() - st[a:b, :1]) * c - st[a:b, 1:]) * LN2
         p = torch.exp(lp)
         coef = gsum[a:b, None].expand_as(p)
         if grad_entropy is not None:
@@ -187,7 +195,9 @@ def logprobs_entropy_backward(
         dtemp = torch.empty(0, dtype=acc_dtype(logits.dtype), device=logits.device)
     else:
         dtemp = (-xdx / temperature).to(acc_dtype(logits.dtype))
-    return out.reshape(logits.shape), dtemp
+    if shift:
+        full[..., :-1, :] = out.view(logits.shape)
+    return full, dtemp
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-LOG2E = 1.4426950408889634  # Python float, for the launchers
+# constexpr globals: usable inside @triton.jit (the launchers use torch_fused._library's floats)
 LOG2E_C = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)  # a constexpr global: usable inside @triton.jit
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -210,23 +210,58 @@ def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s
 
 
 @triton.jit
+def _zero_row(p_drow, V, BLOCK_V: tl.constexpr):
+    o_v = tl.arange(0, BLOCK_V)
+    b_z = tl.zeros([BLOCK_V], dtype=p_drow.dtype.element_ty)
+    for start in range(0, V, BLOCK_V):
+        tl.store(p_drow + start + o_v, b_z, mask=start + o_v < V)
+
+
+@triton.jit
 def _logprobs_entropy_backward_kernel(
-    p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx,
-    V, K, inner_size, stride_outer, stride_inner,
+    p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_dz, p_temp, p_xdx,
+    V, K, n_rows, inner_size, stride_outer, stride_inner,
+    dx_inner, dx_outer, dx_stride,  # d x row layout (as the logits' rows)
+    dz_inner, dz_outer, dz_stride,  # layout of the zero rows past n_rows (shift: position L)
     scale,  # c = log2(e) / T
     inv_t,  # 1 / T
     ignore_index,
     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr, EXACT_SHIFT: tl.constexpr,
-    T_FROM_PTR: tl.constexpr, HAS_DT: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    T_FROM_PTR: tl.constexpr, HAS_DT: tl.constexpr, ZERO_TAIL: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """d z_j = sum_k g_k [j == idx_k] - p_j * (G + gH * (lp_j + H));  d x = d z / T.
 
     G: sum of the row's valid log-prob gradients; gH: the entropy gradient;
     lp_j = log p_j = ((x_j - m) c - log2 s) ln2. With HAS_DT, also the row's sum of x_j dx_j
-    (d T = -(1/T) sum over all rows, as z = x / T)."""
+    (d T = -(1/T) sum over all rows, as z = x / T). With ZERO_TAIL, programs past n_rows write
+    the zero rows of d x that no row scores (shift: the last position of every sequence), so
+    the whole gradient is written by one launch."""
     row = tl.program_id(0).to(tl.int64)
+    if ZERO_TAIL:
+        if row >= n_rows:
+            _zero_row(_row_base(p_dz, row - n_rows, dz_inner, dz_outer, dz_stride), V, BLOCK_V)
+        else:
+            _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K,
+                          inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
+                          scale, inv_t, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, T_FROM_PTR,
+                          HAS_DT, BLOCK_V, BLOCK_K)
+    else:
+        _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K,
+                      inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
+                      scale, inv_t, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, T_FROM_PTR,
+                      HAS_DT, BLOCK_V, BLOCK_K)
+
+
+@triton.jit
+def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K,
+                  inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
+                  scale, inv_t, ignore_index,
+                  HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
+                  EXACT_SHIFT: tl.constexpr, T_FROM_PTR: tl.constexpr, HAS_DT: tl.constexpr,
+                  BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
-    p_drow = p_dx + row * V
+    p_drow = _row_base(p_dx, row, dx_inner, dx_outer, dx_stride)
     c, it = _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR)
     m = tl.load(p_stats + row * 2).to(tl.float32)
     log2s = tl.load(p_stats + row * 2 + 1).to(tl.float32)
@@ -297,3 +332,25 @@ def pick_block(v: int, elem_size: int, kind: str = "fwd") -> tuple[int, int]:
         block //= 2  # same bytes per load
     block = min(block, triton.next_power_of_2(max(v, 16)))
     return block, min(warps, max(1, block // 256))
+
+
+def compile_cases():
+    """(name, kernel, signature, constexprs, warps) for tests/test_kernels_compile.py: every
+    constexpr branch the launchers in ops/logprobs.py can take."""
+    fwd = {"p_x": "*bf16", "p_idx": "*i64", "p_logp": "*fp32", "p_ent": "*fp32", "p_stats": "*fp32", "p_temp": "*fp32",
+           "V": "i32", "K": "i32", "inner_size": "i32", "stride_outer": "i64", "stride_inner": "i64",
+           "scale": "fp32", "ignore_index": "i32"}
+    for hi, he, tp in [(True, True, False), (True, False, False), (False, True, False), (True, True, True)]:
+        yield (f"lp_fwd idx={hi} ent={he} t_ptr={tp}", _logprobs_entropy_forward_kernel, fwd,
+               {"HAS_INDEX": hi, "HAS_ENT": he, "EXACT_SHIFT": False, "T_FROM_PTR": tp, "BLOCK_V": 2048,
+                "BLOCK_K": 2, "EPT": 8}, 4)
+    bwd = {"p_x": "*fp16", "p_idx": "*i32", "p_glp": "*fp32", "p_gh": "*fp32", "p_stats": "*fp32",
+           "p_ent": "*fp32", "p_dx": "*fp16", "p_dz": "*fp16", "p_temp": "*fp32", "p_xdx": "*fp32", "V": "i32",
+           "K": "i32", "n_rows": "i32", "inner_size": "i32", "stride_outer": "i64", "stride_inner": "i64",
+           "dx_inner": "i32", "dx_outer": "i64", "dx_stride": "i64", "dz_inner": "i32", "dz_outer": "i64",
+           "dz_stride": "i64", "scale": "fp32", "inv_t": "fp32", "ignore_index": "i32"}
+    for glp, gh, sk, dt, zt in [(True, True, True, False, False), (True, False, False, False, True),
+                                (False, True, True, False, True), (True, True, True, True, False)]:
+        yield (f"lp_bwd glp={glp} gh={gh} single={sk} dt={dt} zero_tail={zt}", _logprobs_entropy_backward_kernel,
+               bwd, {"HAS_GLP": glp, "HAS_GH": gh, "SINGLE_K": sk, "EXACT_SHIFT": False, "T_FROM_PTR": dt,
+                     "HAS_DT": dt, "ZERO_TAIL": zt, "BLOCK_V": 2048, "BLOCK_K": 4}, 4)

@@ -7,15 +7,18 @@ dispatch, and the fake implementations call it again, so an eager call and a cal
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._library import FLOAT_DTYPES, INDEX_DTYPES, acc_dtype, check
 
 
 def check_temperature(temperature: float) -> None:
-    check(
-        temperature > 0,
-        lambda: f"temperature: expected a positive number, got {temperature}",
+    # ValueError, as for a tensor temperature whose value is checked where it is read
+    torch._check_value(
+        temperature > 0 and math.isfinite(temperature),
+        lambda: f"temperature: expected a positive finite number, got {temperature}",
     )
 
 
@@ -31,8 +34,15 @@ def check_logits(logits: torch.Tensor) -> None:
     )
 
 
+def row_shape(logits: torch.Tensor, shift: bool) -> tuple:
+    """The leading (row) dims the op computes over: logits.shape[:-1], or with shift the
+    positions 0..L-1 of [..., L+1, V]."""
+    lead = tuple(logits.shape[:-1])
+    return lead[:-1] + (lead[-1] - 1,) if shift else lead
+
+
 def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, temperature: float,
-                       temperature_t: torch.Tensor | None = None) -> None:
+                       temperature_t: torch.Tensor | None = None, shift: bool = False) -> None:
     check_logits(logits)
     if temperature_t is None:
         check_temperature(temperature)
@@ -42,6 +52,9 @@ def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, tempera
                       f"of shape {tuple(temperature_t.shape)}")
         check(temperature_t.device == logits.device,
               lambda: f"temperature: expected device {logits.device} (the logits' device), got {temperature_t.device}")
+    if shift:
+        check(logits.dim() >= 2 and logits.shape[-2] >= 1,
+              lambda: f"logits: shift=True needs logits [..., L+1, V] with L+1 >= 1, got shape {tuple(logits.shape)}")
     if index is None:
         return
     check(
@@ -52,8 +65,17 @@ def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, tempera
         index.device == logits.device,
         lambda: f"index: expected device {logits.device} (the logits' device), got {index.device}",
     )
-    lead = tuple(logits.shape[:-1])
+    lead = row_shape(logits, shift)
     ishape = tuple(index.shape)
+    if shift:
+        check(
+            ishape == lead or (len(ishape) == len(lead) + 1 and ishape[:-1] == lead),
+            lambda: (
+                f"index: with shift=True, logits [..., L+1, V] of shape {tuple(logits.shape)} score index "
+                f"[..., L] = {lead} (or {lead + ('K',)}); got index of shape {ishape}"
+            ),
+        )
+        return
     check(
         ishape == lead or (len(ishape) == len(lead) + 1 and ishape[:-1] == lead),
         lambda: (
@@ -63,10 +85,11 @@ def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, tempera
     )
 
 
-def logprobs_entropy_forward_fake(logits, index, temperature, ignore_index, compute_entropy, temperature_t=None):
-    check_logits_index(logits, index, temperature, temperature_t)
+def logprobs_entropy_forward_fake(logits, index, temperature, ignore_index, compute_entropy, temperature_t=None,
+                                  shift=False):
+    check_logits_index(logits, index, temperature, temperature_t, shift)
     dt = acc_dtype(logits.dtype)
-    lead = tuple(logits.shape[:-1])
+    lead = row_shape(logits, shift)
     logp = logits.new_empty(index.shape if index is not None else (0,), dtype=dt)
     ent = logits.new_empty(lead if compute_entropy else (0,), dtype=dt)
     stats = logits.new_empty(lead + (2,), dtype=dt)
@@ -74,9 +97,10 @@ def logprobs_entropy_forward_fake(logits, index, temperature, ignore_index, comp
 
 
 def logprobs_entropy_backward_fake(
-    grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t=None
+    grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t=None,
+    shift=False,
 ):
-    check_logits_index(logits, index, temperature, temperature_t)
+    check_logits_index(logits, index, temperature, temperature_t, shift)
     dt = logits.new_empty((), dtype=acc_dtype(logits.dtype)) if temperature_t is not None else \
         logits.new_empty((0,), dtype=acc_dtype(logits.dtype))
     return logits.new_empty(logits.shape), dt

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .._library import INTERPRET, LIB, NAMESPACE, TRITON_DEVICES, acc_dtype, rows_strides
-from .._library import new_output
+from .._library import INTERPRET, LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, new_output, rows_strides
 from .. import reference
 from ..meta import logprobs as meta
 
@@ -32,10 +31,11 @@ def logprobs_entropy_forward(
     ignore_index: int,
     compute_entropy: bool,
     temperature_t: torch.Tensor | None = None,
+    shift: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    meta.check_logits_index(logits, index, temperature, temperature_t)
+    meta.check_logits_index(logits, index, temperature, temperature_t, shift)
     return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy,
-                                              temperature_t)
+                                              temperature_t, shift)
 
 
 @torch.library.custom_op(_BWD, mutates_args=())
@@ -49,9 +49,10 @@ def logprobs_entropy_backward(
     temperature: float,
     ignore_index: int,
     temperature_t: torch.Tensor | None = None,
+    shift: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.logprobs_entropy_backward(
-        grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t
+        grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift
     )
 
 
@@ -76,14 +77,16 @@ def _index_rows(index: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
     return index.reshape(rows, k).contiguous(), k
 
 
-def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, temperature_t=None):
-    meta.check_logits_index(logits, index, temperature, temperature_t)
+def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, temperature_t=None, shift=False):
+    meta.check_logits_index(logits, index, temperature, temperature_t, shift)
     if logits.dtype == torch.float64:
         # float64 is a validation dtype: the reference on the same device keeps fp64 accuracy
         return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy,
-                                                  temperature_t)
+                                                  temperature_t, shift)
     from ..kernels import logprobs as K
 
+    if shift:  # rows 0..L-1 of [..., L+1, V], read in place
+        logits = logits[..., :-1, :]
     dt = acc_dtype(logits.dtype)
     lead = logits.shape[:-1]
     v = logits.shape[-1]
@@ -102,7 +105,7 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
     K._logprobs_entropy_forward_kernel[(rows,)](
         x, idx, logp, ent, stats, temperature_t if temperature_t is not None else stats,
         v, k, inner, s_outer, s_inner,
-        K.LOG2E / temperature, ignore_index,
+        LOG2E / temperature, ignore_index,
         HAS_INDEX=index is not None, HAS_ENT=compute_entropy, EXACT_SHIFT=INTERPRET,
         T_FROM_PTR=temperature_t is not None,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)), EPT=16 // x.element_size(),
@@ -112,21 +115,33 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
 
 
 def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
-                     temperature_t=None):
+                     temperature_t=None, shift=False):
     if logits.dtype == torch.float64:
         return reference.logprobs_entropy_backward(
-            grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t
+            grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift
         )
     from ..kernels import logprobs as K
 
+    # d logits has the logits' full shape; with shift its rows L of every sequence are zero and
+    # are written by the same launch (programs past the live rows), never by a second pass
+    dx = new_output(logits.shape, logits.dtype, logits.device)
+    if shift:
+        logits = logits[..., :-1, :]
     v = logits.shape[-1]
     rows = logits.numel() // v
-    dx = new_output(logits.shape, logits.dtype, logits.device)
     has_dt = temperature_t is not None
     xdx = new_output((rows if has_dt else 0,), torch.float32, logits.device)
-    if rows == 0:
+    tail_rows = dx.numel() // max(v, 1) - rows
+    if dx.numel() == 0:
         return dx, reference.temperature_grad(xdx, temperature_t)
     x, (inner, s_outer, s_inner) = _row_layout(logits)
+    if shift:
+        d_inner, d_outer, d_stride = rows_strides(dx[..., :-1, :])
+        tail = dx[..., -1, :]
+        z_inner, z_outer, z_stride = rows_strides(tail)
+    else:
+        d_inner, d_outer, d_stride = max(rows, 1), 0, v
+        tail, z_inner, z_outer, z_stride = dx, 1, 0, 0
     has_glp = grad_logp is not None and index is not None
     if has_glp:
         idx, k = _index_rows(index, rows)
@@ -136,13 +151,13 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
     has_gh = grad_entropy is not None
     gh = grad_entropy.reshape(rows).contiguous() if has_gh else stats
     block_v, warps = K.pick_block(v, x.element_size(), "bwd")
-    K._logprobs_entropy_backward_kernel[(rows,)](
-        x, idx, glp, gh, stats, entropy if has_gh else stats, dx,
+    K._logprobs_entropy_backward_kernel[(rows + tail_rows,)](
+        x, idx, glp, gh, stats, entropy if has_gh else stats, dx, tail,
         temperature_t if has_dt else stats, xdx if has_dt else stats,
-        v, k, inner, s_outer, s_inner,
-        K.LOG2E / temperature, 1.0 / temperature, ignore_index,
+        v, k, rows, inner, s_outer, s_inner, d_inner, d_outer, d_stride, z_inner, z_outer, z_stride,
+        LOG2E / temperature, 1.0 / temperature, ignore_index,
         HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1, EXACT_SHIFT=INTERPRET,
-        T_FROM_PTR=has_dt, HAS_DT=has_dt,
+        T_FROM_PTR=has_dt, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
         num_warps=warps,
     )
@@ -159,35 +174,42 @@ if TRITON_DEVICES:
 # Autograd of the core op
 # ---------------------------------------------------------------------------------------------
 def _setup_context(ctx, inputs, output):
-    logits, index, temperature, ignore_index, compute_entropy, temperature_t = inputs
+    logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift = inputs
     _, ent, stats = output
     ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: skip its term
     ctx.temperature = temperature
     ctx.ignore_index = ignore_index
     ctx.compute_entropy = compute_entropy
+    ctx.shift = shift
     ctx.save_for_backward(logits, index, stats, ent, temperature_t)
 
 
 def _backward(ctx, g_logp, g_ent, _g_stats):
     logits, index, stats, ent, temperature_t = ctx.saved_tensors
-    # temperature_t at its default (None) is not passed through autograd: 5 flags, not 6
+    # arguments left at their defaults (temperature_t, shift) may not reach autograd: one
+    # gradient per argument that did
+    n_in = len(ctx.needs_input_grad)
     need_x = ctx.needs_input_grad[0]
-    need_t = len(ctx.needs_input_grad) > 5 and ctx.needs_input_grad[5]
+    need_t = n_in > 5 and ctx.needs_input_grad[5]
+
+    def grads(dx, dt):
+        return ((dx if need_x else None,) + (None,) * 4 + (dt if need_t else None, None))[:n_in]
+
     if not (need_x or need_t):
-        return None, None, None, None, None, None
+        return grads(None, None)
     if index is None:
         g_logp = None
     if not ctx.compute_entropy:
         g_ent = None
     if g_logp is None and g_ent is None:
-        return (torch.zeros_like(logits) if need_x else None, None, None, None, None,
-                torch.zeros_like(temperature_t) if need_t else None)
+        return grads(torch.zeros_like(logits) if need_x else None,
+                     torch.zeros_like(temperature_t) if need_t else None)
     dx, dt = torch.ops.fused._logprobs_entropy_backward(
         g_logp, g_ent, logits, index, stats, ent, ctx.temperature, ctx.ignore_index,
-        temperature_t if need_t else None,
+        temperature_t if need_t else None, ctx.shift,
     )
-    return dx if need_x else None, None, None, None, None, dt.to(temperature_t.dtype) if need_t else None
+    return grads(dx, dt.to(temperature_t.dtype) if need_t else None)
 
 
 logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -195,28 +217,35 @@ logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_conte
 
 # ---------------------------------------------------------------------------------------------
 # Public ops (composite over the core). Inputs are checked once, by the core op's
-# implementations and its fake: the same message in eager and compiled calls.
+# implementations and its fake: the same message in eager and compiled calls. A tensor
+# temperature (``temperature_tensor``, 0-dim, read on the device and differentiated) replaces the
+# float one when given.
 # ---------------------------------------------------------------------------------------------
+_TAIL = "*, bool shift=False, Tensor? temperature_tensor=None"
 LIB.define(
-    "selective_log_softmax(Tensor logits, Tensor index, float temperature=1.0, int ignore_index=-100) -> Tensor"
+    "selective_log_softmax(Tensor logits, Tensor index, float temperature=1.0, int ignore_index=-100, "
+    f"{_TAIL}) -> Tensor"
 )
-LIB.define("entropy_from_logits(Tensor logits, float temperature=1.0) -> Tensor")
+LIB.define(f"entropy_from_logits(Tensor logits, float temperature=1.0, {_TAIL}) -> Tensor")
 LIB.define(
-    "logprobs_and_entropy(Tensor logits, Tensor index, float temperature=1.0, int ignore_index=-100)"
-    " -> (Tensor, Tensor)"
+    "logprobs_and_entropy(Tensor logits, Tensor index, float temperature=1.0, int ignore_index=-100, "
+    f"{_TAIL}) -> (Tensor, Tensor)"
 )
+_core = torch.ops.fused._logprobs_entropy_forward
 
 
-def _selective_log_softmax(logits, index, temperature=1.0, ignore_index=-100):
-    return torch.ops.fused._logprobs_entropy_forward(logits, index, temperature, ignore_index, False)[0]
+def _selective_log_softmax(logits, index, temperature=1.0, ignore_index=-100, *, shift=False,
+                           temperature_tensor=None):
+    return _core(logits, index, temperature, ignore_index, False, temperature_tensor, shift)[0]
 
 
-def _entropy_from_logits(logits, temperature=1.0):
-    return torch.ops.fused._logprobs_entropy_forward(logits, None, temperature, -100, True)[1]
+def _entropy_from_logits(logits, temperature=1.0, *, shift=False, temperature_tensor=None):
+    return _core(logits, None, temperature, -100, True, temperature_tensor, shift)[1]
 
 
-def _logprobs_and_entropy(logits, index, temperature=1.0, ignore_index=-100):
-    logp, ent, _ = torch.ops.fused._logprobs_entropy_forward(logits, index, temperature, ignore_index, True)
+def _logprobs_and_entropy(logits, index, temperature=1.0, ignore_index=-100, *, shift=False,
+                          temperature_tensor=None):
+    logp, ent, _ = _core(logits, index, temperature, ignore_index, True, temperature_tensor, shift)
     return logp, ent
 
 
