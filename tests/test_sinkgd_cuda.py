@@ -7,21 +7,20 @@ import pytest
 import torch
 
 import torch_fused  # noqa: F401
-from torch_fused.optim import SinkGD
+from torch_fused.optim import SinkGD, sinkgd_step
 
 pytestmark = pytest.mark.cuda
-OPS = torch.ops.fused
 
 
 def test_triton_matches_cpu_reference_large():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(2, 1500, 1100, generator=gen)
     g = torch.randn(2, 1500, 1100, generator=gen) * 1e-3
-    args = (torch.tensor(0.5), 0.05, 0.01, 1e-8, 5, False, "unit", 1, 64.0, 1.0, False, torch.tensor(0.0))
+    kw = dict(lr=0.5, weight_decay=0.01, sinkhorn_iters=5, base_width=64.0)
     wc = w.clone()
-    OPS.sinkgd_step([wc], [g], [], *args)
+    sinkgd_step([wc], [g], **kw)
     wg = w.cuda()
-    OPS.sinkgd_step([wg], [g.cuda()], [], *args)
+    sinkgd_step([wg], [g.cuda()], **kw)
     d_ref = wc.double() - w.double()
     d = wg.cpu().double() - w.double()
     assert ((d - d_ref).norm() / d_ref.norm()).item() < 1e-5
@@ -51,7 +50,6 @@ def _graph_run(graphs, monkeypatch, lr_tensor, stochastic):
     from torch_fused.ops import sinkgd as S
 
     monkeypatch.setattr(S, "GRAPHS", graphs)
-    S._PLANS.clear()
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(256, 768), (768, 3072), (3, 64, 96), (40, 20000)]
     params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=gen).bfloat16()) for s in shapes]
@@ -69,7 +67,7 @@ def _graph_run(graphs, monkeypatch, lr_tensor, stochastic):
                 opt.param_groups[0]["lr"] = 3e-2
         opt.step()
     torch.cuda.synchronize()
-    made = sum(len(plan.graphs) for plan in S._PLANS.values())
+    made = sum(len(plan.graphs) for plan in opt.plan_cache.plans.values())
     return [p.detach().clone() for p in params], made
 
 

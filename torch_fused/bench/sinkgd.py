@@ -13,8 +13,6 @@ import os
 
 import torch
 
-from ..ops import sinkgd as sinkgd_ops
-from ..ops.sinkgd import graph_held_bytes
 from ..optim import SinkGD
 from .common import Row, bench_ms, peak_extra_mb
 
@@ -62,9 +60,10 @@ def run(report, copy_gbps, quick=False):
             opt.step()
             ms = bench_ms(opt.step)
             # per-step peak, plus what the step's CUDA graph holds between steps (its buffers)
-            held = graph_held_bytes() / 2**20
+            held = opt.plan_cache.graph_held_bytes() / 2**20
             rows.append((label, ms, peak_extra_mb(opt.step) + held))
-            sinkgd_ops._PLANS.clear()  # the next configuration starts without this one's graphs
+            opt.plan_cache.clear()  # frees this configuration's graphs before the next one
+            del opt
         # compile time of the unrolled loop grows with the param count; SINKGD_NO_COMPILE=1 skips it
         if name == "Llama-3-8B x1 layer" and os.environ.get("SINKGD_NO_COMPILE") != "1":
             ws = [p.data for p in params]

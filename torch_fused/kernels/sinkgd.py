@@ -62,8 +62,9 @@ COL_TILE = (128, 64, 4)  # two-pass path, column sums
 UPD_TILE = (8, 1024, 4)
 SCALE_BLOCK = 64  # _sinkgd_scale_kernel: entries per program
 SCALE_PARTS = 64  # and partials per trip
-# _sinkgd_rows_kernel tiles (rows_config), set by benchmarks/sinkgd_rows_tiles.py on an H200:
-# elements per thread and row, the most warps a program gets, rows per program, rows per trip
+# _sinkgd_rows_kernel tiles (rows_config), chosen by a tile sweep on an H200: elements per
+# thread and row, the most warps a program gets, rows per program, rows per trip. A plan
+# (ops/sinkgd.py::_Plan) reads them when it is built: code that changes them uses a new cache.
 ROWS_ELEMS = 32
 ROWS_MAX_WARPS = 16
 ROWS_BM = 64
@@ -171,9 +172,9 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
     t_off = o_r * n32 + o_n  # in-trip offsets: BM * n < 2**31
     acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
     # software pipelined: the next trip's rows are in flight during this trip's reduction (two
-    # or three trips ahead, and c re-read every trip instead of held, measured slower: session 3
-    # in docs/BENCHMARKS.md). The trip is issue-bound as much as memory-bound, so per element it does only a
-    # convert, y = g c, q = y^2, a sum and one fma: r stays out of the elementwise work, since
+    # or three trips ahead, and c re-read every trip instead of held, measured slower). The trip
+    # is issue-bound as much as memory-bound, so per element it does only a convert, y = g c,
+    # q = y^2, a sum and one fma: r stays out of the elementwise work, since
     # |r g c| = r |g c| for the row norm and (r_new g c)^2 = r_new^2 q for the column terms.
     # (y = g c is about as small as g: it underflows where the first iteration's g^2 does.)
     m_ld = m_n

@@ -4,6 +4,11 @@ normalized gradient step; Scetbon et al., arXiv 2502.06742). Algorithm: docs/SIN
 A mutating, opaque op: it updates ``params`` (and the spectral warm-start vectors) in place and
 returns nothing; it has no autograd formula. CPU: the plain-PyTorch reference; CUDA: Triton
 kernels that carry only row/column scale vectors (kernels/sinkgd.py).
+
+The Triton path works from a plan (``_Plan``: work tables and lr factors) per matrix group. A
+call of the op builds its plans; a ``SinkGDCache`` passed to ``sinkgd_step_eager`` keeps them
+(and, on CUDA, graphs of repeated steps) between calls. ``torch_fused.optim.SinkGD`` owns one
+cache per optimizer; nothing is cached at module level.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import os
 
 import torch
 
-from .._library import NAMESPACE, TRITON_DEVICES, n_sm
+from .._library import NAMESPACE, TRITON_DEVICES, cdiv, n_sm
 from .. import reference
 from ..meta import sinkgd as meta
 
@@ -40,18 +45,15 @@ def _coefs(lr, n, lr_scale, weight_decay, base_width, width_exponent, spectral_s
     return eta * spectral_scale, (eta * weight_decay).reshape(1)
 
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
 class _Plan:
     """What a step of one matrix group needs beyond the tensors themselves: the work tables on
     the device (one (meta, first) pair per launch), the grid sizes and buffer lengths, and the
     per-matrix lr factors. It depends only on the matrices' addresses, shapes and dtypes, the
-    lr-shape hyperparameters and the kernels' tile settings, so it is built once and reused
-    while those stay the same (the parameters never move; the caching allocator hands a
-    re-created gradient the same address in a steady training loop). A step then does no
-    host-to-device copy and no Python work per matrix beyond its key.
+    lr-shape hyperparameters and the kernels' tile settings (module constants of
+    kernels/sinkgd.py), so a SinkGDCache reuses it while the first two stay the same (the
+    parameters never move; the caching allocator hands a re-created gradient the same address
+    in a steady training loop). A step then does no host-to-device copy and no Python work per
+    matrix beyond its key. Code that changes the tile constants (a sweep) uses a fresh cache.
 
     Launches: ``fused`` [(rows_config, align, even, launch)] one per (row width bucket,
     alignment, rows exactly BLOCK_N long or not) for matrices with n <= MAX_FUSED_N; ``wide``
@@ -97,10 +99,10 @@ class _Plan:
             if key is not None:
                 cfg = cfgs[key]
                 buckets.setdefault((cfg, align, len(key) == 2), []).append(i)
-                n_pr, n_pc = 0, _cdiv(m, cfg[2])
+                n_pr, n_pc = 0, cdiv(m, cfg[2])
             else:
                 wide.append((i, align))
-                n_pr, n_pc = _cdiv(n, rbn), _cdiv(m, cbm)
+                n_pr, n_pc = cdiv(n, rbn), cdiv(m, cbm)
             # row order = kernels/sinkgd.py's meta columns
             rows.append([g.data_ptr(), p.data_ptr(), m, n, r_off, c_off, pr_off, pc_off, coef_off, n_pc])
             shapes.append((b, m, n))
@@ -109,9 +111,9 @@ class _Plan:
             factors_b += [f] * b
             factors_m.append(f)
             r_off += b * m
-            c_off += _cdiv(b * n, 4) * 4  # c and column partials start 16-byte aligned
+            c_off += cdiv(b * n, 4) * 4  # c and column partials start 16-byte aligned
             pr_off += b * n_pr * m
-            pc_off += _cdiv(b * n_pc * n, 4) * 4
+            pc_off += cdiv(b * n_pc * n, 4) * 4
             coef_off += b
         packed: list[int] = []
 
@@ -126,16 +128,16 @@ class _Plan:
             packed.extend(first)
             return (at, len(idx), first[-1])
 
-        specs = {"fused": [(cfg, align, even, launch(idx, lambda b, m, n, bm=cfg[2]: b * _cdiv(m, bm)))
+        specs = {"fused": [(cfg, align, even, launch(idx, lambda b, m, n, bm=cfg[2]: b * cdiv(m, bm)))
                            for (cfg, align, even), idx in buckets.items()]}
         if wide:
             idx = [i for i, _ in wide]
             specs["wide"] = (min(a for _, a in wide),
-                             (launch(idx, lambda b, m, n: b * _cdiv(m, rbm) * _cdiv(n, rbn)),
-                              launch(idx, lambda b, m, n: b * _cdiv(m, sb)),
-                              launch(idx, lambda b, m, n: b * _cdiv(m, cbm) * _cdiv(n, cbn))))
-        specs["cscale"] = launch(range(len(ps)), lambda b, m, n: b * _cdiv(n, sb))
-        specs["update"] = [(align, launch(idx, lambda b, m, n: b * _cdiv(m, ubm) * _cdiv(n, ubn)))
+                             (launch(idx, lambda b, m, n: b * cdiv(m, rbm) * cdiv(n, rbn)),
+                              launch(idx, lambda b, m, n: b * cdiv(m, sb)),
+                              launch(idx, lambda b, m, n: b * cdiv(m, cbm) * cdiv(n, cbn))))
+        specs["cscale"] = launch(range(len(ps)), lambda b, m, n: b * cdiv(n, sb))
+        specs["update"] = [(align, launch(idx, lambda b, m, n: b * cdiv(m, ubm) * cdiv(n, ubn)))
                            for align, idx in upd.items()]
         table = torch.tensor(packed, dtype=torch.int64).to(dev)
         cols = int(K.META_COLS)
@@ -155,25 +157,45 @@ class _Plan:
         self.fac = torch.tensor(factors_b + factors_m, dtype=torch.float32).to(dev)
 
 
-_PLANS: collections.OrderedDict = collections.OrderedDict()
-_MAX_PLANS = 16
+def _plan_key(ps, gs, lr_scale, base_width, width_exponent) -> tuple:
+    return (lr_scale, base_width, width_exponent,
+            tuple((p.data_ptr(), g.data_ptr(), p.shape, p.dtype, g.dtype, p.device) for p, g in zip(ps, gs)))
 
 
-def _plan(ps, gs, lr_scale, base_width, width_exponent) -> _Plan:
-    from ..kernels import sinkgd as K
+class SinkGDCache:
+    """What repeated SinkGD steps over the same tensors reuse: the plans of the matrix groups
+    seen (the ``max_plans`` most recently used) and, with ``cuda_graphs``, each plan's CUDA
+    graphs (see _triton_group). ``torch_fused.optim.SinkGD`` owns one; ``sinkgd_step_eager``
+    and ``torch_fused.optim.sinkgd_step`` take one as ``cache``. Dropping the cache (or
+    ``clear()``) frees the graphs and the memory they hold."""
 
-    tiles = (K.MAX_FUSED_N, K.ROWS_ELEMS, K.ROWS_MAX_WARPS, K.ROWS_BM, K.ROWS_MIN_PROGRAMS, K.ROWS_MAX_PARTIALS,
-             K.ROWS_RB)  # the plan's row-pass tiling depends on these
-    key = (lr_scale, base_width, width_exponent, tiles,
-           tuple((p.data_ptr(), g.data_ptr(), p.shape, p.dtype, g.dtype, p.device) for p, g in zip(ps, gs)))
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _Plan(ps, gs, lr_scale, base_width, width_exponent)
-        if len(_PLANS) > _MAX_PLANS:
-            _PLANS.popitem(last=False)
-    else:
-        _PLANS.move_to_end(key)
-    return plan
+    def __init__(self, max_plans: int = 16, cuda_graphs: bool = True):
+        self.plans: collections.OrderedDict = collections.OrderedDict()
+        self.max_plans = max_plans
+        self.cuda_graphs = cuda_graphs
+
+    def plan(self, ps, gs, lr_scale, base_width, width_exponent) -> _Plan:
+        key = _plan_key(ps, gs, lr_scale, base_width, width_exponent)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = _Plan(ps, gs, lr_scale, base_width, width_exponent)
+            if len(self.plans) > self.max_plans:
+                self.plans.popitem(last=False)
+        else:
+            self.plans.move_to_end(key)
+        return plan
+
+    def graph_held_bytes(self) -> int:
+        """Device memory the cached CUDA graphs hold between steps: each graph's r, c and partial
+        buffers (fp32), allocated in its private pool at capture and reused by every replay."""
+        total = 0
+        for plan in self.plans.values():
+            r_len, c_len, pr_len, pc_len = plan.lens
+            total += 4 * (r_len + c_len + max(pr_len, 1) + pc_len) * len(plan.graphs)
+        return total
+
+    def clear(self) -> None:
+        self.plans.clear()
 
 
 # Replay a step's launches from a CUDA graph once the same plan and scalars come back
@@ -186,26 +208,29 @@ _MAX_SEEN = 64  # keys counted per plan before the counts start over
 
 
 def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral_norm, spectral_target,
-                  spectral_iters, base_width, width_exponent, stochastic, seed, graphs=False):
+                  spectral_iters, base_width, width_exponent, stochastic, seed, cache=None):
     """One SinkGD step for matrices sharing a (param dtype, grad dtype) pair: per iteration one
     row pass per row-width bucket and one column scale launch (plus three launches for rows
     wider than MAX_FUSED_N), then the update, whatever the number of matrices.
 
-    With graphs (the eager optimizer step; not the op, which may run inside torch.compile's own
-    CUDA graphs), on CUDA, without the spectral scale (PyTorch ops in between) and outside
-    another capture, the launches of a (plan, scalars, lr and seed tensors) seen GRAPH_AFTER
-    times are captured
-    into a CUDA graph kept on the plan, and later steps replay it. The graph reads the tensors
-    at the addresses the plan was built for, exactly like the plan's work tables, and lr and
-    the seed at theirs (their values are read on the device at replay, so a changed lr takes
-    effect); r, c and the partials live in the graph's memory pool for as long as the plan is
-    cached (the step's extra memory, held instead of re-allocated)."""
+    The plan comes from ``cache`` (a SinkGDCache), or is built for this call alone. With a cache
+    whose ``cuda_graphs`` is set (the eager optimizer step; never the op, which may run inside
+    torch.compile's own CUDA graphs), on CUDA, without the spectral scale (PyTorch ops in
+    between) and outside another capture, the launches of a (plan, scalars, lr and seed tensors)
+    seen GRAPH_AFTER times are captured into a CUDA graph kept on the plan, and later steps
+    replay it. The graph reads the tensors at the addresses the plan was built for, exactly like
+    the plan's work tables, and lr and the seed at theirs (their values are read on the device at
+    replay, so a changed lr takes effect); r, c and the partials live in the graph's memory pool
+    for as long as the plan is cached (the step's extra memory, held instead of re-allocated)."""
     gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
-    plan = _plan(ps, gs, lr_scale, base_width, width_exponent)
+    if cache is None:
+        plan = _Plan(ps, gs, lr_scale, base_width, width_exponent)
+    else:
+        plan = cache.plan(ps, gs, lr_scale, base_width, width_exponent)
     args = (ps, gs, vecs, lr, weight_decay, eps, iters, spectral_norm, spectral_target, spectral_iters,
             stochastic, seed)
     dev = ps[0].device
-    if not (graphs and GRAPHS and dev.type == "cuda" and not spectral_norm
+    if not (cache is not None and cache.cuda_graphs and GRAPHS and dev.type == "cuda" and not spectral_norm
             and not torch.cuda.is_current_stream_capturing()):
         _launch_group(plan, *args)
         return
@@ -226,16 +251,6 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
         plan.graphs[key] = graph
     with torch.cuda.device(dev):
         graph.replay()
-
-
-def graph_held_bytes() -> int:
-    """Device memory the cached CUDA graphs hold between steps: each graph's r, c and partial
-    buffers (fp32), allocated in its private pool at capture and reused by every replay."""
-    total = 0
-    for plan in _PLANS.values():
-        r_len, c_len, pr_len, pc_len = plan.lens
-        total += 4 * (r_len + c_len + max(pr_len, 1) + pc_len) * len(plan.graphs)
-    return total
 
 
 def _launch_group(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
@@ -293,7 +308,7 @@ def _launch_group(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_nor
 
 def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
           spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, use_triton,
-          graphs=False):
+          cache=None):
     meta.check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
                       spectral_iters, eps, seed)
     groups: dict = {}
@@ -319,7 +334,7 @@ def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhor
         _triton_group([params[i] for i in idx], [grads[i] for i in idx],
                       [spectral_vecs[i] for i in idx] if spectral_norm else [], lr, lr_scale, weight_decay, eps,
                       sinkhorn_iters, spectral_norm, spectral_target, spectral_iters, base_width, width_exponent,
-                      bool(stochastic_round) and pdt == torch.bfloat16, seed, graphs)
+                      bool(stochastic_round) and pdt == torch.bfloat16, seed, cache)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::sinkgd_step", mutates_args=("params", "spectral_vecs"))
@@ -340,24 +355,27 @@ def sinkgd_step(
     stochastic_round: bool,
     seed: torch.Tensor,
 ) -> None:
+    """The positional schema of one SinkGD step; ``torch_fused.optim.sinkgd_step`` is the keyword
+    entry point and documents every argument (``seed`` is its ``step``). This body is the CPU
+    (reference) implementation."""
     _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
           spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, False)
 
 
 def sinkgd_step_eager(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters,
                       spectral_norm, spectral_target, spectral_iters, base_width, width_exponent,
-                      stochastic_round, seed, graphs=False) -> None:
+                      stochastic_round, seed, cache: SinkGDCache | None = None) -> None:
     """What fused::sinkgd_step runs for the parameters' device: its registered Triton-device
     kernel, and what the eager optimizer step calls directly. torch.library's wrapper around a
-    custom op's kernel collects the storage of every tensor argument to check for aliasing on
-    each call: the largest self time in a cProfile of GPT-2 optimizer steps (100 tensors), whose
-    benchmark went from 1.52 ms through the op to 0.78 ms calling this, same kernels
-    (docs/BENCHMARKS.md). Under torch.compile the optimizer calls the op. graphs=True (the eager
-    optimizer step) replays repeated steps from a CUDA graph (_triton_group)."""
+    custom op's kernel checks the storage of every tensor argument for aliasing on each call,
+    host work that grows with the number of parameters and showed as the largest self time in
+    profiles of many-matrix optimizer steps; the kernels are the same either way. ``cache`` (a
+    SinkGDCache) keeps the plans, and on CUDA the step's graphs, for the next call; without
+    one, each call builds its plans. Under torch.compile the optimizer calls the op."""
     use_triton = bool(params) and params[0].device.type in TRITON_DEVICES
     _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
           spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, use_triton,
-          graphs)
+          cache)
 
 
 sinkgd_step.register_fake(meta.sinkgd_step_fake)

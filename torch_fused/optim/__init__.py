@@ -1,5 +1,6 @@
 """Optimizers built on torch_fused ops."""
 
-from .sinkgd import SinkGD, sinkgd_param_groups
+from ..ops.sinkgd import SinkGDCache
+from .sinkgd import SinkGD, sinkgd_param_groups, sinkgd_step
 
-__all__ = ["SinkGD", "sinkgd_param_groups"]
+__all__ = ["SinkGD", "SinkGDCache", "sinkgd_param_groups", "sinkgd_step"]

@@ -1,16 +1,60 @@
 """``torch_fused.optim.SinkGD``: a stateless SR-Sinkhorn optimizer on fused::sinkgd_step, with
-AdamW for the parameters SinkGD does not take (ndim < 2: biases, norms)."""
+AdamW for the parameters SinkGD does not take (ndim < 2: biases, norms); ``sinkgd_step``: one
+SinkGD update of a list of matrices, with keyword arguments."""
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch.optim import Optimizer
 
-from ..ops.sinkgd import sinkgd_step_eager
+from ..ops.sinkgd import SinkGDCache, sinkgd_step_eager
 
-_FALLBACKS = ("adamw",)
+
+def sinkgd_step(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05, weight_decay=0.0, eps=1e-8,
+                sinkhorn_iters=5, spectral_norm=False, spectral_target="unit", spectral_iters=1,
+                base_width=None, width_exponent=1.0, stochastic_round=False, step=None,
+                cache: SinkGDCache | None = None) -> None:
+    """One in-place SinkGD update of the matrices ``params`` (each ``[..., m, n]``, leading dims
+    independent matrices) from their gradients ``grads``: ``fused::sinkgd_step`` with keyword
+    arguments. The exact formula: docs/SINKGD.md.
+
+    - ``lr``: a float or a 0-dim tensor (a tensor changed in place never recompiles a compiled
+      step). The step applied is ``eta * X`` with ``eta = lr * lr_scale * (base_width / n) **
+      width_exponent`` (the last factor only if ``base_width`` is set) and X the normalized
+      gradient, whose entries have RMS 1: see "Choosing lr" in docs/SINKGD.md.
+    - ``sinkhorn_iters``: SR-Sinkhorn iterations (rows to l2 norm sqrt(n), then columns to sqrt(m)).
+    - ``weight_decay``: decoupled, ``W -= eta * weight_decay * W``.
+    - ``eps``: the floor of every norm divided by.
+    - ``spectral_norm``: also divide X by its largest singular value (``spectral_iters`` power
+      iterations) times ``spectral_target`` ("unit": 1, "muon": sqrt(m / n)); needs
+      ``spectral_vecs``, one float32 ``[B, n]`` warm-start vector per matrix, updated in place.
+    - ``stochastic_round``: round bf16 parameters stochastically (Triton path; the CPU reference
+      rounds to nearest), with bits seeded by ``step``.
+    - ``step``: a 0-dim tensor, the step count that seeds stochastic rounding (None: 0).
+    - ``cache``: a ``SinkGDCache`` that keeps the kernels' work plans (and on CUDA graphs of
+      repeated steps) for the next call with the same tensors; ``SinkGD`` passes its own. Used
+      in eager calls only: without it, or under torch.compile, this calls the op, which builds
+      its plans each call.
+
+    Returns None; ``params`` (and ``spectral_vecs``) are updated in place.
+    """
+    dev = params[0].device if params else torch.device("cpu")
+    if isinstance(lr, torch.Tensor):
+        lr = lr.reshape(()).to(dev)
+    else:
+        lr = torch.tensor(float(lr), dtype=torch.float32, device=dev)
+    if step is None:
+        step = torch.zeros((), dtype=torch.float32, device=dev)
+    args = (list(params), list(grads), [] if spectral_vecs is None else list(spectral_vecs), lr, float(lr_scale),
+            float(weight_decay), float(eps), int(sinkhorn_iters), bool(spectral_norm), spectral_target,
+            int(spectral_iters), None if base_width is None else float(base_width), float(width_exponent),
+            bool(stochastic_round), step)
+    if cache is not None and not torch.compiler.is_compiling():
+        # the op's implementation without torch.library's per-call wrapper (see
+        # ops/sinkgd.py::sinkgd_step_eager), reusing the cache's plans
+        sinkgd_step_eager(*args, cache=cache)
+    else:
+        torch.ops.fused.sinkgd_step(*args)
 
 
 def _functional_adamw():
@@ -46,21 +90,32 @@ class SinkGD(Optimizer):
 
     Parameters with ndim >= 2 (a matrix, or a batch of matrices [..., m, n]) get the SinkGD
     update through ``fused::sinkgd_step``, keeping no state except, with ``spectral_norm``, one
-    warm-start vector per matrix. Parameters with ndim < 2 get the fallback (PyTorch's AdamW,
-    fused where available) with ``fallback_kwargs`` (default lr: the group's lr, betas (0.9,
-    0.999), eps 1e-8, weight decay 0). Use :func:`sinkgd_param_groups` to also route embeddings
-    and the output head to the fallback.
+    warm-start vector per matrix. Parameters with ndim < 2, and the groups made with
+    ``use_fallback=True``, get PyTorch's AdamW (fused where available) with ``fallback_kwargs``
+    (default lr: the group's lr, betas (0.9, 0.999), eps 1e-8, weight decay 0). Use
+    :func:`sinkgd_param_groups` to also route embeddings and the output head to AdamW.
+
+    ``lr`` is not AdamW's lr: the step is ``eta * X`` with ``eta = lr * lr_scale`` (0.05 by
+    default) times ``(base_width / n) ** width_exponent`` if ``base_width`` is set, and X, the
+    normalized gradient, has entries of RMS 1. AdamW moves an entry by about its lr where the
+    gradient's sign is steady, so the same ``lr`` here gives steps about 20 times smaller. Start
+    from ``eta`` between about 0.2x and 1x the AdamW lr (``lr`` 4 to 20 times it at the default
+    ``lr_scale``) and tune: docs/SINKGD.md, "Choosing lr". The AdamW groups use ``lr`` (or
+    ``fallback_kwargs["lr"]``) as is.
 
     ``lr`` may be a float or a 0-dim tensor; under ``torch.compile`` pass a tensor (and change it
     in place with ``fill_``) so a schedule never recompiles the step. A parameter without a
     gradient is skipped. Sparse or non-contiguous matrix parameters raise a clear error.
     ``stochastic_round`` rounds bf16 parameters stochastically (on CUDA); the bits are a
     function of the step count, so runs repeat exactly.
+
+    The optimizer owns a ``SinkGDCache`` (``plan_cache``): the kernels' work plans for its
+    parameters and, on CUDA, graphs of repeated eager steps. A compiled step calls the op.
     """
 
     def __init__(self, params, lr=1e-3, *, sinkhorn_iters=5, lr_scale=0.05, weight_decay=0.0, eps=1e-8,
                  spectral_norm=False, spectral_target="unit", spectral_iters=1, base_width=None,
-                 width_exponent=1.0, stochastic_round=False, fallback="adamw", fallback_kwargs=None):
+                 width_exponent=1.0, stochastic_round=False, fallback_kwargs=None):
         if isinstance(lr, torch.Tensor):
             if lr.numel() != 1:
                 raise ValueError(f"lr: expected a float or a 1-element tensor, got shape {tuple(lr.shape)}")
@@ -70,16 +125,19 @@ class SinkGD(Optimizer):
             raise ValueError(f"sinkhorn_iters: expected >= 0, got {sinkhorn_iters}")
         if spectral_target not in ("unit", "muon"):
             raise ValueError(f"spectral_target: expected 'unit' or 'muon', got {spectral_target!r}")
-        if fallback not in _FALLBACKS:
-            raise ValueError(f"fallback: expected one of {_FALLBACKS}, got {fallback!r}")
         if not eps > 0:
             raise ValueError(f"eps: expected > 0, got {eps}")
         defaults = dict(lr=lr, sinkhorn_iters=sinkhorn_iters, lr_scale=lr_scale, weight_decay=weight_decay,
                         eps=eps, spectral_norm=spectral_norm, spectral_target=spectral_target,
                         spectral_iters=spectral_iters, base_width=base_width, width_exponent=width_exponent,
-                        stochastic_round=stochastic_round, fallback=fallback,
-                        fallback_kwargs=dict(fallback_kwargs or {}), use_fallback=False)
+                        stochastic_round=stochastic_round, fallback_kwargs=dict(fallback_kwargs or {}),
+                        use_fallback=False)
         super().__init__(params, defaults)
+        self.plan_cache = SinkGDCache()
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.plan_cache = SinkGDCache()  # never pickled or copied: plans hold device addresses
 
     def _fallback_step(self, group, params, lr):
         kw = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
@@ -133,43 +191,62 @@ class SinkGD(Optimizer):
                 if "step" not in st0:  # drives the stochastic-rounding seed; float32 like torch's
                     st0["step"] = torch.zeros((), dtype=torch.float32, device=mats[0].device)
                 st0["step"].add_(1)
-                lr_t = lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, dtype=torch.float32)
-                # eager: the op's implementation without torch.library's per-call wrapper (see
-                # ops/sinkgd.py::sinkgd_step_eager); compiled: the op, traced as one node
-                compiling = torch.compiler.is_compiling()
-                step_fn = torch.ops.fused.sinkgd_step if compiling else functools.partial(sinkgd_step_eager, graphs=True)
-                step_fn(
-                    mats, grads, vecs, lr_t.reshape(()).to(mats[0].device), float(group["lr_scale"]),
-                    float(group["weight_decay"]), float(group["eps"]), int(group["sinkhorn_iters"]),
-                    bool(group["spectral_norm"]), group["spectral_target"], int(group["spectral_iters"]),
-                    None if group["base_width"] is None else float(group["base_width"]),
-                    float(group["width_exponent"]), bool(group["stochastic_round"]), st0["step"])
+                # eager: with the optimizer's cache, the op's implementation called directly;
+                # compiled: the op, traced as one node
+                cache = None if torch.compiler.is_compiling() else self.plan_cache
+                sinkgd_step(
+                    mats, grads, lr=lr, spectral_vecs=vecs, lr_scale=group["lr_scale"],
+                    weight_decay=group["weight_decay"], eps=group["eps"], sinkhorn_iters=group["sinkhorn_iters"],
+                    spectral_norm=group["spectral_norm"], spectral_target=group["spectral_target"],
+                    spectral_iters=group["spectral_iters"], base_width=group["base_width"],
+                    width_exponent=group["width_exponent"], stochastic_round=group["stochastic_round"],
+                    step=st0["step"], cache=cache)
             if small:
                 self._fallback_step(group, small, lr)
         return loss
 
 
+HEAD_NAMES = ("lm_head",)  # conventional output-head module names, used without get_output_embeddings
+
+
+def _head_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's input and output embeddings, found by module identity (see
+    sinkgd_param_groups)."""
+    embeddings = [mod for mod in model.modules() if isinstance(mod, torch.nn.Embedding)]
+    heads = list(embeddings)
+    getter = getattr(model, "get_output_embeddings", None)
+    out = getter() if callable(getter) else None
+    if isinstance(out, torch.nn.Module):
+        heads.append(out)
+    else:
+        heads += [mod for name, mod in model.named_modules() if name.rsplit(".", 1)[-1] in HEAD_NAMES]
+    emb_weights = {id(mod.weight) for mod in embeddings}
+    heads += [mod for mod in model.modules()
+              if isinstance(mod, torch.nn.Linear) and id(mod.weight) in emb_weights]  # a tied head
+    return heads
+
+
 def sinkgd_param_groups(model: torch.nn.Module, **fallback_group):
-    """Two param groups for SinkGD, as the paper's setup: the matrices of the model's hidden
-    layers (SinkGD), and everything else (the fallback): ndim < 2 params, embeddings and the
-    output head (names containing ``embed``, ``lm_head``, ``wte``, ``wpe``, ``output``, modules
-    that are ``nn.Embedding``, and any parameter tied to one of those). Extra keyword arguments
-    go into the fallback group (e.g. ``weight_decay=0.0``)."""
-    head_like = set()
-    for mname, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Embedding):
-            for p in mod.parameters(recurse=False):
-                head_like.add(id(p))
-    keys = ("embed", "lm_head", "wte", "wpe", "output")
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if any(k in name.lower() for k in keys):
-            head_like.add(id(p))
-    sink, rest, seen = [], [], set()
-    for _, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            continue  # a tied weight appears once, in the fallback if any of its names is head-like
-        seen.add(id(p))
-        (rest if p.dim() < 2 or id(p) in head_like else sink).append(p)
+    """Two param groups for SinkGD, as in the paper's setup: the matrices of the model's hidden
+    layers (SinkGD), and everything else (AdamW, through ``use_fallback=True``). Extra keyword
+    arguments go into the AdamW group (e.g. ``lr=3e-4, weight_decay=0.0``).
+
+    AdamW gets every parameter with ndim < 2 and every parameter of the model's embeddings and
+    output head, found by module identity, never by a substring of a parameter's name:
+
+    - every ``nn.Embedding`` module of the model;
+    - the output head: ``model.get_output_embeddings()`` where the model has it and it returns
+      a module (transformers models); otherwise any submodule named exactly ``lm_head``;
+    - any ``nn.Linear`` whose weight is an embedding's weight (a tied output head);
+    - any parameter tied to one of those (the same tensor object), under whatever name.
+
+    So ``attention.output.dense.weight`` of a BERT layer stays with SinkGD. A tied weight
+    appears once, in the AdamW group.
+    """
+    head = {id(p) for mod in _head_modules(model) for p in mod.parameters()}
+    sink, rest = [], []
+    for p in model.parameters():  # each tensor once: a tied weight is one object
+        (rest if p.dim() < 2 or id(p) in head else sink).append(p)
     groups = [{"params": sink}]
     if rest:
         groups.append(dict(params=rest, use_fallback=True, **fallback_group))
