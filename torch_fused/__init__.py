@@ -19,6 +19,7 @@ __all__ = [
     "selective_log_softmax",
     "entropy_from_logits",
     "logprobs_and_entropy",
+    "linear_logprobs_and_entropy",
     "mask_reduce",
     "mask_reduce_cost",
     "masked_mean",
@@ -109,3 +110,41 @@ def logprobs_and_entropy(
     t, t_tensor = _temperature_args(temperature)
     return torch.ops.fused.logprobs_and_entropy(logits, index, t, ignore_index, shift=shift,
                                                 temperature_tensor=t_tensor)
+
+
+def linear_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    shift: bool = False,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused lm_head: log-probs at ``index`` and entropy of ``softmax(z / temperature)`` with
+    ``z = softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap)`` (no tanh when
+    ``softcap`` is None), without ever holding the ``[N, V]`` logits.
+
+    Args:
+        hidden: ``[..., L, H]`` hidden states (``[..., L+1, H]`` with ``shift=True``: position t
+            scores index t, the last position is dropped and gets zero gradient), float16,
+            bfloat16 or float32 (float64 for validation).
+        weight: ``[V, H]`` (``lm_head.weight``'s layout), the hidden states' dtype.
+        index: ``[..., L]`` or ``[..., L, K]`` token ids, int32 or int64.
+        bias: optional ``[V]``.
+        temperature, ignore_index: as in :func:`selective_log_softmax` (a float temperature).
+        logit_scale: multiplies the logits (models that scale their logits before the softmax).
+        softcap: caps the logits as ``c * tanh(z / c)`` (Gemma-style), or None.
+
+    Returns:
+        ``(logp, entropy)``, float32 (float64 for float64 inputs), shaped like ``index`` and
+        ``[..., L]``. Differentiable in ``hidden``, ``weight`` and ``bias``: exact gradients
+        (nothing filtered), d logits rounded once to the weight's dtype as a materialized path
+        rounds them, every GEMM accumulating in fp32.
+    """
+    return torch.ops.fused.linear_logprobs_and_entropy(
+        hidden, weight, index, bias=bias, temperature=temperature, ignore_index=ignore_index, shift=shift,
+        logit_scale=logit_scale, softcap=softcap)

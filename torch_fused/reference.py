@@ -137,16 +137,24 @@ def logprobs_entropy_backward(
     ignore_index: int,
     temperature_t: torch.Tensor | None = None,
     shift: bool = False,
+    *,
+    v_off: int = 0,
+    v_total: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d logits, d T) of sum(grad_logp * logp) + sum(grad_entropy * entropy); d T only for a
     tensor temperature (else an empty tensor): d T = -(1/T) sum x * d logits, as z = x / T.
-    With ``shift``, d logits is [..., L+1, V] with exactly zero rows L.
+    With ``shift``, d logits is [..., L+1, V] with exactly zero rows L. Keyword-only, for the
+    fused lm_head: the logits may be columns v_off .. v_off + V - 1 of a vocabulary of
+    ``v_total`` (stats and entropy of the whole rows; G counts every id, the scatter only those
+    in the slice), and d logits may be of ``out_dtype``.
 
     With p = softmax(z), lp = log p, H the entropy, gH its gradient and G the sum of grad_logp
     over the row's valid indices:  d z_j = sum_k g_k [j == idx_k] - p_j (G + gH (lp_j + H)),
     and d logits = d z / T. Only stats and H are saved from the forward.
     """
-    full = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    out_dtype = out_dtype or logits.dtype
+    full = torch.empty(logits.shape, dtype=out_dtype, device=logits.device)
     if shift:
         full[..., -1, :] = 0
         logits = logits[..., :-1, :]
@@ -154,7 +162,8 @@ def logprobs_entropy_backward(
     v = logits.shape[-1]
     rows = math.prod(lead)
     x2 = logits.reshape(rows, v)
-    out = torch.empty((rows, v), dtype=logits.dtype, device=logits.device) if shift else full.view(rows, v)
+    out = torch.empty((rows, v), dtype=out_dtype, device=logits.device) if shift else full.view(rows, v)
+    v_total = v if v_total is None else v_total
     temperature = _temperature_value(temperature, temperature_t)
     xdx = torch.zeros((), dtype=torch.float64, device=logits.device)
     st = stats.reshape(rows, 2).double()
@@ -163,7 +172,7 @@ def logprobs_entropy_backward(
         g2 = grad_logp.reshape(idx2.shape).double()
         valid = idx2 != ignore_index
         g2 = torch.where(valid, g2, torch.zeros_like(g2))
-        inb = (idx2 >= 0) & (idx2 < v)
+        inb = (idx2 >= 0) & (idx2 < v_total)
         # an out-of-range index gave NaN forward; its row's gradient is NaN too
         g2 = torch.where(valid & ~inb, torch.full_like(g2, float("nan")), g2)
         gsum = g2.sum(-1)
@@ -184,11 +193,11 @@ def logprobs_entropy_backward(
             coef = coef + gh[a:b, None] * (lp_safe + h[a:b, None])
         dz = -p * coef
         if g2 is not None:
-            ib = idx2[a:b]
+            ib = idx2[a:b] - v_off
             inb = (ib >= 0) & (ib < v)
             dz.scatter_add_(1, torch.where(inb, ib, torch.zeros_like(ib)), torch.where(inb, g2[a:b], torch.zeros_like(g2[a:b])))
         dx = dz * inv_t
-        out[a:b] = dx.to(logits.dtype)
+        out[a:b] = dx.to(out_dtype)
         if temperature_t is not None:  # -inf logits have dx = 0: keep their 0 * inf out
             xdx += torch.where(dx != 0, x2[a:b].double() * dx, torch.zeros_like(dx)).sum()
     if temperature_t is None:

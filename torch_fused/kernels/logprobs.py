@@ -178,7 +178,7 @@ def _logprobs_entropy_forward_kernel(
 
 @triton.jit
 def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s, a, b, it,
-                    idx0, g0, ignore_index,
+                    idx0, g0, ignore_index, v_off,
                     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
                     MASKED: tl.constexpr, EXACT_SHIFT: tl.constexpr, HAS_DT: tl.constexpr,
                     BLOCK_V: tl.constexpr):
@@ -198,7 +198,7 @@ def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s
                 i_k = tl.load(p_idx_row + k).to(tl.int64)
                 g_k = tl.load(p_g_row + k).to(tl.float32)
                 g_k = tl.where(i_k == ignore_index, 0.0, g_k) * it
-                b_dx += tl.where(o == i_k, g_k, 0.0)
+                b_dx += tl.where(o == i_k - v_off, g_k, 0.0)
     if MASKED:
         tl.store(p_drow + o, b_dx.to(p_drow.dtype.element_ty), mask=o < V)
     else:
@@ -221,6 +221,7 @@ def _zero_row(p_drow, V, BLOCK_V: tl.constexpr):
 def _logprobs_entropy_backward_kernel(
     p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_dz, p_temp, p_xdx,
     V, K, n_rows, inner_size, stride_outer, stride_inner,
+    v_off, V_total,  # the rows hold ids v_off .. v_off + V - 1 of a vocabulary of V_total
     dx_inner, dx_outer, dx_stride,  # d x row layout (as the logits' rows)
     dz_inner, dz_outer, dz_stride,  # layout of the zero rows past n_rows (shift: position L)
     scale,  # c = log2(e) / T
@@ -234,7 +235,9 @@ def _logprobs_entropy_backward_kernel(
 
     G: sum of the row's valid log-prob gradients; gH: the entropy gradient;
     lp_j = log p_j = ((x_j - m) c - log2 s) ln2. With HAS_DT, also the row's sum of x_j dx_j
-    (d T = -(1/T) sum over all rows, as z = x / T). With ZERO_TAIL, programs past n_rows write
+    (d T = -(1/T) sum over all rows, as z = x / T). The V columns may be a slice of a larger
+    vocabulary (ids v_off .. v_off + V - 1 of V_total, with the row statistics of the whole
+    row): G counts every id, the scatter only ids in the slice. With ZERO_TAIL, programs past n_rows write
     the zero rows of d x that no row scores (shift: the last position of every sequence), so
     the whole gradient is written by one launch."""
     row = tl.program_id(0).to(tl.int64)
@@ -242,19 +245,19 @@ def _logprobs_entropy_backward_kernel(
         if row >= n_rows:
             _zero_row(_row_base(p_dz, row - n_rows, dz_inner, dz_outer, dz_stride), V, BLOCK_V)
         else:
-            _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K,
+            _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K, v_off, V_total,
                           inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
                           scale, inv_t, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, T_FROM_PTR,
                           HAS_DT, BLOCK_V, BLOCK_K)
     else:
-        _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K,
+        _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K, v_off, V_total,
                       inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
                       scale, inv_t, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, T_FROM_PTR,
                       HAS_DT, BLOCK_V, BLOCK_K)
 
 
 @triton.jit
-def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K,
+def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K, v_off, V_total,
                   inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
                   scale, inv_t, ignore_index,
                   HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
@@ -275,12 +278,12 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
         b_idx = tl.load(p_idx + row * K + o_k, mask=m_k, other=ignore_index).to(tl.int64)
         b_g = tl.load(p_glp + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_g = tl.where(b_idx == ignore_index, 0.0, b_g)
-        inb = (b_idx >= 0) & (b_idx < V)
+        inb = (b_idx >= 0) & (b_idx < V_total)
         # an out-of-range index gave NaN forward: its row's gradient is NaN too
         b_g = tl.where((b_idx != ignore_index) & (~inb), float("nan"), b_g)
-        gsum = tl.sum(b_g, axis=0)
-        if SINGLE_K:
-            idx0 = tl.sum(tl.where(o_k == 0, b_idx, 0), axis=0)
+        gsum = tl.sum(b_g, axis=0)  # every id's term, also of ids outside these V columns
+        if SINGLE_K:  # the column of the id; outside 0..V-1 it matches no column
+            idx0 = tl.sum(tl.where(o_k == 0, b_idx - v_off, 0), axis=0)
             g0 = tl.sum(tl.where(o_k == 0, b_g, 0.0), axis=0) * it
     # d x_j = -p_j * (a + b * d_j) + scatter, d_j = log2 p_j, constants folded per row
     a = gsum
@@ -303,17 +306,17 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
         for start in range(BLOCK_V, v_full, BLOCK_V):
             b_nx = tl.load(p_row + start + o_v).to(tl.float32)  # prefetch the next block
             xdx += _backward_block(b_x, start - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, start - BLOCK_V, V, K, c,
-                                   m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False,
+                                   m, log2s, a, b, it, idx0, g0, ignore_index, v_off, HAS_GLP, HAS_GH, SINGLE_K, False,
                                    EXACT_SHIFT, HAS_DT, BLOCK_V)
             b_x = b_nx
         xdx += _backward_block(b_x, v_full - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, v_full - BLOCK_V, V, K, c,
-                               m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, False,
+                               m, log2s, a, b, it, idx0, g0, ignore_index, v_off, HAS_GLP, HAS_GH, SINGLE_K, False,
                                EXACT_SHIFT, HAS_DT, BLOCK_V)
     if v_full < V:
         o = v_full + o_v
         b_x = tl.load(p_row + o, mask=o < V, other=0.0).to(tl.float32)
         xdx += _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, v_full, V, K, c,
-                               m, log2s, a, b, it, idx0, g0, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, True,
+                               m, log2s, a, b, it, idx0, g0, ignore_index, v_off, HAS_GLP, HAS_GH, SINGLE_K, True,
                                EXACT_SHIFT, HAS_DT, BLOCK_V)
     if HAS_DT:
         tl.store(p_xdx + row, xdx)
@@ -347,7 +350,7 @@ def compile_cases():
     bwd = {"p_x": "*fp16", "p_idx": "*i32", "p_glp": "*fp32", "p_gh": "*fp32", "p_stats": "*fp32",
            "p_ent": "*fp32", "p_dx": "*fp16", "p_dz": "*fp16", "p_temp": "*fp32", "p_xdx": "*fp32", "V": "i32",
            "K": "i32", "n_rows": "i32", "inner_size": "i32", "stride_outer": "i64", "stride_inner": "i64",
-           "dx_inner": "i32", "dx_outer": "i64", "dx_stride": "i64", "dz_inner": "i32", "dz_outer": "i64",
+           "v_off": "i32", "V_total": "i32", "dx_inner": "i32", "dx_outer": "i64", "dx_stride": "i64", "dz_inner": "i32", "dz_outer": "i64",
            "dz_stride": "i64", "scale": "fp32", "inv_t": "fp32", "ignore_index": "i32"}
     for glp, gh, sk, dt, zt in [(True, True, True, False, False), (True, False, False, False, True),
                                 (False, True, True, False, True), (True, True, True, True, False)]:

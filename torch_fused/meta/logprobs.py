@@ -42,8 +42,12 @@ def row_shape(logits: torch.Tensor, shift: bool) -> tuple:
 
 
 def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, temperature: float,
-                       temperature_t: torch.Tensor | None = None, shift: bool = False) -> None:
-    check_logits(logits)
+                       temperature_t: torch.Tensor | None = None, shift: bool = False, what: str = "logits") -> None:
+    """``what`` names the tensor whose leading dims are the rows (the fused lm_head passes its
+    hidden states, which it has checked itself)."""
+    if what == "logits":
+        check_logits(logits)
+    last = "V" if what == "logits" else "H"
     if temperature_t is None:
         check_temperature(temperature)
     else:  # its value (> 0) is data: checked where reading it costs no sync (reference.py)
@@ -54,7 +58,8 @@ def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, tempera
               lambda: f"temperature: expected device {logits.device} (the logits' device), got {temperature_t.device}")
     if shift:
         check(logits.dim() >= 2 and logits.shape[-2] >= 1,
-              lambda: f"logits: shift=True needs logits [..., L+1, V] with L+1 >= 1, got shape {tuple(logits.shape)}")
+              lambda: f"{what}: shift=True needs {what} [..., L+1, {last}] with L+1 >= 1, "
+                      f"got shape {tuple(logits.shape)}")
     if index is None:
         return
     check(
@@ -63,7 +68,7 @@ def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, tempera
     )
     check(
         index.device == logits.device,
-        lambda: f"index: expected device {logits.device} (the logits' device), got {index.device}",
+        lambda: f"index: expected device {logits.device} (the device of {what}), got {index.device}",
     )
     lead = row_shape(logits, shift)
     ishape = tuple(index.shape)
@@ -71,7 +76,7 @@ def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, tempera
         check(
             ishape == lead or (len(ishape) == len(lead) + 1 and ishape[:-1] == lead),
             lambda: (
-                f"index: with shift=True, logits [..., L+1, V] of shape {tuple(logits.shape)} score index "
+                f"index: with shift=True, {what} [..., L+1, {last}] of shape {tuple(logits.shape)} score index "
                 f"[..., L] = {lead} (or {lead + ('K',)}); got index of shape {ishape}"
             ),
         )
@@ -80,7 +85,7 @@ def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, tempera
         ishape == lead or (len(ishape) == len(lead) + 1 and ishape[:-1] == lead),
         lambda: (
             f"index: expected shape {lead} (one id per row) or {lead + ('K',)} (K ids per row) "
-            f"for logits of shape {tuple(logits.shape)}, got {ishape}"
+            f"for {what} of shape {tuple(logits.shape)}, got {ishape}"
         ),
     )
 

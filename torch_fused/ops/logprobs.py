@@ -115,16 +115,19 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
 
 
 def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
-                     temperature_t=None, shift=False):
+                     temperature_t=None, shift=False, *, v_off=0, v_total=None, out_dtype=None):
+    """The backward op's Triton implementation. Keyword-only extras for the fused lm_head
+    (ops/linear_logprobs.py): the logits may be columns v_off .. v_off + V - 1 of a vocabulary
+    of v_total (stats and entropy of the whole rows), and d logits may be of another dtype."""
     if logits.dtype == torch.float64:
         return reference.logprobs_entropy_backward(
-            grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift
-        )
+            grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift,
+            v_off=v_off, v_total=v_total, out_dtype=out_dtype)
     from ..kernels import logprobs as K
 
     # d logits has the logits' full shape; with shift its rows L of every sequence are zero and
     # are written by the same launch (programs past the live rows), never by a second pass
-    dx = new_output(logits.shape, logits.dtype, logits.device)
+    dx = new_output(logits.shape, out_dtype or logits.dtype, logits.device)
     if shift:
         logits = logits[..., :-1, :]
     v = logits.shape[-1]
@@ -154,7 +157,8 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
     K._logprobs_entropy_backward_kernel[(rows + tail_rows,)](
         x, idx, glp, gh, stats, entropy if has_gh else stats, dx, tail,
         temperature_t if has_dt else stats, xdx if has_dt else stats,
-        v, k, rows, inner, s_outer, s_inner, d_inner, d_outer, d_stride, z_inner, z_outer, z_stride,
+        v, k, rows, inner, s_outer, s_inner, v_off, v if v_total is None else v_total,
+        d_inner, d_outer, d_stride, z_inner, z_outer, z_stride,
         LOG2E / temperature, 1.0 / temperature, ignore_index,
         HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1, EXACT_SHIFT=INTERPRET,
         T_FROM_PTR=has_dt, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0,

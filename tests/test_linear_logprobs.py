@@ -1,0 +1,240 @@
+"""fused::linear_logprobs_and_entropy, the fused lm_head: values and gradients against the
+materialized float64 path, chunking (tokens forward, vocabulary backward), shift, bias,
+temperature, logit_scale, softcap, ignore_index, opcheck, torch.compile and input errors.
+
+Runs on the CPU reference path, under TRITON_INTERPRET=1 through the real kernels, and on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import torch_fused
+from torch_fused._library import INTERPRET
+from torch_fused.ops import linear_logprobs as LL
+from _helpers import DEVICES, SMALL, assert_logprob_close
+
+# norm-wise relative error of the gradients: the GEMMs accumulate in fp32 and round once to the
+# inputs' dtype (d logits too, on devices where the GEMMs read them in that dtype)
+GRAD_REL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 4e-6, torch.float64: 1e-10}
+
+
+def ref_linear(h, w, idx, bias=None, t=1.0, scale=1.0, softcap=None, shift=False, ignore_index=-100):
+    """The materialized float64 path."""
+    h, w = h.double(), w.double()
+    if shift:
+        h = h[..., :-1, :]
+    y = h @ w.t()
+    if bias is not None:
+        y = y + bias.double()
+    y = y * scale
+    if softcap is not None:
+        y = softcap * torch.tanh(y / softcap)
+    z = torch.log_softmax(y / t, -1)
+    single = idx.dim() == h.dim() - 1
+    ii = (idx[..., None] if single else idx).long()
+    lp = z.gather(-1, ii.clamp(0, w.shape[0] - 1))
+    lp = torch.where(ii == ignore_index, torch.zeros_like(lp), lp)
+    ent = -(z.exp() * z).sum(-1)
+    return (lp[..., 0] if single else lp), ent
+
+
+@pytest.fixture(autouse=True, scope="module")
+def small_chunks():
+    """Chunk buffers of a few rows / columns, so small shapes take several ragged chunks (token
+    chunks of 1000 // V rows forward, vocabulary chunks of ~1000 // N columns backward)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(LL.CHUNK_BYTES, "cpu", 4 * 1000)
+        mp.setitem(LL.CHUNK_BYTES, "cuda", 4 * 1000)
+        yield
+
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@st.composite
+def cases(draw):
+    return dict(
+        dtype=draw(st.sampled_from(DTYPES)),
+        v=draw(st.sampled_from([1, 7, 131, 300] if SMALL else [1, 7, 131, 300, 1031])),
+        h=draw(st.sampled_from([8, 24])),
+        b=draw(st.integers(1, 2)),
+        l=draw(st.integers(1, 5 if SMALL else 9)),
+        k=draw(st.sampled_from([None, 2])),
+        shift=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        t=draw(st.sampled_from([1.0, 0.7])),
+        scale=draw(st.sampled_from([1.0, 0.5])),
+        softcap=draw(st.sampled_from([None, None, 4.0])),
+        ignore=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(c=cases())
+def test_matches_materialized_float64(device, c):
+    gen = torch.Generator().manual_seed(c["seed"])
+    dtype, v, hdim = c["dtype"], c["v"], c["h"]
+    lead = (c["b"], c["l"] + c["shift"])
+    h = torch.randn(*lead, hdim, generator=gen).to(device, dtype).requires_grad_(True)
+    w = (torch.randn(v, hdim, generator=gen) / hdim**0.5 * 3).to(device, dtype).requires_grad_(True)
+    bias = (torch.randn(v, generator=gen)).to(device, dtype).requires_grad_(True) if c["bias"] else None
+    ishape = (c["b"], c["l"]) + ((c["k"],) if c["k"] else ())
+    idx = torch.randint(0, v, ishape, generator=gen)
+    if c["ignore"]:
+        idx[0, 0] = -100
+    idx = idx.to(device)
+    kw = dict(temperature=c["t"], shift=c["shift"], logit_scale=c["scale"], softcap=c["softcap"])
+    lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx, bias=bias, **kw)
+    want = torch.float64 if dtype == torch.float64 else torch.float32
+    assert lp.dtype == want and ent.dtype == want and lp.shape == idx.shape and ent.shape == (c["b"], c["l"])
+    hr = h.detach().cpu().double().requires_grad_(True)
+    wr = w.detach().cpu().double().requires_grad_(True)
+    br = bias.detach().cpu().double().requires_grad_(True) if bias is not None else None
+    rlp, rent = ref_linear(hr, wr, idx.cpu(), br, c["t"], c["scale"], c["softcap"], c["shift"])
+    # the logits are fp32 GEMM results of the rounded inputs: fp32 accuracy, as the logits ops
+    assert_logprob_close(lp, rlp, v, "logp", torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_logprob_close(ent, rent, v, "entropy", torch.float64 if dtype == torch.float64 else torch.float32)
+    assert bool((lp.cpu()[idx.cpu() == -100] == 0).all())
+
+    g1 = torch.randn(ishape, generator=gen, dtype=torch.float64)
+    g2 = torch.randn(c["b"], c["l"], generator=gen, dtype=torch.float64)
+    ins = [h, w] + ([bias] if bias is not None else [])
+    grads = torch.autograd.grad((lp.double().cpu() * g1).sum() + (ent.double().cpu() * g2).sum(), ins)
+    rins = [hr, wr] + ([br] if br is not None else [])
+    rgrads = torch.autograd.grad((rlp * g1).sum() + (rent * g2).sum(), rins)
+    for name, gr, rg, x in zip(("d hidden", "d weight", "d bias"), grads, rgrads, ins):
+        assert gr.dtype == x.dtype and gr.shape == x.shape, name
+        gr = gr.cpu().double()
+        err = (gr - rg).norm().item()
+        assert err <= GRAD_REL[dtype] * rg.norm().item() + 1e-12, (name, err, rg.norm().item())
+    if c["shift"]:
+        assert bool((grads[0][:, -1] == 0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ignored_positions_get_no_logprob_gradient(device):
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 5, 8, generator=gen).to(device).requires_grad_(True)
+    w = torch.randn(50, 8, generator=gen).to(device).requires_grad_(True)
+    idx = torch.randint(0, 50, (2, 5), generator=gen).to(device)
+    idx[1] = -100
+    lp, _ = torch_fused.linear_logprobs_and_entropy(h, w, idx)
+    assert bool((lp[1] == 0).all())
+    (dh,) = torch.autograd.grad(lp.sum(), h)
+    assert bool((dh[1] == 0).all()) and bool((dh[0] != 0).any())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_chunk_equals_many(device, monkeypatch):
+    """The shipped chunk sizes (one chunk at this size) and tiny ones give the same numbers."""
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(3, 7, 16, generator=gen).to(device).requires_grad_(True)
+    w = torch.randn(203, 16, generator=gen).to(device).requires_grad_(True)
+    idx = torch.randint(0, 203, (3, 6), generator=gen).to(device)
+    outs = []
+    for budget in (4 * 1000, 1 << 24):
+        monkeypatch.setitem(LL.CHUNK_BYTES, "cpu", budget)
+        monkeypatch.setitem(LL.CHUNK_BYTES, "cuda", budget)
+        lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx, shift=True)
+        outs.append((lp, ent) + torch.autograd.grad(lp.sum() + ent.sum(), (h, w)))
+    for a, b in zip(*outs):  # fp32 sums in another order: d hidden adds the chunks' GEMMs
+        assert (a - b).norm().item() <= 2e-6 * b.norm().item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    gen = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32,) if SMALL else (torch.float32, torch.bfloat16):
+        h = torch.randn(2, 4, 8, generator=gen).to(device, dtype).requires_grad_(True)
+        w = torch.randn(37, 8, generator=gen).to(device, dtype).requires_grad_(True)
+        b = torch.randn(37, generator=gen).to(device, dtype).requires_grad_(True)
+        idx = torch.randint(0, 37, (2, 3), generator=gen).to(device)
+        torch.library.opcheck(torch.ops.fused.linear_logprobs_and_entropy, (h, w, idx),
+                              {"bias": b, "shift": True, "temperature": 0.8})
+        torch.library.opcheck(torch.ops.fused._linear_logprobs_entropy_forward,
+                              (h, w, idx, None, 1.0, -100, True, 2.0, 5.0))
+
+
+def test_gradcheck_float64():
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 4, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(11, generator=gen, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(0, 11, (2, 3), generator=gen)
+    assert torch.autograd.gradcheck(
+        lambda a, c, d: torch_fused.linear_logprobs_and_entropy(a, c, idx, bias=d, shift=True, softcap=3.0,
+                                                                logit_scale=1.5, temperature=0.9), (h, w, b))
+
+
+def test_compile_fullgraph_dynamic_no_recompile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("aot_eager" if INTERPRET else "inductor")
+    w = torch.randn(40, 8, requires_grad=True)
+
+    def loss_fn(h, idx):
+        lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx, shift=True)
+        return -lp.mean() - 0.01 * ent.mean()
+
+    step = torch.compile(loss_fn, fullgraph=True, dynamic=True, backend=cnt)
+    frames = []
+    for length in (3, 5, 9) if SMALL else (5, 9, 17):
+        g = torch.Generator().manual_seed(length)
+        h = torch.randn(2, length + 1, 8, generator=g, requires_grad=True)
+        idx = torch.randint(0, 40, (2, length), generator=g)
+        loss = step(h, idx)
+        dh, dw = torch.autograd.grad(loss, (h, w))
+        ref = loss_fn(h, idx)
+        rdh, rdw = torch.autograd.grad(ref, (h, w))
+        torch.testing.assert_close(loss, ref)
+        torch.testing.assert_close(dh, rdh)
+        torch.testing.assert_close(dw, rdw)
+        frames.append(cnt.frame_count)
+    # (the first call may trace twice: Dynamo restarts once to specialize the float defaults)
+    assert frames[0] == frames[-1], f"recompiled across sequence lengths: frames {frames}"
+
+
+BAD = [
+    ("float index", lambda: (torch.randn(2, 8), torch.randn(5, 8), torch.zeros(2)), {},
+     r"index: expected dtype int32 or int64, got torch.float32"),
+    ("hidden size", lambda: (torch.randn(2, 8), torch.randn(5, 7), torch.zeros(2, dtype=torch.long)), {},
+     r"weight: hidden size 7 .* differs from hidden's last dim 8"),
+    ("weight dtype", lambda: (torch.randn(2, 8), torch.randn(5, 8, dtype=torch.float64), torch.zeros(2, dtype=torch.long)),
+     {}, r"weight: expected the hidden states' dtype torch.float32, got torch.float64"),
+    ("bias shape", lambda: (torch.randn(2, 8), torch.randn(5, 8), torch.zeros(2, dtype=torch.long)),
+     {"bias": torch.randn(4)}, r"bias: expected shape \(5,\)"),
+    ("index shape", lambda: (torch.randn(2, 3, 8), torch.randn(5, 8), torch.zeros(2, 4, dtype=torch.long)), {},
+     r"index: expected shape \(2, 3\)"),
+    ("shift lengths", lambda: (torch.randn(2, 3, 8), torch.randn(5, 8), torch.zeros(2, 3, dtype=torch.long)),
+     {"shift": True}, r"index: with shift=True, hidden .*\(2, 3, 8\).*\(2, 3\)"),
+    ("softcap", lambda: (torch.randn(2, 8), torch.randn(5, 8), torch.zeros(2, dtype=torch.long)), {"softcap": 0.0},
+     r"softcap: expected None or a positive finite number, got 0.0"),
+    ("temperature", lambda: (torch.randn(2, 8), torch.randn(5, 8), torch.zeros(2, dtype=torch.long)),
+     {"temperature": float("inf")}, r"temperature: expected a positive finite number, got inf"),
+]
+
+
+@pytest.mark.parametrize("name,make,kw,msg", BAD, ids=[b[0] for b in BAD])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_bad_input_clear_error(name, make, kw, msg, mode):
+    h, w, idx = make()
+
+    def f(a, b, c):
+        return torch_fused.linear_logprobs_and_entropy(a, b, c, **kw)
+
+    if mode == "compiled":
+        torch._dynamo.reset()
+        f = torch.compile(f, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=msg):
+        f(h, w, idx)
+
+
+@pytest.mark.skipif(INTERPRET, reason="checked on the plain CPU path (the check reads the index on CPU)")
+def test_index_out_of_range_cpu():
+    with pytest.raises(IndexError, match=r"index: value 5 is outside \[0, V=5\)"):
+        torch_fused.linear_logprobs_and_entropy(torch.randn(2, 8), torch.randn(5, 8), torch.tensor([1, 5]))

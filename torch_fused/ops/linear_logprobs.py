@@ -1,0 +1,253 @@
+"""The fused lm_head: ``fused::linear_logprobs_and_entropy``.
+
+Log-probs at ``index`` and the entropy of ``softmax(z / T)``, z = softcap(logit_scale *
+(hidden @ weight.T + bias)), without ever holding the [N, V] logits:
+
+- Forward: token chunks. Each chunk's logits [n, V] come from one GEMM with fp32 output
+  (cuBLAS accumulates bf16/fp16 products in fp32; ``torch.mm(..., out_dtype=torch.float32)``)
+  and go through the log-prob kernels of ops/logprobs.py, which save the per-row statistics
+  (row max, log2 of the sum of exponentials) and the entropy: O(N) saved.
+- Backward: vocabulary chunks over all N tokens. A chunk's logits [N, v] are recomputed, the
+  log-prob backward kernel turns them into d logits (rounded once to the weight's dtype, as a
+  materialized path rounds them) with the whole rows' statistics, and
+  d weight[v0:v1] = d logits^T @ hidden is one GEMM over all tokens, finished in one pass with
+  fp32 accumulation inside the GEMM (no fp32 [V, H] accumulator). d hidden += d logits @
+  weight[v0:v1] accumulates in an fp32 [N, H] buffer.
+- ``logit_scale`` folds into the temperature (T / logit_scale) unless a softcap is set; the
+  softcap c tanh(y / c) is applied to the fp32 chunk, and its derivative 1 - tanh^2 to d z.
+
+Extra memory is the chunk buffers (``CHUNK_BYTES``) plus the fp32 d hidden accumulator. The
+same driver runs the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1) and the
+plain-PyTorch reference (every other device).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._library import LIB, NAMESPACE, TRITON_DEVICES, acc_dtype, new_output
+from .. import reference
+from ..meta import linear_logprobs as meta
+from ..meta.logprobs import row_shape
+from . import logprobs as lp_ops
+
+_FWD = f"{NAMESPACE}::_linear_logprobs_entropy_forward"
+_BWD = f"{NAMESPACE}::_linear_logprobs_entropy_backward"
+
+# Bytes of chunk buffers per device type: forward fp32 logits [n, V]; backward fp32 logits plus
+# d logits [N, v]. On CUDA, 96 MiB keeps the extra memory at N = 8192, H = 4096, V = 151936
+# (chunks plus the 128 MiB d hidden accumulator) under an eighth of the bf16 logits (297 MiB).
+CHUNK_BYTES = {"cuda": 96 << 20, "cpu": 4 << 20}
+_ROW_MULTIPLE = 64  # token-chunk rows in multiples of a GEMM tile
+
+_HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def _chunk_budget(device: torch.device) -> int:
+    return CHUNK_BYTES.get(device.type, CHUNK_BYTES["cpu"])
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with fp32 (or fp64) output and accumulation; a and b share a dtype. On CUDA the
+    GEMM reads bf16/fp16 operands as they are; elsewhere (a reference path) they are upcast."""
+    if a.dtype in (torch.float32, torch.float64):
+        return a @ b
+    if a.is_cuda and _HAS_MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, acc fp32 (or fp64): on CUDA one GEMM that adds into acc in place."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _HAS_MM_OUT_DTYPE:
+        torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
+    else:
+        acc += _mm_f32(a, b)
+
+
+def _rows(hidden, index, shift):
+    """hidden [..., L(+1), H] -> [N, H] rows (contiguous; a copy of the hidden states at most) and
+    index -> [N] or [N, K]."""
+    if shift:
+        hidden = hidden[..., :-1, :]
+    h = hidden.shape[-1]
+    h2 = hidden.reshape(-1, h).contiguous()
+    n = h2.shape[0]
+    idx2 = index.reshape(n, -1) if index.dim() == hidden.dim() else index.reshape(n)
+    return h2, idx2
+
+
+def _logits_chunk(h2, w, bias, logit_scale, softcap):
+    """fp32 logits of rows h2 against vocabulary rows w: (z, tanh or None). With a softcap,
+    z = c tanh(s y / c) in place and tanh is returned for the backward; otherwise z = y (the
+    scale is folded into the temperature by the caller)."""
+    z = _mm_f32(h2, w.t())
+    if bias is not None:
+        z += bias.to(z.dtype)
+    if softcap is None:
+        return z, None
+    th = z.mul_(logit_scale / softcap).tanh_()
+    return th * softcap, th
+
+
+def _effective_temperature(temperature, logit_scale, softcap):
+    return temperature if softcap is not None else temperature / logit_scale
+
+
+def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap, stats_fn):
+    meta.check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, softcap)
+    dt = acc_dtype(hidden.dtype)
+    lead = row_shape(hidden, shift)
+    logp = new_output(index.shape, dt, hidden.device)
+    ent = new_output(lead, dt, hidden.device)
+    stats = new_output(tuple(lead) + (2,), dt, hidden.device)
+    h2, idx2 = _rows(hidden, index, shift)
+    n, v = h2.shape[0], weight.shape[0]
+    if n == 0:
+        return logp, ent, stats
+    w = weight if (weight.is_cuda or weight.dtype in (torch.float32, torch.float64)) else weight.float()
+    if w is not weight:
+        h2 = h2.float()
+    t_eff = _effective_temperature(temperature, logit_scale, softcap)
+    step = max(1, _chunk_budget(hidden.device) // (4 * v))
+    if step > _ROW_MULTIPLE:
+        step -= step % _ROW_MULTIPLE
+    lp2, ent2, st2 = logp.view(idx2.shape), ent.view(n), stats.view(n, 2)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        z, _ = _logits_chunk(h2[a:b], w, bias, logit_scale, softcap)
+        lp_c, ent_c, st_c = stats_fn(z, idx2[a:b], t_eff, ignore_index, True)
+        lp2[a:b] = lp_c
+        ent2[a:b] = ent_c
+        st2[a:b] = st_c
+    return logp, ent, stats
+
+
+def _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
+                   ignore_index, shift, logit_scale, softcap, bwd_fn):
+    meta.check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, softcap)
+    dh_full = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+    dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    db = torch.empty(bias.shape if bias is not None else (0,), dtype=hidden.dtype, device=hidden.device)
+    h2, idx2 = _rows(hidden, index, shift)
+    n, v = h2.shape[0], weight.shape[0]
+    if n == 0 or (grad_logp is None and grad_entropy is None):
+        dw.zero_()
+        db.zero_()
+        return dh_full, dw, db
+    w = weight if (weight.is_cuda or weight.dtype in (torch.float32, torch.float64)) else weight.float()
+    hm = h2 if w is weight else h2.float()  # the GEMMs' operand dtype
+    t_eff = _effective_temperature(temperature, logit_scale, softcap)
+    st2 = stats.reshape(n, 2)
+    ent2 = entropy.reshape(n)
+    glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
+    gh = grad_entropy.reshape(n) if grad_entropy is not None else None
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    dh = torch.zeros(n, h2.shape[1], dtype=acc, device=hidden.device)
+    step = max(1, _chunk_budget(hidden.device) // ((4 + weight.element_size()) * n))
+    if step > 128:
+        step -= step % 128
+    for v0 in range(0, v, step):
+        v1 = min(v, v0 + step)
+        b_c = bias[v0:v1] if bias is not None else None
+        z, th = _logits_chunk(hm, w[v0:v1], b_c, logit_scale, softcap)
+        dz, _ = bwd_fn(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v0, v_total=v,
+                       out_dtype=z.dtype if th is not None else w.dtype)
+        del z
+        if th is not None:  # d y = d z * s (1 - tanh^2), in fp32, then to the GEMMs' dtype
+            dz = (dz.mul_(th.square_().neg_().add_(1.0)).mul_(logit_scale)).to(w.dtype)
+            del th
+        torch.mm(dz.t(), hm, out=dw[v0:v1]) if dw.dtype == dz.dtype else dw[v0:v1].copy_(dz.t() @ hm)
+        _addmm_f32_(dh, dz, w[v0:v1])
+        if bias is not None:
+            db[v0:v1] = dz.sum(0, dtype=acc).to(db.dtype)
+    if shift:
+        dh_full[..., :-1, :] = dh.view(dh_full[..., :-1, :].shape)
+    else:
+        dh_full.copy_(dh.view(dh_full.shape))
+    return dh_full, dw, db
+
+
+def _stats_reference(z, idx, t, ignore_index, ent):
+    return reference.logprobs_entropy_forward(z, idx, t, ignore_index, ent)
+
+
+def _bwd_reference(glp, gh, z, idx, st, ent, t, ignore_index, **kw):
+    return reference.logprobs_entropy_backward(glp, gh, z, idx, st, ent, t, ignore_index, **kw)
+
+
+def _bwd_triton(glp, gh, z, idx, st, ent, t, ignore_index, **kw):
+    return lp_ops._backward_triton(glp, gh, z, idx, st, ent, t, ignore_index, **kw)
+
+
+@torch.library.custom_op(_FWD, mutates_args=())
+def linear_forward(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, bias: torch.Tensor | None,
+                   temperature: float, ignore_index: int, shift: bool, logit_scale: float,
+                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap,
+                         _stats_reference)
+
+
+@torch.library.custom_op(_BWD, mutates_args=())
+def linear_backward(grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None, hidden: torch.Tensor,
+                    weight: torch.Tensor, index: torch.Tensor, bias: torch.Tensor | None, stats: torch.Tensor,
+                    entropy: torch.Tensor, temperature: float, ignore_index: int, shift: bool,
+                    logit_scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
+                          ignore_index, shift, logit_scale, softcap, _bwd_reference)
+
+
+linear_forward.register_fake(meta.linear_forward_fake)
+linear_backward.register_fake(meta.linear_backward_fake)
+
+if TRITON_DEVICES:
+    @linear_forward.register_kernel(TRITON_DEVICES)
+    def _linear_forward_triton(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap):
+        return _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap,
+                             lp_ops._forward_triton)
+
+    @linear_backward.register_kernel(TRITON_DEVICES)
+    def _linear_backward_triton(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
+                                ignore_index, shift, logit_scale, softcap):
+        return _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
+                              ignore_index, shift, logit_scale, softcap, _bwd_triton)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap = inputs
+    _, ent, stats = output
+    ctx.mark_non_differentiable(stats)
+    ctx.set_materialize_grads(False)
+    ctx.args = (temperature, ignore_index, shift, logit_scale, softcap)
+    ctx.save_for_backward(hidden, weight, index, bias, stats, ent)
+
+
+def _backward(ctx, g_logp, g_ent, _g_stats):
+    hidden, weight, index, bias, stats, ent = ctx.saved_tensors
+    need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+    rest = (None,) * (len(ctx.needs_input_grad) - 4)
+    if not (need_h or need_w or need_b):
+        return (None, None, None, None) + rest
+    dh, dw, db = torch.ops.fused._linear_logprobs_entropy_backward(
+        g_logp, g_ent, hidden, weight, index, bias, stats, ent, *ctx.args)
+    return (dh if need_h else None, dw if need_w else None, None,
+            db if (need_b and bias is not None) else None) + rest
+
+
+linear_forward.register_autograd(_backward, setup_context=_setup_context)
+
+LIB.define(
+    "linear_logprobs_and_entropy(Tensor hidden, Tensor weight, Tensor index, *, Tensor? bias=None, "
+    "float temperature=1.0, int ignore_index=-100, bool shift=False, float logit_scale=1.0, "
+    "float? softcap=None) -> (Tensor, Tensor)"
+)
+
+
+def _linear_logprobs_and_entropy(hidden, weight, index, *, bias=None, temperature=1.0, ignore_index=-100,
+                                 shift=False, logit_scale=1.0, softcap=None):
+    logp, ent, _ = torch.ops.fused._linear_logprobs_entropy_forward(
+        hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap)
+    return logp, ent
+
+
+LIB.impl("linear_logprobs_and_entropy", _linear_logprobs_and_entropy, "CompositeImplicitAutograd")
