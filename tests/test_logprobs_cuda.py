@@ -56,3 +56,52 @@ def test_compiled_pg_step_cuda():
         torch.testing.assert_close(loss, ref, rtol=1e-3, atol=1e-3)
         assert rel_err(gw, lin.weight.grad) < 2e-2
         lin.weight.grad = None
+
+
+def test_compiled_pg_step_shift_cuda():
+    """The model's call pattern on CUDA: shift=True on the head's [B, L+1, V] output, compiled."""
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(64, 1000, device="cuda", dtype=torch.bfloat16)
+
+    def loss_fn(h, index, adv):
+        logp, ent = torch_fused.logprobs_and_entropy(lin(h), index, shift=True)
+        return -(adv[:, None] * logp).mean() - 0.01 * ent.mean()
+
+    def loss_ref(h, index, adv):
+        logp, ent = torch_fused.logprobs_and_entropy(lin(h)[:, :-1], index)
+        return -(adv[:, None] * logp).mean() - 0.01 * ent.mean()
+
+    step = torch.compile(loss_fn, fullgraph=True, dynamic=True)
+    for length in (17, 33):
+        h = torch.randn(4, length + 1, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        index = torch.randint(0, 1000, (4, length), device="cuda")
+        adv = torch.randn(4, device="cuda")
+        dh, dw = torch.autograd.grad(step(h, index, adv), (h, lin.weight))
+        rdh, rdw = torch.autograd.grad(loss_ref(h, index, adv), (h, lin.weight))
+        assert rel_err(dh, rdh) < 1e-2 and rel_err(dw, rdw) < 1e-2
+
+
+def test_linear_logprobs_default_chunks_cuda():
+    """The fused lm_head at a size with several chunks of the shipped budget, against the
+    materialized float64 path."""
+    from torch_fused.ops import linear_logprobs as LL
+
+    n, hd, v = 3000, 256, 50000
+    assert n * v * 4 > LL.CHUNK_BYTES["cuda"]  # several token chunks forward, vocabulary chunks backward
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(n, hd, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(v, hd, device="cuda", generator=g) / 8).to(torch.bfloat16).requires_grad_(True)
+    idx = torch.randint(0, v, (n,), device="cuda", generator=g)
+    idx[::7] = -100
+    lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx, temperature=0.9)
+    hr = h.detach().double().requires_grad_(True)
+    wr = w.detach().double().requires_grad_(True)
+    z = torch.log_softmax((hr @ wr.t()) / 0.9, -1)
+    rlp = torch.where(idx == -100, 0.0, z.gather(-1, idx.clamp_min(0)[:, None])[:, 0])
+    rent = -(z.exp() * z).sum(-1)
+    assert (lp.double() - rlp).abs().max().item() < 1e-3  # fp32 GEMM accumulation over H = 256
+    assert (ent.double() - rent).abs().max().item() < 1e-3
+    g1 = torch.randn(n, device="cuda", dtype=torch.float64, generator=g)
+    dh, dw = torch.autograd.grad((lp.double() * g1).sum() + (ent.double() * g1).sum(), (h, w))
+    rdh, rdw = torch.autograd.grad((rlp * g1).sum() + (rent * g1).sum(), (hr, wr))
+    assert rel_err(dh, rdh) < 8e-3 and rel_err(dw, rdw) < 8e-3

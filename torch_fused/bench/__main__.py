@@ -15,7 +15,7 @@ import torch
 
 from . import common
 
-SUITES = ("logprobs", "mask_reduce", "sinkgd")
+SUITES = ("logprobs", "model_logits", "lm_head", "mask_reduce", "sinkgd")
 
 DESCRIPTION = """\
 Benchmark the torch_fused ops on a CUDA device against baselines timed in the same run
@@ -28,6 +28,10 @@ device-to-device copy bandwidth measured at the start of the same run, over the 
 
 Suites:
   logprobs     selective_log_softmax, entropy_from_logits, logprobs_and_entropy (bf16 logits)
+  model_logits logprobs_and_entropy forward+backward on a matmul's [B, L+1, V] output:
+               shift=True against the [:, :-1] slice, eager and compiled
+  lm_head      linear_logprobs_and_entropy against the bare GEMMs of the same run (its floor)
+               and the materialized logits; peak memory beyond inputs and returned gradients
   mask_reduce  fused::mask_reduce against torch.where(...).sum and its torch.compile
   sinkgd       one SinkGD optimizer step against torch.optim.AdamW(fused=True)
 
