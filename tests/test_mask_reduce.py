@@ -1,5 +1,5 @@
-"""fused::mask_reduce and the helpers built on it (CPU reference path, the interpreter run, and
-CUDA on the device)."""
+"""fused::mask_reduce (CPU reference path, the interpreter run, and CUDA on the device). The
+helpers of torch_fused.masked built on it are in test_masked.py."""
 
 from __future__ import annotations
 
@@ -105,13 +105,136 @@ def test_mask_reduce_matches_float64_reference(device, c):
     torch.testing.assert_close(dx.cpu().double(), rdx.to(x.dtype).double(), rtol=OUT_TOL[x.dtype] * 2, atol=1e-6)
 
 
+def _formula(x, dim, mfull, sfull):
+    """float64 sum over dim of x * scale where mask != 0, from the materialized mask and scale."""
+    v = x.detach().cpu().double() * (sfull.double() if sfull is not None else 1.0)
+    if mfull is not None:
+        v = torch.where(mfull != 0, v, torch.zeros((), dtype=torch.float64))
+    return v.sum(dim), v.abs().sum(dim)
+
+
+NAN = float("nan")
+
+
+def _record_launches(monkeypatch) -> list:
+    """The constexprs of every mask_reduce kernel launch from here on (the interpreter run)."""
+    from torch_fused.kernels import mask_reduce as K
+
+    seen = []
+    real = K.launch_config
+
+    def spy(*args):
+        out = real(*args)
+        seen.append(out[1])
+        return out
+
+    monkeypatch.setattr(K, "launch_config", spy)
+    return seen
+
+
+def _stored(shape, kind, gen):
+    """A mask's or a scale's stored elements; a mask keeps some and drops some whatever the seed
+    (first element dropped, last kept), so reading the wrong mask element shows."""
+    if kind in ("bool", "int"):
+        m = torch.randint(-1, 2, shape, generator=gen, dtype=torch.int32)
+        m.view(-1)[0], m.view(-1)[-1] = 0, 1
+        return m != 0 if kind == "bool" else m
+    return (torch.rand(shape, generator=gen) + 0.5).to(kind)  # a scale
+
+
+# One case per branch of the kernel and its launcher, at sizes the interpreter runs quickly:
+# (id, x shape, dim, x layout, mask (storage shape, kind) or None, scale (storage shape, dtype) or
+# None, x dtype, the launch constexprs expected under the interpreter's tiny tiles (conftest:
+# BLOCK_R 2, U 2, BLOCK_I 4, PIPELINE for even reduce lengths)). Masks and scales of x's rank are
+# passed expanded (stride-0 views); those of lower rank as stored (broadcast by rank).
+BRANCH_CASES = [
+    ("mask bcast along r", (6, 5), 0, "contiguous", ((1, 5), "bool"), None, torch.float32,
+     dict(M_BCAST_R=True, M_BCAST_I=False, PRED_X=False, PIPELINE=True)),
+    ("[T,k,1] mask: bcast along i, x predicated", (3, 5, 6), 1, "contiguous", ((3, 5, 1), "bool"),
+     ((1, 5, 6), torch.float32), torch.bfloat16,
+     dict(M_BCAST_I=True, PRED_X=True, PIPELINE=False, M_EVICT="evict_last", X_EVICT="evict_first", OUTER_FIRST=False)),
+    ("[1,M,N] mask shared by outer rows, scale bcast along i", (3, 4, 6), 1, "contiguous", ((1, 4, 6), "int"),
+     ((3, 4, 1), torch.bfloat16), torch.float16,
+     dict(OUTER_FIRST=True, M_BCAST_R=False, M_BCAST_I=False, S_BCAST_I=True, M_EVICT="evict_last")),
+    ("r contiguous, [B,1] mask, scale bcast along i", (3, 8), -1, "contiguous", ((3, 1), "bool"),
+     ((1, 8), torch.float32), torch.float32,
+     dict(M_BCAST_R=True, PRED_X=True, S_BCAST_I=True, PIPELINE=True, EVEN=False)),
+    ("r contiguous, odd length, scale bcast along r", (4, 7), 1, "contiguous", ((4, 7), "int"),
+     ((4, 1), torch.float32), torch.float64, dict(S_BCAST_R=True, PIPELINE=False, ACC_F64=True)),
+    ("even tiles", (2, 4, 8), 1, "contiguous", ((2, 4, 8), "bool"), None, torch.float32,
+     dict(EVEN=True, PIPELINE=True, PRED_X=False)),
+    ("4-D transposed x, mask bcast over two dims", (2, 3, 4, 5), 2, "transposed", ((2, 1, 4, 1), "bool"),
+     ((3, 1, 5), torch.float32), torch.float32, dict(M_BCAST_I=True, OUTER_FIRST=True, PRED_X=True)),
+    ("sliced x, no mask", (3, 6, 5), 1, "sliced", None, ((6, 1), torch.float32), torch.bfloat16,
+     dict(HAS_MASK=False, S_BCAST_I=True)),
+    ("[M,1] mask of lower rank, shared by outer rows", (2, 4, 6), 1, "contiguous", ((4, 1), "bool"), None,
+     torch.float32, dict(M_BCAST_I=True, OUTER_FIRST=True, PRED_X=True, PIPELINE=True)),
+    ("reduce stride 2**29: int64 tile offsets", (1, 6), 0, "wide", ((1, 6), "bool"), None, torch.float32,
+     dict(WIDE=True)),
+]
+
+
+@pytest.mark.parametrize("case", BRANCH_CASES, ids=[c[0] for c in BRANCH_CASES])
+def test_kernel_branches_match_float64_formula(case, monkeypatch):
+    """Each case drives one branch (named in its id, and, under the interpreter, pinned by the
+    launch's constexprs) and compares y and dx with the float64 formula on the materialized
+    mask and scale. Masked-off x is NaN, so a mask read at the wrong element shows."""
+    name, shape, dim, layout, mcase, scase, dtype, flags = case
+    seen = _record_launches(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    mask = mfull = scale = sfull = None
+    if mcase:
+        m = _stored(mcase[0], mcase[1], gen)
+        mask, mfull = m.expand(shape) if m.dim() == len(shape) else m, torch.broadcast_to(m, shape).contiguous()
+    if scase:
+        sc = _stored(scase[0], scase[1], gen)
+        scale, sfull = sc.expand(shape) if sc.dim() == len(shape) else sc, torch.broadcast_to(sc, shape).contiguous()
+    xv = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if mfull is not None:
+        xv = torch.where(mfull != 0, xv, torch.full((), NAN, dtype=torch.float64))
+    xv = xv.to(dtype)
+    if layout == "transposed":
+        x = xv.permute(*reversed(range(len(shape)))).contiguous().permute(*reversed(range(len(shape))))
+    elif layout == "sliced":
+        x = torch.cat([xv, xv[..., :1]], -1)[..., :-1]
+    elif layout == "wide":  # one row of a reduce dim whose stride is 2**29 (a size-1 dim's stride is free)
+        x = xv.contiguous().as_strided(shape, (2**29, 1))
+    else:
+        x = xv
+    x.requires_grad_(True)
+    y = torch_fused.mask_reduce(x, dim, mask, scale, out_dtype=torch.float32 if dtype != torch.float64 else None)
+    ref, mag = _formula(x, dim, mfull, sfull)
+    tol = OUT_TOL[y.dtype]
+    err = (y.detach().double() - ref).abs()
+    assert bool((err <= tol * (mag + 1e-6)).all()), f"{name}: max err {err.max().item()}, y {y}, ref {ref}"
+    gy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    (dx,) = torch.autograd.grad(y, x, gy.to(y.dtype))
+    rdx = gy.unsqueeze(dim).to(y.dtype).double().expand(shape) * (sfull.double() if sfull is not None else 1.0)
+    if mfull is not None:
+        rdx = torch.where(mfull != 0, rdx, torch.zeros((), dtype=torch.float64))
+    torch.testing.assert_close(dx.double(), rdx.to(dtype).double(), rtol=OUT_TOL[dtype] * 2, atol=1e-6)
+    if INTERPRET:  # the case still reaches its branch
+        assert len(seen) == 1, f"{name}: {len(seen)} launches"
+        got = {k: seen[0][k] for k in flags}
+        assert got == flags, f"{name}: launch constexprs {got}, expected {flags}"
+
+
+@pytest.mark.parametrize("shape,dim", [((3, 0, 4), 1), ((0, 5), 1), ((2, 3), 0)])
+def test_mask_reduce_empty_and_zero_length(shape, dim):
+    x = torch.randn(shape)
+    mask = torch.ones(shape, dtype=torch.bool)
+    y = torch_fused.mask_reduce(x, dim, mask)
+    torch.testing.assert_close(y, x.sum(dim))
+
+
 SHIPPED_TILE_CASES = [
-    # (x shape, dtype, dim, mask storage shape or None, scale storage shape or None): each hits
-    # one branch of kernels.mask_reduce.pick_blocks with n_sm=1
-    ((300, 3, 1000), torch.bfloat16, 1, (300, 3, 1000), None),  # many outputs, R < BLOCK_R
-    ((1, 300, 200), torch.float32, 1, (1, 300, 200), None),  # few outputs: strips, tall tiles, tail
-    ((5, 3000), torch.bfloat16, -1, (5, 3000), (1, 3000)),  # reduce dim contiguous
-    ((50, 4, 700), torch.float16, 1, (50, 4, 1), (1, 1, 700)),  # [B, M, 1] mask: predicated x
+    # (x shape, dtype, dim, mask storage shape or None, scale storage shape or None, expected
+    # constexprs): each hits one branch of kernels.mask_reduce.pick_blocks with n_sm=1
+    ((8, 3, 600), torch.bfloat16, 1, (8, 3, 600), None, dict(BLOCK_R=1, BLOCK_I=512, U=4)),  # many outputs, R < trip
+    ((1, 300, 200), torch.float32, 1, (1, 300, 200), None, dict(BLOCK_R=32, BLOCK_I=32, U=8)),  # strips, tail trip
+    ((2, 300, 96), torch.float32, 1, (1, 300, 96), None, dict(BLOCK_R=32, BLOCK_I=32, OUTER_FIRST=True)),  # shared mask
+    ((5, 3000), torch.bfloat16, -1, (5, 3000), (1, 3000), dict(BLOCK_R=2048, PIPELINE=True)),  # reduce dim contiguous
+    ((10, 4, 700), torch.float16, 1, (10, 4, 1), (1, 1, 700), dict(BLOCK_I=512, PRED_X=True)),  # [B, M, 1] mask
 ]
 
 
@@ -122,14 +245,15 @@ def test_shipped_tile_configs_match_reference(case, monkeypatch):
     (software-pipelined loop, several rows per thread, masked tails) on small shapes."""
     from torch_fused.kernels import mask_reduce as K
 
-    shape, dtype, dim, mshape, sshape = case
+    shape, dtype, dim, mshape, sshape, flags = case
     monkeypatch.setattr(K, "pick_blocks", lambda r, i, n_outer, rc, xb, n_sm: K._shipped_pick_blocks(r, i, n_outer, rc, xb, 1))
+    seen = _record_launches(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(shape, generator=gen, dtype=torch.float64)
     mask = (torch.rand(mshape, generator=gen) < 0.6).expand(shape) if mshape else None
     scale = torch.rand(sshape, generator=gen, dtype=torch.float64).expand(shape) if sshape else None
     if mask is not None:  # masked-off x is NaN: it must not reach y
-        x = torch.where(mask, x, torch.full((), float("nan"), dtype=torch.float64))
+        x = torch.where(mask, x, torch.full((), NAN, dtype=torch.float64))
     xn = x.to(dtype)
     y = torch_fused.mask_reduce(xn, dim, mask, None if scale is None else scale.float(), out_dtype=torch.float32)
     v = xn.double() * (scale if scale is not None else 1.0)
@@ -137,6 +261,7 @@ def test_shipped_tile_configs_match_reference(case, monkeypatch):
         v = torch.where(mask, v, torch.zeros((), dtype=torch.float64))
     ref = v.sum(dim)
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+    assert {k: seen[0][k] for k in flags} == flags
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -162,21 +287,25 @@ def test_gradcheck_mask_reduce():
     x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
     m = (torch.rand(3, 1, 5) > 0.3)
     s = torch.rand(4, 1, dtype=torch.float64)
-    assert torch.autograd.gradcheck(lambda t: torch_fused.mask_reduce(t, 1, m, s), (x,))
+    # the interpreter runs the forward kernel for each of the 2 * 60 perturbations of the full
+    # check; there a random projection of the Jacobian (fast_mode) checks the same formula
+    assert torch.autograd.gradcheck(lambda t: torch_fused.mask_reduce(t, 1, m, s), (x,), fast_mode=INTERPRET)
 
 
 def test_compile_fullgraph_mask_reduce_no_recompile():
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    cnt = CompileCounterWithBackend("inductor")
+    # the op is opaque to either backend: the interpreter run checks its kernels inside a compiled
+    # graph with the cheaper aot_eager, the CPU run Inductor's code around the op
+    cnt = CompileCounterWithBackend("aot_eager" if INTERPRET else "inductor")
 
     def combine(h, keep, w):  # MoE combine: [T, k, H] under a [T, k, 1] keep-mask
         return torch_fused.mask_reduce(h, 1, keep.expand_as(h), w.unsqueeze(-1)).float().pow(2).mean()
 
     f = torch.compile(combine, fullgraph=True, backend=cnt, dynamic=True)
-    for t in (5, 9, 13):
-        h = torch.randn(t, 2, 16, requires_grad=True)
+    for t in (3, 5, 7):
+        h = torch.randn(t, 2, 8, requires_grad=True)
         keep = torch.rand(t, 2, 1) > 0.3
         w = torch.rand(t, 2)
         out = f(h, keep, w)
@@ -211,54 +340,25 @@ def test_mask_reduce_bad_input(make, msg, mode):
         f(x, m, s)
 
 
-def test_mask_reduce_cost_counts_stored_elements():
-    x = torch.randn(6, 4, 10, dtype=torch.bfloat16)
-    keep = torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.bool)[:, None, None].expand(6, 4, 10)
-    c = torch_fused.mask_reduce_cost(x, 1, keep)
-    assert c["elements"] == 240 and c["mask_stored"] == 6
-    assert c["kept"] == 3 * 4 * 10 and c["adds"] == 120 and c["loads"] == 126
-    assert c["floor_bytes"] == 240 * 2 + 6 + 6 * 10 * 2
-    assert c["bytes"] == 120 * 2 + 6 + 120
-    assert c["materialized_mask_bytes"] == 240
-
-
-def test_masked_mean_and_aggregate_loss():
-    g = torch.Generator().manual_seed(0)
-    loss = torch.randn(4, 6, generator=g)
-    mask = torch.rand(4, 6, generator=g) > 0.4
-    mask[2] = False  # an empty row
-    m = mask.double()
-    ld = loss.double()
-    s, n = (ld * m).sum(1), m.sum(1)
-    torch.testing.assert_close(torch_fused.masked_mean(loss, mask).double(), (ld * m).sum() / m.sum(), rtol=1e-6, atol=1e-7)
-    mm = torch_fused.masked_mean(loss, mask, dim=1)
-    assert mm[2].item() == 0 and bool(torch.isfinite(mm).all())
-    torch.testing.assert_close(mm[[0, 1, 3]].double(), (s / n)[[0, 1, 3]], rtol=1e-6, atol=1e-7)
-    agg = lambda mode: torch_fused.aggregate_loss(loss, mask, mode).double()  # noqa: E731
-    torch.testing.assert_close(agg("token-mean"), s.sum() / n.sum(), rtol=1e-6, atol=1e-7)
-    keep = n > 0
-    torch.testing.assert_close(agg("seq-mean-token-mean"), (s[keep] / n[keep]).mean(), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(agg("seq-mean-token-sum"), s.mean(), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(agg("seq-mean-token-sum-norm"), s.sum() / 6, rtol=1e-6, atol=1e-7)
-    z = torch.zeros(4, 6, dtype=torch.bool)
-    for mode in torch_fused.masked.AGG_MODES:
-        assert torch_fused.aggregate_loss(loss, z, mode).item() == 0
-    with pytest.raises(ValueError, match="mode: expected one of"):
-        torch_fused.aggregate_loss(loss, mask, "mean")
-
-
-@pytest.mark.skipif(INTERPRET, reason="a gigabyte-scale logical size is for the CPU reference run")
+@pytest.mark.skipif(INTERPRET, reason="a large logical size is for the CPU reference run")
 def test_broadcast_mask_is_never_materialized():
-    """Logical mask of 1 GiB (and x of 4 GiB logical), stored in kilobytes: the op and its cost
-    model must finish with extra memory far below the logical size (peak RSS of a fresh process)."""
+    """Logical mask of 32 MiB (and x of 128 MiB logical), stored in kilobytes: the op and its cost
+    model must finish with extra memory far below the logical size (peak RSS of a fresh process,
+    over the output's size). The reference's chunk is made small so that its bounded temporaries
+    stay far below that size too."""
     code = textwrap.dedent("""
         import resource, torch, torch_fused
-        T, K, H = 1024, 64, 16384
+        from torch_fused import reference
+        reference._CHUNK_ELEMS = 1 << 16
+        T, K, H = 512, 64, 1024
         keep = (torch.rand(T, K, 1) > 0.5)
-        mask = keep.expand(T, K, H)                      # 1 GiB logical, 64 KiB stored
-        x = torch.randn(1, K, H).expand(T, K, H)         # 4 GiB logical (fp32), 4 MiB stored
-        y0 = torch.empty(T, H)                           # the output's size, touched
+        mask = keep.expand(T, K, H)                      # 32 MiB logical, 32 KiB stored
+        x = torch.randn(1, K, H).expand(T, K, H)         # 128 MiB logical (fp32), 256 KiB stored
+        torch_fused.mask_reduce(x[:2], 1, mask[:2])      # first-call allocations out of the count
+        torch_fused.mask_reduce_cost(x[:2], 1, mask[:2])
+        y0 = torch.empty(T, H)                           # the output's size, touched and freed
         y0.fill_(0)
+        del y0
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         y = torch_fused.mask_reduce(x, 1, mask)
         cost = torch_fused.mask_reduce_cost(x, 1, mask)
@@ -269,7 +369,7 @@ def test_broadcast_mask_is_never_materialized():
         print(peak - base, mask.numel())
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="2"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))  # one thread: no spinning against a busy machine
     assert proc.returncode == 0, proc.stderr[-3000:]
     extra, logical = map(int, proc.stdout.split())
-    assert extra < logical / 8, f"peak extra {extra / 2**20:.0f} MiB for a {logical / 2**20:.0f} MiB logical mask"
+    assert extra < logical / 8, f"peak extra {extra / 2**20:.1f} MiB for a {logical / 2**20:.0f} MiB logical mask"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ._library import FLOAT_DTYPES, acc_dtype
+from .meta.mask_reduce import MASK_DTYPES, _check, check_mask_reduce
 from .reference import stored_view
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -87,41 +89,64 @@ def _count(mask: torch.Tensor, shape, dim: int) -> torch.Tensor:
     return torch.broadcast_to(c, out_shape)
 
 
+def _keep(values: torch.Tensor, mask: torch.Tensor, dim: int, name: str) -> torch.Tensor:
+    """The mask checked against ``values`` (errors name the caller's argument ``name``) and, if
+    floating, turned into ``mask != 0`` on its stored elements only (still a broadcast view)."""
+    check_mask_reduce(values, dim, mask, None, None, x_name=name, mask_dtypes=MASK_DTYPES + FLOAT_DTYPES)
+    if mask.dtype.is_floating_point:
+        mask = torch.broadcast_to(stored_view(mask, values.shape) != 0, values.shape)
+    return mask
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of ``values`` where ``mask != 0``, over ``dim`` (all elements when None).
 
+    Args:
+        values: 0 to 4 dims (1 to 4 with ``dim``); float16, bfloat16, float32 or float64.
+        mask: bool, integer or floating, broadcastable to ``values`` (stride-0 views are read
+            from their stored elements). An element is kept where ``mask != 0``, whatever the
+            value: ``mask.float()`` of a bool mask works, and a non-binary float such as 0.5 (or
+            -1, or NaN) keeps its element with weight 1. The mask selects; it never weights.
+        dim: the dim to average over, or None for all elements.
+
     float32 result (float64 for float64 values). Where the mask keeps nothing the mean is 0,
     never NaN (TRL's masked_mean would give NaN there)."""
-    out_dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+    out_dtype = acc_dtype(values.dtype)
+    if dim is None and values.dim() == 0:
+        values = values.reshape(1)
+        mask = mask.reshape(1) if mask.dim() == 0 else mask
+    d = values.dim() - 1 if dim is None else dim
+    mask = _keep(values, mask, d, "values")
     shape = tuple(values.shape)
+    total = mask_reduce(values, d, mask, out_dtype=out_dtype)
+    count = _count(mask, shape, d)
     if dim is None:
-        if values.dim() == 0:
-            values = values.reshape(1)
-            mask = torch.broadcast_to(mask, (1,))
-            shape = (1,)
-        total = mask_reduce(values, values.dim() - 1, mask, out_dtype=out_dtype)
-        count = _count(mask, shape, values.dim() - 1)
         return total.sum() / count.sum().clamp_min(1)
-    total = mask_reduce(values, dim, mask, out_dtype=out_dtype)
-    return total / _count(mask, shape, dim).to(out_dtype).clamp_min(1)
+    return total / count.to(out_dtype).clamp_min(1)
 
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
     """Reduce a per-token loss ``[B, L]`` under a ``[B, L]`` (or broadcastable) mask to a scalar.
 
-    With S_b = sum_t mask * loss over row b, N_b = its kept-token count, B rows, L = loss.shape[-1]:
+    ``mask`` is bool, integer or floating; a token is kept where ``mask != 0``, whatever the value
+    (``mask.float()`` works, and a non-binary float such as 0.5 keeps its token with weight 1:
+    the mask selects, it never weights).
+
+    With S_b = sum of loss over the kept tokens of row b, N_b = their count, B rows,
+    L = loss.shape[-1]:
         token-mean:               sum_b S_b / max(sum_b N_b, 1)
         seq-mean-token-mean:      sum over rows with N_b > 0 of S_b / N_b, divided by
                                   max(#rows with N_b > 0, 1)  (empty rows are left out)
         seq-mean-token-sum:       sum_b S_b / B
         seq-mean-token-sum-norm:  sum_b S_b / L  (Dr. GRPO / veRL: a constant normalizer)
-    No mode gives NaN for rows whose mask is all zero.
+    No mode gives NaN for rows whose mask is all zero. Errors name ``loss``, ``mask`` and
+    ``mode`` (RuntimeError; ValueError for an unknown mode), eagerly and under torch.compile.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"mode: expected one of {AGG_MODES}, got {mode!r}")
-    if loss.dim() != 2:
-        raise ValueError(f"loss: expected a [B, L] tensor, got shape {tuple(loss.shape)}")
-    out_dtype = torch.float64 if loss.dtype == torch.float64 else torch.float32
+    _check(loss.dim() == 2, lambda: f"loss: expected a [B, L] tensor, got shape {tuple(loss.shape)}")
+    mask = _keep(loss, mask, 1, "loss")
+    out_dtype = acc_dtype(loss.dtype)
     shape = tuple(loss.shape)
     s = mask_reduce(loss, 1, mask, out_dtype=out_dtype)  # [B]
     if mode == "seq-mean-token-sum":

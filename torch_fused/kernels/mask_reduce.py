@@ -14,7 +14,7 @@ compile-time constants) and becomes the fast axis of the tile, so both the MoE c
 (reduce a small middle dim, contiguous hidden size) and token losses (reduce the contiguous
 last dim) read coalesced memory with the same code.
 
-What carries the bandwidth (measured on an H200, docs/BENCHMARKS.md):
+What carries the bandwidth (measured on an H200):
 - Register layout. The fast-axis offsets are marked contiguous in runs of VEC = 16 bytes of x
   only, so x and a narrower mask get the same layout (one 16-byte x vector and one VEC-byte mask
   vector per thread and row). Left alone, the compiler may give a bool mask 16 elements per
@@ -35,6 +35,8 @@ import functools
 
 import triton
 import triton.language as tl
+
+from .._library import cdiv
 
 
 @triton.jit
@@ -194,73 +196,147 @@ def _mask_reduce_forward_kernel(
                                     HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT, EVEN)
             acc = _add_tile(acc, xc, mc, sc, HAS_MASK, HAS_SCALE)
     y = tl.sum(acc, axis=0)
-    tl.store(p_y + outer * I + i0 + tl.arange(0, BLOCK_I), y.to(p_y.dtype.element_ty), mask=(i0 + tl.arange(0, BLOCK_I)) < I)
+    o_y = i0 + tl.arange(0, BLOCK_I)
+    tl.store(p_y + outer * I + o_y, y.to(p_y.dtype.element_ty), mask=o_y < I)
 
-# L2 eviction hints where a mask is shared across programs (x evict_first, mask evict_last)
-EVICT_HINTS = True
-# program order where the mask is shared across outer (batch) indices: those indices fastest
-OUTER_FIRST = True
-# the column-strip tiles: rows per thread and trip, warps, software pipelining
-STRIP_U = 8
-STRIP_WARPS = 8
-STRIP_PIPELINE = False
+
+# The shipped tile choices. The figures are fractions of the memory floor, from device-timed tile
+# sweeps of the three bench cases (bf16 x, bool mask; torch_fused/bench/mask_reduce.py) on an H200.
+TILES = {
+    # many outputs ([T, k, H] -> [T, H]): one row run per tile; 1 / 2 / 4 KB rows measured 0.948 / 0.927 / 0.892
+    "row_bytes": 1024,
+    # many outputs: rows per thread and trip; few registers, so many small programs stay resident
+    "row_u": 4,
+    # strips narrow until there are this many programs per SM (few outputs, long reduce dim)
+    "programs_per_sm": 8,
+    # strips: narrowest row; on (8, 4096, 4096) 128 B rows beat 256 B (0.953) and 512 B (0.874)
+    "strip_min_bytes": 128,
+    # strips: rows per thread and trip; 0.957-0.961 of the floor against 0.932 with 4
+    "strip_u": 8,
+    # strips: warps, 32 rows of threads with 128 B rows; 16 rows measured 0.796, 64 rows 0.817-0.857
+    "strip_warps": 8,
+    # contiguous reduce dim ([B, L] -> [B]): the widest tile, one 8-warp row of 16-byte vectors
+    "contig_warps": 8,
+}
+# Software pipelining (PIPELINE) is on for the contiguous-r tiles only: in the strips it measured
+# 0.905 of the floor against 0.957 without, every value carried across the loop's back edge
+# being unpacked per element.
 
 
 def _np2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
+@functools.lru_cache(maxsize=4096)
 def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int = 2,
                 n_sm: int = 132) -> tuple[int, int, int, int, bool, int]:
-    """The launch's tiles (see _pick); cached per shape and the STRIP_* knobs' current values."""
-    return _pick(r, i, n_outer, r_contiguous, x_bytes, n_sm, STRIP_U, STRIP_WARPS, STRIP_PIPELINE)
-
-
-@functools.lru_cache(maxsize=4096)
-def _pick(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int, n_sm: int, strip_u: int,
-          strip_warps: int, strip_pipeline: bool) -> tuple[int, int, int, int, bool, int]:
     """(BLOCK_R, BLOCK_I, num_warps, VEC, PIPELINE, U), VEC = 16 bytes of x. A trip loads a
     [U * BLOCK_R, BLOCK_I] tile, U 16-byte x vectors per thread and column run, whose U rows a
     thread adds in registers; the accumulator is [BLOCK_R, BLOCK_I], one per thread and vector.
 
     - reduce dim not contiguous, plenty of outputs (MoE combine, [T, k, H] -> [T, H]): one
-      1 KB row run per tile (2 warps along i), U = 4 rows per trip: few registers, many small
-      programs, and no reduction across threads at all. On the (8192, 4, 8192) full-mask case,
-      1 / 2 / 4 KB rows measured 0.948 / 0.927 / 0.892 of the floor.
+      row run per tile (2 warps along i), U rows per trip, no reduction across threads at all.
     - few outputs and a long reduce dim ([B, M, N] -> [B, N] with small B): narrower column
-      strips (not below 128 bytes per row) until there are programs for every SM, STRIP_U = 8
-      rows per thread and trip, 32 rows of threads (8 warps), no software pipelining; one
-      cross-warp reduction at the very end. On (8, 4096, 4096): 0.957-0.961 of the floor, against
-      0.932 with 4 rows per thread, 0.953 / 0.874 with 256 / 512-byte rows, 0.905 pipelined
-      (device-timed sweep). (Splitting the reduce dim instead, with fp32 partials, measured no
-      faster in session 2, and it needs a workspace larger than the output.)
+      strips until there are programs for every SM, all of the program's threads not needed
+      along i placed along r, no software pipelining; one cross-warp reduction at the very end.
+      (Splitting the reduce dim instead, with fp32 partials, measured no faster, and it needs a
+      workspace larger than the output.)
     - reduce dim contiguous (token losses, [B, L] -> [B]): the tile's fast axis is r, pipelined.
-    Measured on an H200: benchmarks/mask_reduce_tiles.py, docs/BENCHMARKS.md.
+    The numbers are in TILES.
     """
-    np2 = _np2  # plain Python: triton.next_power_of_2 and triton.cdiv run through triton's JIT-function call path on the host
     vec = max(1, 16 // x_bytes)
-    cap = vec * 32 * 8  # one 8-warp tile row
-    r2 = np2(max(r, 1))
-    i2 = np2(max(i, 1))
+    cap = vec * 32 * TILES["contig_warps"]
+    r2 = _np2(max(r, 1))
+    i2 = _np2(max(i, 1))
     if r_contiguous:
-        u, pipeline = 1, True
         block_r = min(r2, cap)
         block_i = max(1, min(i2, cap * 2 // block_r))
-        warps = max(1, min(8, block_r * block_i // (vec * 32 * 2)))
-        return block_r, block_i, warps, vec, pipeline, u
-    min_i = max(1, 128 // x_bytes)
-    block_i = min(i2, 2 * vec * 32)
-    while block_i > min_i and n_outer * _cdiv(i, block_i) < 8 * n_sm:
+        warps = max(1, min(TILES["contig_warps"], block_r * block_i // (vec * 32 * 2)))
+        return block_r, block_i, warps, vec, True, 1
+    min_i = max(1, TILES["strip_min_bytes"] // x_bytes)
+    block_i = min(i2, TILES["row_bytes"] // x_bytes)
+    enough = TILES["programs_per_sm"] * n_sm
+    while block_i > min_i and n_outer * cdiv(i, block_i) < enough:
         block_i //= 2
-    if n_outer * _cdiv(i, block_i) >= 8 * n_sm:
-        u, pipeline, block_r = min(4, r2), False, 1
+    if n_outer * cdiv(i, block_i) >= enough:
+        u, block_r = min(TILES["row_u"], r2), 1
     else:
-        u, pipeline = min(strip_u, r2), strip_pipeline
+        u = min(TILES["strip_u"], r2)
         # threads along r: all of the program's threads not needed along i, fewer if r is short
-        block_r = max(1, min(r2 // u, strip_warps * 32 * vec // block_i))
-    warps = max(1, min(strip_warps, block_r * block_i // (vec * 32)))
-    return block_r, block_i, warps, vec, pipeline, u
+        block_r = max(1, min(r2 // u, TILES["strip_warps"] * 32 * vec // block_i))
+    warps = max(1, min(TILES["strip_warps"], block_r * block_i // (vec * 32)))
+    return block_r, block_i, warps, vec, False, u
+
+
+def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, acc_f64: bool,
+                  n_sm: int) -> tuple[int, dict, int]:
+    """(n_iblk, constexprs, num_warps) of one launch over x [o0, o1, r, i] with reduce dim r;
+    sx / sm / ss are the (r, 0, 1, i) strides of x, the mask and the scale (None if absent).
+    The grid is o0 * o1 * n_iblk programs."""
+    has_mask, has_scale = sm is not None, ss is not None
+    sm = sm or (0, 0, 0, 0)
+    ss = ss or (0, 0, 0, 0)
+    r_contig = sx[0] == 1 and sx[3] != 1
+    # predicate x on the mask only where the mask is constant along x's fast axis
+    pred_x = has_mask and ((sm[0] == 0) if r_contig else (sm[3] == 0))
+    # a mask broadcast over an output dim is read by several programs of one column block
+    m_outer = has_mask and ((sm[1] == 0 and o0 > 1) or (sm[2] == 0 and o1 > 1))
+    # a mask several programs read: L2 hints keep it (evict_last) and stream x past it (evict_first)
+    m_shared = has_mask and (m_outer or (sm[3] == 0 and i > 1))
+    block_r, block_i, warps, vec, pipeline, u = pick_blocks(r, i, o0 * o1, r_contig, x_bytes, n_sm)
+    # in-tile offsets fit 32 bits unless a tile spans more than 2**31 elements of some operand
+    span = max(abs(st[0]) * block_r * u + abs(st[3]) * block_i for st in (sx, sm, ss))
+    constexprs = dict(
+        HAS_MASK=has_mask, HAS_SCALE=has_scale, ACC_F64=acc_f64,
+        M_BCAST_R=sm[0] == 0, M_BCAST_I=sm[3] == 0, S_BCAST_R=ss[0] == 0, S_BCAST_I=ss[3] == 0,
+        PRED_X=pred_x, WIDE=span >= 2**31, BLOCK_R=block_r, BLOCK_I=block_i, VEC=vec,
+        M_EVICT="evict_last" if m_shared else "", X_EVICT="evict_first" if m_shared else "",
+        PIPELINE=pipeline, U=u,
+        # always where it applies: on the [1, M, N]-mask strips 0.959 of the floor with it, 0.757 without
+        OUTER_FIRST=m_outer,
+        EVEN=r % (block_r * u) == 0 and i % block_i == 0,
+    )
+    return cdiv(i, block_i), constexprs, warps
+
+
+# (name, x dtype, x shape, reduce dim, x strides, mask strides, scale strides) of the launches
+# the benchmarks and the usual callers make, on a 132-SM device; strides of the broadcast views
+_COMPILE_LAUNCHES = [
+    ("moe [T,k,1] mask, [T,k] weights", "bf16", (65536, 4, 8192), 1, (32768, 8192, 1), (4, 1, 0), (4, 1, 0)),
+    ("full mask", "bf16", (8192, 4, 8192), 1, (32768, 8192, 1), (32768, 8192, 1), None),
+    ("[1,M,N] mask strips", "bf16", (8, 4096, 4096), 1, (4096 * 4096, 4096, 1), (0, 4096, 1), None),
+    ("no mask strips", "fp16", (8, 4096, 4096), 1, (4096 * 4096, 4096, 1), None, None),
+    ("token loss [B,L] mask", "fp32", (64, 4096), 1, (4096, 1), (4096, 1), None),
+    ("token loss [B,L] mask, [1,L] scale", "bf16", (64, 4096), 1, (4096, 1), (4096, 1), (0, 1)),
+    ("token loss [B,1] mask float64", "fp64", (64, 4096), 1, (4096, 1), (1, 0), None),
+    ("moe, reduce stride 2**29 (int64 tile offsets)", "bf16", (4, 4, 8192), 1, (2**31, 2**29, 1), (4, 1, 0), None),
+]
+_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
+
+
+def compile_cases():
+    """(name, kernel, signature, constexprs, num_warps) of the launches in _COMPILE_LAUNCHES, with
+    the constexprs launch_config gives them (for tests/test_kernels_compile.py). Integer
+    arguments equal to 1 are constexprs, as Triton specializes them at launch."""
+    for name, dt, shape, d, sx, sm, ss in _COMPILE_LAUNCHES:
+        def four(st):  # (r, 0, 1, i) strides, in the order ops/mask_reduce.py passes them
+            if st is None:
+                return None
+            st = list(st)
+            r = st.pop(d)
+            return (r, *([0] * (3 - len(st)) + st))
+
+        osz = list(shape[:d]) + list(shape[d + 1:])
+        o0, o1, i = [1] * (3 - len(osz)) + osz
+        x4, m4, s4 = four(sx), four(sm), four(ss)
+        n_iblk, cx, warps = launch_config(shape[d], o0, o1, i, x4, m4, s4, _BYTES[dt], dt == "fp64", 132)
+        sig = {"p_x": f"*{dt}", "p_m": "*u8", "p_s": "*fp32", "p_y": f"*{dt}"}
+        args = [("R", shape[d]), ("O1", o1), ("I", i), ("n_iblk", n_iblk), ("n_outer", o0 * o1)]
+        for pre, st in (("sx", x4), ("sm", m4), ("ss", s4)):
+            args += [(f"{pre}_{suf}", v) for suf, v in zip(("r", "0", "1", "i"), st or (0, 0, 0, 0))]
+        for k, v in args:
+            if v == 1:
+                cx[k] = 1
+            else:
+                sig[k] = "i64" if abs(v) >= 2**31 else "i32"
+        yield (f"mask_reduce {name}", _mask_reduce_forward_kernel, sig, cx, warps)

@@ -1,12 +1,30 @@
-"""Input checks and fake implementations of fused::mask_reduce (shapes and dtypes only)."""
+"""Input checks and fake implementations of fused::mask_reduce (shapes and dtypes only).
+
+``check_mask_reduce`` is the one validation function: the op and its fake implementation call it,
+and so do the helpers of ``torch_fused.masked`` (with their own argument names) before they
+dispatch, so an eager call and a call traced by ``torch.compile`` fail with the same message.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .._library import FLOAT_DTYPES, check
+from .._library import FLOAT_DTYPES
 
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _check(cond, message) -> None:
+    """``torch._check(cond, message)``, raising in Python where ``cond`` is a plain False.
+
+    Dynamo traces the masked helpers' checks; it re-raises an exception raised in the traced code
+    with its message, but it cannot turn a ``torch._check`` message closure that reads a tensor
+    or a size into a constant, and then reports that failure instead of the message."""
+    if cond is True:
+        return
+    if cond is False:
+        raise RuntimeError(message())  # what torch._check raises
+    torch._check(cond, message)  # a SymBool while tracing: recorded, not evaluated here
 
 
 def _broadcastable(shape, target) -> bool:
@@ -18,21 +36,26 @@ def _broadcastable(shape, target) -> bool:
     return True
 
 
-def check_mask_reduce(x, dim, mask, scale, out_dtype) -> int:
-    """Validate and return dim normalized to [0, x.dim())."""
-    check(x.dtype in FLOAT_DTYPES,
-          lambda: f"x: expected dtype float16, bfloat16, float32 or float64, got {x.dtype}")
-    check(1 <= x.dim() <= 4, lambda: f"x: expected 1 to 4 dims, got {x.dim()} (shape {tuple(x.shape)})")
-    check(-x.dim() <= dim < x.dim(), lambda: f"dim: expected a dim of x in [{-x.dim()}, {x.dim()}), got {dim}")
-    for name, t, dtypes, kind in (("mask", mask, MASK_DTYPES, "bool or integer"), ("scale", scale, FLOAT_DTYPES, "floating")):
+def check_mask_reduce(x, dim, mask, scale, out_dtype, *, x_name: str = "x",
+                      mask_dtypes: tuple = MASK_DTYPES) -> int:
+    """Validate and return dim normalized to [0, x.dim()). Messages name x as ``x_name``, so a
+    helper that reduces its ``loss`` argument reports ``loss``."""
+    _check(x.dtype in FLOAT_DTYPES,
+           lambda: f"{x_name}: expected dtype float16, bfloat16, float32 or float64, got {x.dtype}")
+    _check(1 <= x.dim() <= 4, lambda: f"{x_name}: expected 1 to 4 dims, got {x.dim()} (shape {tuple(x.shape)})")
+    _check(-x.dim() <= dim < x.dim(),
+           lambda: f"dim: expected a dim of {x_name} in [{-x.dim()}, {x.dim()}), got {dim}")
+    mask_kind = "bool, integer or floating" if any(d.is_floating_point for d in mask_dtypes) else "bool or integer"
+    for name, t, dtypes, kind in (("mask", mask, mask_dtypes, mask_kind), ("scale", scale, FLOAT_DTYPES, "floating")):
         if t is None:
             continue
-        check(t.dtype in dtypes, lambda: f"{name}: expected a {kind} dtype, got {t.dtype}")
-        check(t.device == x.device, lambda: f"{name}: expected device {x.device} (x's device), got {t.device}")
-        check(_broadcastable(t.shape, x.shape),
-              lambda: f"{name}: shape {tuple(t.shape)} does not broadcast to x's shape {tuple(x.shape)}")
-    check(out_dtype is None or out_dtype in FLOAT_DTYPES,
-          lambda: f"out_dtype: expected None or a floating dtype, got {out_dtype}")
+        _check(t.dtype in dtypes, lambda: f"{name}: expected a {kind} dtype, got {t.dtype}")
+        _check(t.device == x.device,
+               lambda: f"{name}: expected device {x.device} (the device of {x_name}), got {t.device}")
+        _check(_broadcastable(t.shape, x.shape),
+               lambda: f"{name}: shape {tuple(t.shape)} does not broadcast to {x_name} of shape {tuple(x.shape)}")
+    _check(out_dtype is None or out_dtype in FLOAT_DTYPES,
+           lambda: f"out_dtype: expected None or a floating dtype, got {out_dtype}")
     return dim % x.dim()
 
 

@@ -72,29 +72,15 @@ def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
     o0, o1, i = osz
     r = shape[d]
     xt, sx = _operand(x, shape, d)
-    mt, sm = _operand(mask, shape, d) if mask is not None else (x, (0, 0, 0, 0))
-    sc, ss = _operand(scale, shape, d) if scale is not None else (x, (0, 0, 0, 0))
-    r_contig = sx[0] == 1 and sx[3] != 1
-    # predicate x on the mask only where the mask is constant along x's fast axis
-    pred_x = mask is not None and ((sm[0] == 0) if r_contig else (sm[3] == 0))
-    # a mask broadcast over an output dim is read by several programs: keep it in L2 for them
-    m_outer = mask is not None and ((sm[1] == 0 and o0 > 1) or (sm[2] == 0 and o1 > 1))
-    m_shared = K.EVICT_HINTS and mask is not None and (m_outer or (sm[3] == 0 and i > 1))
-    block_r, block_i, warps, vec, pipeline, u = K.pick_blocks(r, i, o0 * o1, r_contig, x.element_size(), n_sm(x.device))
-    n_iblk = K._cdiv(i, block_i)
-    # in-tile offsets fit 32 bits unless a tile spans more than 2**31 elements of some operand
-    span = max(abs(st[0]) * block_r * u + abs(st[3]) * block_i for st in (sx, sm, ss))
+    mt, sm = _operand(mask, shape, d) if mask is not None else (x, None)
+    sc, ss = _operand(scale, shape, d) if scale is not None else (x, None)
+    n_iblk, constexprs, warps = K.launch_config(r, o0, o1, i, sx, sm, ss, x.element_size(),
+                                                acc_dtype(x.dtype) == torch.float64, n_sm(x.device))
     K._mask_reduce_forward_kernel[(o0 * o1 * n_iblk,)](
         xt, mt, sc, y,
         r, o1, i, n_iblk, o0 * o1,
-        *sx, *sm, *ss,
-        HAS_MASK=mask is not None, HAS_SCALE=scale is not None,
-        ACC_F64=acc_dtype(x.dtype) == torch.float64,
-        M_BCAST_R=sm[0] == 0, M_BCAST_I=sm[3] == 0, S_BCAST_R=ss[0] == 0, S_BCAST_I=ss[3] == 0,
-        PRED_X=pred_x, WIDE=span >= 2**31, BLOCK_R=block_r, BLOCK_I=block_i, VEC=vec,
-        M_EVICT="evict_last" if m_shared else "", X_EVICT="evict_first" if m_shared else "",
-        PIPELINE=pipeline, U=u, OUTER_FIRST=K.OUTER_FIRST and m_outer,
-        EVEN=r % (block_r * u) == 0 and i % block_i == 0, num_warps=warps,
+        *sx, *(sm or (0, 0, 0, 0)), *(ss or (0, 0, 0, 0)),
+        **constexprs, num_warps=warps,
     )
     return y
 

@@ -1,0 +1,146 @@
+"""The helpers of torch_fused.masked: the cost model, masked_mean and aggregate_loss (bool,
+integer and float masks; errors that name the caller's arguments, eager and compiled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_fused
+from torch_fused.masked import AGG_MODES
+
+TOL = dict(rtol=1e-6, atol=1e-7)
+
+
+def test_mask_reduce_cost_counts_stored_elements():
+    x = torch.randn(6, 4, 10, dtype=torch.bfloat16)
+    keep = torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.bool)[:, None, None].expand(6, 4, 10)
+    c = torch_fused.mask_reduce_cost(x, 1, keep)
+    assert c["elements"] == 240 and c["mask_stored"] == 6
+    assert c["kept"] == 3 * 4 * 10 and c["adds"] == 120 and c["loads"] == 126
+    assert c["floor_bytes"] == 240 * 2 + 6 + 6 * 10 * 2
+    assert c["bytes"] == 120 * 2 + 6 + 120
+    assert c["materialized_mask_bytes"] == 240
+
+
+def _expected(loss, keep):
+    """float64 per-row sums S_b and counts N_b over the kept tokens (keep: a bool [B, L])."""
+    k = keep.double()
+    return (loss.double() * k).sum(1), k.sum(1)
+
+
+def _check_all(loss, mask, keep):
+    """masked_mean and every aggregate_loss mode on (loss, mask) against the formulas on keep."""
+    s, n = _expected(loss, keep)
+    torch.testing.assert_close(torch_fused.masked_mean(loss, mask).double(), s.sum() / n.sum(), **TOL)
+    mm = torch_fused.masked_mean(loss, mask, dim=1).double()
+    rows = n > 0
+    torch.testing.assert_close(mm[rows], (s / n)[rows], **TOL)
+    assert bool((mm[~rows] == 0).all())
+    agg = lambda mode: torch_fused.aggregate_loss(loss, mask, mode).double()  # noqa: E731
+    torch.testing.assert_close(agg("token-mean"), s.sum() / n.sum(), **TOL)
+    torch.testing.assert_close(agg("seq-mean-token-mean"), (s[rows] / n[rows]).mean(), **TOL)
+    torch.testing.assert_close(agg("seq-mean-token-sum"), s.mean(), **TOL)
+    torch.testing.assert_close(agg("seq-mean-token-sum-norm"), s.sum() / loss.shape[1], **TOL)
+
+
+def _loss_and_keep(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    loss = torch.randn(4, 6, generator=g)
+    keep = torch.rand(4, 6, generator=g) > 0.4
+    keep[2] = False  # an empty row
+    keep[0, 0] = True
+    return loss, keep
+
+
+@pytest.mark.parametrize("kind", ["bool", "int64", "uint8", "float32", "bfloat16", "float64"])
+def test_masked_mean_and_aggregate_loss_mask_dtypes(kind):
+    """mask.float() (0.0 / 1.0), integer and bool masks give the same results."""
+    loss, keep = _loss_and_keep()
+    _check_all(loss, keep.to(getattr(torch, kind)), keep)
+
+
+def test_non_binary_float_mask_keeps_every_nonzero_entry():
+    """A float mask selects (mask != 0), it never weights: 0.5, -1, 2 and NaN keep their token
+    with weight 1, 0.0 and -0.0 drop it."""
+    loss, keep = _loss_and_keep(1)
+    vals = torch.tensor([0.5, -1.0, 2.0, float("nan"), 0.25])
+    g = torch.Generator().manual_seed(2)
+    mask = torch.where(keep, vals[torch.randint(0, 5, keep.shape, generator=g)], torch.zeros(()))
+    mask[1, 1] = -0.0
+    keep[1, 1] = False
+    assert bool(((mask != 0) == keep).all()) and bool(mask.isnan().any())
+    _check_all(loss, mask, keep)
+
+
+def test_broadcast_float_mask_is_read_from_its_stored_elements():
+    loss, _ = _loss_and_keep(3)
+    row = torch.tensor([[1.0], [0.0], [0.5], [1.0]])  # [B, 1], expanded over L
+    keep = (row != 0).expand(4, 6)
+    _check_all(loss, row.expand(4, 6), keep)
+    _check_all(loss, row, keep)  # broadcast by shape
+
+
+def test_masked_mean_over_other_dims_and_scalars():
+    g = torch.Generator().manual_seed(4)
+    v = torch.randn(3, 4, 5, generator=g, dtype=torch.float64)
+    m = (torch.rand(3, 4, 1, generator=g) > 0.3).float()
+    keep = (m != 0).expand(3, 4, 5).double()
+    out = torch_fused.masked_mean(v, m, dim=1)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, (v * keep).sum(1) / keep.sum(1).clamp_min(1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch_fused.masked_mean(v, m), (v * keep).sum() / keep.sum(), rtol=1e-12, atol=1e-12)
+    assert torch_fused.masked_mean(torch.tensor(2.0), torch.tensor(0.5)).item() == 2.0
+    assert torch_fused.masked_mean(torch.tensor(2.0), torch.tensor(0.0)).item() == 0.0
+
+
+def test_all_zero_mask_gives_zero_not_nan():
+    loss, _ = _loss_and_keep()
+    for mask in (torch.zeros(4, 6, dtype=torch.bool), torch.zeros(4, 6)):
+        for mode in AGG_MODES:
+            assert torch_fused.aggregate_loss(loss, mask, mode).item() == 0
+        assert torch_fused.masked_mean(loss, mask).item() == 0
+
+
+def test_aggregate_loss_float_mask_compiled():
+    """A GRPO step's call form, mask.float(), inside torch.compile(fullgraph=True)."""
+    loss, keep = _loss_and_keep(5)
+    f = torch.compile(lambda l, m: torch_fused.aggregate_loss(l, m, "seq-mean-token-mean"), fullgraph=True,
+                      backend="aot_eager")
+    torch._dynamo.reset()
+    s, n = _expected(loss, keep)
+    rows = n > 0
+    torch.testing.assert_close(f(loss, keep.float()).double(), (s[rows] / n[rows]).mean(), **TOL)
+
+
+AGG = torch_fused.aggregate_loss
+MEAN = torch_fused.masked_mean
+BAD = [  # (id, function, args, message)
+    ("loss dtype", AGG, (torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4)),
+     r"loss: expected dtype float16, bfloat16, float32 or float64, got torch.int64"),
+    ("loss rank", AGG, (torch.zeros(4), torch.ones(4)), r"loss: expected a \[B, L\] tensor, got shape \(4,\)"),
+    ("mask shape", AGG, (torch.zeros(3, 4), torch.ones(3, 5)),
+     r"mask: shape \(3, 5\) does not broadcast to loss of shape \(3, 4\)"),
+    ("mask dtype", AGG, (torch.zeros(3, 4), torch.ones(3, 4, dtype=torch.complex64)),
+     r"mask: expected a bool, integer or floating dtype, got torch.complex64"),
+    ("mode", AGG, (torch.zeros(3, 4), torch.ones(3, 4), "mean"), r"mode: expected one of \('token-mean'.*got 'mean'"),
+    ("values dtype", MEAN, (torch.zeros(3, 4, dtype=torch.int32), torch.ones(3, 4)),
+     r"values: expected dtype float16, bfloat16, float32 or float64, got torch.int32"),
+    ("values dim", MEAN, (torch.zeros(3, 4), torch.ones(3, 4), 2),
+     r"dim: expected a dim of values in \[-2, 2\), got 2"),
+    ("values mask shape", MEAN, (torch.zeros(3, 4), torch.ones(2, 4)),
+     r"mask: shape \(2, 4\) does not broadcast to values of shape \(3, 4\)"),
+]
+
+
+@pytest.mark.parametrize("fn,args,msg", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_errors_name_the_callers_arguments(fn, args, msg, mode):
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    rest = args[len(tensors):]
+    f = lambda *t: fn(*t, *rest)  # noqa: E731
+    if mode == "compiled":
+        torch._dynamo.reset()
+        f = torch.compile(f, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=msg):
+        f(*tensors)
