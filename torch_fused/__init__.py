@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 from .masked import aggregate_loss, mask_reduce, mask_reduce_cost, masked_mean  # noqa: E402
 from . import optim  # noqa: E402,F401
+from .optim import sinkgd_step  # noqa: E402
 
 __all__ = [
     "selective_log_softmax",
@@ -24,10 +25,11 @@ __all__ = [
     "mask_reduce_cost",
     "masked_mean",
     "aggregate_loss",
+    "sinkgd_step",
 ]
 
 
-def _temperature_args(temperature) -> tuple[float, torch.Tensor | None]:
+def _temperature_args(temperature, logits) -> tuple[float, torch.Tensor | None]:
     """(float temperature, temperature tensor or None) for the ops' schemas: a Python number is a
     constant of the op; a 1-element tensor is passed as ``temperature_tensor`` (differentiable).
     None means 1.0: a literal here, so torch.compile never sees a float default as an input."""
@@ -36,7 +38,7 @@ def _temperature_args(temperature) -> tuple[float, torch.Tensor | None]:
     if isinstance(temperature, torch.Tensor):
         if temperature.numel() != 1:
             raise ValueError(f"temperature: expected a float or a 1-element tensor, got shape {tuple(temperature.shape)}")
-        return 1.0, temperature.reshape(())
+        return 1.0, temperature.to(logits.device).reshape(())  # differentiable; a CPU scalar moves
     return float(temperature), None
 
 
@@ -71,7 +73,7 @@ def selective_log_softmax(
         ``[0, V)`` that is not ``ignore_index`` raises ``IndexError`` on CPU; on CUDA (where
         checking would cost a device sync) it gives NaN at that position and a NaN gradient row.
     """
-    t, t_tensor = _temperature_args(temperature)
+    t, t_tensor = _temperature_args(temperature, logits)
     return torch.ops.fused.selective_log_softmax(logits, index, t, ignore_index, shift=shift,
                                                  temperature_tensor=t_tensor)
 
@@ -90,7 +92,7 @@ def entropy_from_logits(
     :func:`selective_log_softmax` (a tensor one is differentiated).
     """
     del chunk_size
-    t, t_tensor = _temperature_args(temperature)
+    t, t_tensor = _temperature_args(temperature, logits)
     return torch.ops.fused.entropy_from_logits(logits, t, shift=shift, temperature_tensor=t_tensor)
 
 
@@ -107,7 +109,7 @@ def logprobs_and_entropy(
     Same arguments and index semantics as :func:`selective_log_softmax`. The backward is one
     fused pass for any combination of the two upstream gradients.
     """
-    t, t_tensor = _temperature_args(temperature)
+    t, t_tensor = _temperature_args(temperature, logits)
     return torch.ops.fused.logprobs_and_entropy(logits, index, t, ignore_index, shift=shift,
                                                 temperature_tensor=t_tensor)
 

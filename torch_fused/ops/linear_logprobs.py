@@ -3,10 +3,13 @@
 Log-probs at ``index`` and the entropy of ``softmax(z / T)``, z = softcap(logit_scale *
 (hidden @ weight.T + bias)), without ever holding the [N, V] logits:
 
-- Forward: token chunks. Each chunk's logits [n, V] come from one GEMM with fp32 output
-  (cuBLAS accumulates bf16/fp16 products in fp32; ``torch.mm(..., out_dtype=torch.float32)``)
-  and go through the log-prob kernels of ops/logprobs.py, which save the per-row statistics
-  (row max, log2 of the sum of exponentials) and the entropy: O(N) saved.
+- Forward: vocabulary chunks over all N tokens (a token chunk would re-read the whole weight
+  per chunk: at N = 8192, V = 151936 that made the forward memory-bound on the weight, 2.1x
+  one GEMM). Each chunk's logits [N, v] come from one GEMM with fp32 output (cuBLAS
+  accumulates bf16/fp16 products in fp32; ``torch.mm(..., out_dtype=torch.float32)``) and go
+  through the log-prob forward kernel; the chunks' row statistics (max, sum of exponentials,
+  entropy sum, the indexed logit) are merged as the kernel merges its tile rows. Saved for the
+  backward: the row max and log2 of the sum (the kernels' stats) and the entropy, O(N).
 - Backward: vocabulary chunks over all N tokens. A chunk's logits [N, v] are recomputed, the
   log-prob backward kernel turns them into d logits (rounded once to the weight's dtype, as a
   materialized path rounds them) with the whole rows' statistics, and
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .._library import LIB, NAMESPACE, TRITON_DEVICES, acc_dtype, new_output
+from .._library import INTERPRET, LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, new_output
 from .. import reference
 from ..meta import linear_logprobs as meta
 from ..meta.logprobs import row_shape
@@ -34,11 +37,10 @@ from . import logprobs as lp_ops
 _FWD = f"{NAMESPACE}::_linear_logprobs_entropy_forward"
 _BWD = f"{NAMESPACE}::_linear_logprobs_entropy_backward"
 
-# Bytes of chunk buffers per device type: forward fp32 logits [n, V]; backward fp32 logits plus
+# Bytes of chunk buffers per device type: forward fp32 logits [N, v]; backward fp32 logits plus
 # d logits [N, v]. On CUDA, 96 MiB keeps the extra memory at N = 8192, H = 4096, V = 151936
 # (chunks plus the 128 MiB d hidden accumulator) under an eighth of the bf16 logits (297 MiB).
 CHUNK_BYTES = {"cuda": 96 << 20, "cpu": 4 << 20}
-_ROW_MULTIPLE = 64  # token-chunk rows in multiples of a GEMM tile
 
 _HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
@@ -105,21 +107,58 @@ def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift,
     n, v = h2.shape[0], weight.shape[0]
     if n == 0:
         return logp, ent, stats
+    if stats_fn is _stats_reference and hidden.device.type == "cpu":
+        reference.check_index_range(idx2, v, ignore_index)
     w = weight if (weight.is_cuda or weight.dtype in (torch.float32, torch.float64)) else weight.float()
     if w is not weight:
         h2 = h2.float()
     t_eff = _effective_temperature(temperature, logit_scale, softcap)
-    step = max(1, _chunk_budget(hidden.device) // (4 * v))
-    if step > _ROW_MULTIPLE:
-        step -= step % _ROW_MULTIPLE
-    lp2, ent2, st2 = logp.view(idx2.shape), ent.view(n), stats.view(n, 2)
-    for a in range(0, n, step):
-        b = min(n, a + step)
-        z, _ = _logits_chunk(h2[a:b], w, bias, logit_scale, softcap)
-        lp_c, ent_c, st_c = stats_fn(z, idx2[a:b], t_eff, ignore_index, True)
-        lp2[a:b] = lp_c
-        ent2[a:b] = ent_c
-        st2[a:b] = st_c
+    c = LOG2E / t_eff
+    step = max(1, _chunk_budget(hidden.device) // (4 * n))
+    if step > 128:
+        step -= step % 128
+
+    def shift_c(a_, b_):
+        """(a - b) in the kernels' base-2 units: the difference of the rounded shifts a c and b c
+        that their sums are relative to (kernels/logprobs.py, _shift_diff)."""
+        return (a_ - b_) * c if INTERPRET or dt == torch.float64 else a_ * c - b_ * c
+
+    # running row statistics over the vocabulary chunks, as the kernels keep them per tile row:
+    # max m, s = sum 2^d, t = sum 2^d d with d = x c - m c; and, per index, its d against the
+    # max of the chunk that holds it (u) with that max (m_own)
+    m = s_run = t_run = None
+    u = torch.zeros(idx2.shape, dtype=dt, device=hidden.device)
+    m_own = torch.zeros(idx2.shape, dtype=dt, device=hidden.device)
+    col = (lambda x: x[:, None]) if idx2.dim() == 2 else (lambda x: x)
+    for v0 in range(0, v, step):
+        v1 = min(v, v0 + step)
+        z, _ = _logits_chunk(h2, w[v0:v1], bias[v0:v1] if bias is not None else None, logit_scale, softcap)
+        loc = idx2 - v0
+        inside = (loc >= 0) & (loc < v1 - v0)
+        lp_c, ent_c, st_c = stats_fn(z, torch.where(inside, loc, 0), t_eff, -1, True)
+        del z
+        m_c, l2s_c = st_c[:, 0], st_c[:, 1]
+        s_c = torch.exp2(l2s_c)
+        t_c = s_c * (l2s_c - ent_c * (1.0 / LN2))
+        u = torch.where(inside, lp_c * (1.0 / LN2) + col(l2s_c), u)
+        m_own = torch.where(inside, col(m_c).expand_as(m_own), m_own)
+        if m is None:
+            m, s_run, t_run = m_c, s_c, t_c
+            continue
+        m_new = torch.maximum(m, m_c)
+        da, db = shift_c(m, m_new), shift_c(m_c, m_new)
+        ea, eb = torch.exp2(da), torch.exp2(db)
+        t_run = ea * (t_run + da * s_run) + eb * (t_c + db * s_c)
+        s_run = s_run * ea + s_c * eb
+        m = m_new
+    log2s = torch.log2(s_run)
+    stats.view(n, 2)[:, 0] = m
+    stats.view(n, 2)[:, 1] = log2s
+    ent.view(n).copy_((log2s - t_run / s_run) * LN2)
+    lp = (u + shift_c(m_own, col(m)) - col(log2s)) * LN2
+    valid = (idx2 >= 0) & (idx2 < v)
+    lp = torch.where(valid, lp, torch.full_like(lp, float("nan")))
+    logp.view(idx2.shape).copy_(torch.where(idx2 == ignore_index, torch.zeros_like(lp), lp))
     return logp, ent, stats
 
 
