@@ -1,0 +1,572 @@
+#!/usr/bin/env python3
+"""Mutation check: prove that the test suite can fail.
+
+For every mutant (a known, realistic bug written as exact source-text replacements) this script
+
+1. extracts torch_fused/, tests/ and pyproject.toml of one commit (``git archive``; HEAD by
+   default, resolved once so every mutant sees the same code) into a fresh temporary directory,
+2. applies the mutant's replacements; each ``old`` string must occur exactly once in the file,
+   otherwise the script stops before running anything (a stale mutant never "passes"),
+3. runs pytest on a small subset of test files in that copy, with PYTHONPATH at the copy, on the
+   path the mutant breaks: the CPU reference (plain run) or the Triton kernels (TRITON_INTERPRET=1),
+   ``-x -q -rfE -p no:cacheprovider -m "not cuda" --deselect tests/test_interpreter.py``,
+4. checks, from inside that pytest process (a small plugin, ``-p mutation_guard``), that every
+   imported ``torch_fused`` module came from the copy (not the editable install) and that
+   TRITON_INTERPRET took effect as intended; the same plugin turns off hypothesis's shrinking
+   (same examples, same verdict; a shrink under the interpreter can take minutes; ``--shrink``),
+5. records the failing test(s) from pytest's ``FAILED ...`` lines.
+
+A mutant is caught when at least one test FAILED. A run that ends in errors only (a mutant that
+does not import, a collection error) is not a catch. After the mutants, the failing tests are
+rerun once per path on an unmutated copy (the control): each must pass there, so that a catch
+is the mutation's doing and not a test that is red anyway.
+
+Prints a table (mutant | path | file | caught? | first failing test(s) | seconds) and exits
+non-zero if any mutant survives, errors, or its control fails.
+
+Not part of CI; dependency-free (standard library + git + the project's own test deps).
+
+    /work/venv/bin/python tools/mutation_check.py            # every mutant, then the control
+    /work/venv/bin/python tools/mutation_check.py --list
+    /work/venv/bin/python tools/mutation_check.py --only lse-fp32-triton
+    /work/venv/bin/python tools/mutation_check.py --all-failures   # every failing test, no -x
+    /work/venv/bin/python tools/mutation_check.py --worktree       # uncommitted edits included
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COPY_PATHS = ("torch_fused", "tests", "pyproject.toml")
+CPU = "cpu-reference"
+TRITON = "triton-interpreter"
+PYTEST_ARGS = ["-q", "-rfE", "-p", "no:cacheprovider", "-m", "not cuda", "--deselect", "tests/test_interpreter.py"]
+
+LOGPROBS_TESTS = ["tests/test_logprobs.py"]
+MASK_TESTS = ["tests/test_mask_reduce.py", "tests/test_masked.py"]
+SINKGD_TESTS = ["tests/test_sinkgd.py"]
+
+
+@dataclasses.dataclass
+class Mutant:
+    name: str
+    bug: str  # which bug (the numbered list in tools/README.md)
+    file: str  # repository-relative file the edits apply to
+    path: str  # CPU (plain run, reference path) or TRITON (TRITON_INTERPRET=1, the kernels)
+    edits: list[tuple[str, str]]  # exact (old, new) replacements, each old occurring once
+    tests: list[str]
+
+
+# ---------------------------------------------------------------------------------------------
+# The mutants. Each is a bug someone could plausibly write; several replacements only where one
+# bug spans several places (the one-number lse has to be stored, read and used consistently).
+# ---------------------------------------------------------------------------------------------
+MUTANTS: list[Mutant] = [
+    # 1. log-sum-exp kept as ONE fp32 number lse = m c + log2 s (instead of the pair (m, log2 s)).
+    #    At |z| ~ 1e4 the fp32 lse (~1.4e4 in base 2) rounds by up to ~5e-4, which the log-probs
+    #    and the gradient inherit.
+    Mutant(
+        "lse-fp32-ref", "1 lse saved as one fp32 number", "torch_fused/reference.py", CPU,
+        [
+            ("        stats[a:b, 0] = m.squeeze(-1).to(dt)\n"
+             "        stats[a:b, 1] = log2s.to(dt)\n",
+             "        lse = (m.squeeze(-1) * c + log2s).to(dt).double()  # MUTANT: one fp32 lse\n"
+             "        stats[a:b, 0] = lse.to(dt)\n"
+             "        stats[a:b, 1] = 0\n"),
+            ("g = (torch.gather(d, 1, ib.clamp(0, max(v - 1, 0))) - log2s[:, None]) * LN2",
+             "g = (torch.gather(x, 1, ib.clamp(0, max(v - 1, 0))) * c - lse[:, None]) * LN2"),
+            ("lp = ((x2[a:b].double() - st[a:b, :1]) * c - st[a:b, 1:]) * LN2",
+             "lp = (x2[a:b].double() * c - st[a:b, :1] - st[a:b, 1:]) * LN2"),
+        ],
+        LOGPROBS_TESTS,
+    ),
+    Mutant(
+        "lse-fp32-triton", "1 lse saved as one fp32 number", "torch_fused/kernels/logprobs.py", TRITON,
+        [
+            ("    tl.store(p_stats + row * 2, m)\n"
+             "    tl.store(p_stats + row * 2 + 1, log2s)\n",
+             "    lse = m * c + log2s  # MUTANT: one fp32 lse\n"
+             "    tl.store(p_stats + row * 2, lse)\n"
+             "    tl.store(p_stats + row * 2 + 1, log2s * 0.0)\n"),
+            ("b_lp = (_shifted(b_xi, m, c, EXACT_SHIFT) - log2s) * LN2",
+             "b_lp = (b_xi * c - lse) * LN2"),
+            # backward: the first stat is the lse, the second 0
+            ("b_d = _shifted(b_x, m, c, EXACT_SHIFT) - log2s  # log2 p",
+             "b_d = b_x * c - m - log2s  # log2 p (MUTANT: m holds the fp32 lse)"),
+        ],
+        LOGPROBS_TESTS,
+    ),
+    # 2. temperature missing from the backward: d logits = d z instead of d z / T
+    Mutant(
+        "bwd-no-temperature-ref", "2 temperature missing from the backward", "torch_fused/reference.py", CPU,
+        [("        dx = dz * inv_t\n", "        dx = dz\n")],
+        LOGPROBS_TESTS,
+    ),
+    Mutant(
+        "bwd-no-temperature-triton", "2 temperature missing from the backward",
+        "torch_fused/kernels/logprobs.py", TRITON,
+        [("    c, it = _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR)\n",
+          "    c, it = _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR)\n"
+          "    it = 1.0  # MUTANT\n")],
+        LOGPROBS_TESTS,
+    ),
+    # 3. the entropy gradient with its sign flipped
+    Mutant(
+        "entropy-grad-sign-ref", "3 entropy gradient sign flipped", "torch_fused/reference.py", CPU,
+        [("coef = coef + gh[a:b, None] * (lp_safe + h[a:b, None])",
+          "coef = coef - gh[a:b, None] * (lp_safe + h[a:b, None])")],
+        LOGPROBS_TESTS,
+    ),
+    Mutant(
+        "entropy-grad-sign-triton", "3 entropy gradient sign flipped", "torch_fused/kernels/logprobs.py", TRITON,
+        [("        a = a + gh * h\n        b = gh * LN2\n",
+          "        a = a - gh * h\n        b = -gh * LN2\n")],
+        LOGPROBS_TESTS,
+    ),
+    # 4. an ignore_index position given a gradient (its upstream gradient not zeroed)
+    Mutant(
+        "ignore-index-grad-ref", "4 ignore_index position given a gradient", "torch_fused/reference.py", CPU,
+        [("        g2 = torch.where(valid, g2, torch.zeros_like(g2))\n", "")],
+        LOGPROBS_TESTS,
+    ),
+    Mutant(
+        "ignore-index-grad-triton", "4 ignore_index position given a gradient",
+        "torch_fused/kernels/logprobs.py", TRITON,
+        [("        b_g = tl.where(b_idx == ignore_index, 0.0, b_g)\n", "")],
+        LOGPROBS_TESTS,
+    ),
+    # 5. mask_reduce reading a broadcast mask at the wrong stride (Triton path only: the reference
+    #    leaves strides to PyTorch's broadcasting)
+    Mutant(
+        "mask-bcast-stride-ops", "5 broadcast mask read at the wrong stride", "torch_fused/ops/mask_reduce.py", TRITON,
+        # the launcher hands the kernel x's strides where the mask is broadcast (stride 0), as if
+        # the mask were laid out like x
+        [("    mt, sm = _operand(mask, shape, d) if mask is not None else (x, None)\n",
+          "    mt, sm = _operand(mask, shape, d) if mask is not None else (x, None)\n"
+          "    if sm is not None:  # MUTANT: stride-0 mask strides replaced by x's (contiguous) strides\n"
+          "        sm = tuple(s if s != 0 else t for s, t in zip(sm, sx))\n")],
+        MASK_TESTS,
+    ),
+    Mutant(
+        "mask-r-i-swap-kernel", "5 broadcast mask read at the wrong stride", "torch_fused/kernels/mask_reduce.py",
+        TRITON,
+        # the mask's in-tile offsets (and column base) built with its r and i strides swapped
+        [("_operand_tile(p_m, a, b, i0, sm_0, sm_1, sm_r, sm_i, m_i,",
+          "_operand_tile(p_m, a, b, i0, sm_0, sm_1, sm_i, sm_r, m_i,")],
+        MASK_TESTS,
+    ),
+    # 6. SinkGD normalizing columns before rows (every iteration)
+    Mutant(
+        "sinkgd-cols-first-ref", "6 SinkGD columns normalized before rows", "torch_fused/reference.py", CPU,
+        [("        r = (r * math.sqrt(n) / x2().sum(2).sqrt().clamp_min(eps)).clamp_max(1e30)\n"
+          "        c = (c * math.sqrt(m) / x2().sum(1).sqrt().clamp_min(eps)).clamp_max(1e30)\n",
+          "        c = (c * math.sqrt(m) / x2().sum(1).sqrt().clamp_min(eps)).clamp_max(1e30)\n"
+          "        r = (r * math.sqrt(n) / x2().sum(2).sqrt().clamp_min(eps)).clamp_max(1e30)\n")],
+        SINKGD_TESTS,
+    ),
+    Mutant(
+        # the one-read row pass cannot take the columns first (it finishes rows, then adds their
+        # columns); the two-pass path (n > MAX_FUSED_N, in the interpreter run n > 64) can: column
+        # sums and scale, then row sums and scale, every launch reading only what is written
+        "sinkgd-cols-first-triton", "6 SinkGD columns normalized before rows", "torch_fused/ops/sinkgd.py", TRITON,
+        [("""        if plan.wide is not None:
+            align, ((m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c)) = plan.wide
+            K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
+                                          ONES_R=first, ONES_C=first, ALIGN=align, num_warps=rw)
+            K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=sb,
+                                           PARTS=K.SCALE_PARTS, ONES=first)
+            K._sinkgd_sums_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
+                                          ONES_R=False, ONES_C=first, ALIGN=align, num_warps=cw)
+        t_meta, t_first, n_mats, grid = plan.cscale
+        K._sinkgd_scale_kernel[(grid,)](t_meta, t_first, n_mats, c, part_c, eps, AXIS=1, PART_TILE=cbm, BLOCK=sb,
+                                        PARTS=K.SCALE_PARTS, ONES=first)
+""", """        t_meta, t_first, n_mats, grid = plan.cscale
+        if plan.wide is not None:  # MUTANT: columns first, then rows
+            align, ((m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c)) = plan.wide
+            K._sinkgd_sums_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
+                                          ONES_R=first, ONES_C=first, ALIGN=align, num_warps=cw)
+            K._sinkgd_scale_kernel[(grid,)](t_meta, t_first, n_mats, c, part_c, eps, AXIS=1, PART_TILE=cbm,
+                                            BLOCK=sb, PARTS=K.SCALE_PARTS, ONES=first)
+            K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
+                                          ONES_R=first, ONES_C=False, ALIGN=align, num_warps=rw)
+            K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=sb,
+                                           PARTS=K.SCALE_PARTS, ONES=first)
+        else:
+            K._sinkgd_scale_kernel[(grid,)](t_meta, t_first, n_mats, c, part_c, eps, AXIS=1, PART_TILE=cbm,
+                                            BLOCK=sb, PARTS=K.SCALE_PARTS, ONES=first)
+""")],
+        SINKGD_TESTS,
+    ),
+    # 7. SinkGD dropping the (decoupled) weight decay from the update
+    Mutant(
+        "sinkgd-no-wd-ref", "7 SinkGD weight decay dropped", "torch_fused/reference.py", CPU,
+        [("new = w.float() - coef_x[:, None, None] * x - coef_w * w.float()",
+          "new = w.float() - coef_x[:, None, None] * x")],
+        SINKGD_TESTS,
+    ),
+    Mutant(
+        "sinkgd-no-wd-triton", "7 SinkGD weight decay dropped", "torch_fused/kernels/sinkgd.py", TRITON,
+        [("new = b_w - coef_x * (b_g * b_r[:, None] * b_c[None, :]) - coef_w * b_w",
+          "new = b_w - coef_x * (b_g * b_r[:, None] * b_c[None, :])")],
+        SINKGD_TESTS,
+    ),
+    # 8. SinkGD spectral scale computed (the power iteration still updates the warm-start vectors)
+    #    but not applied to the step
+    Mutant(
+        "sinkgd-no-spectral-ref", "8 SinkGD spectral scale not applied", "torch_fused/ops/sinkgd.py", CPU,
+        [("""            s = reference.sinkgd_spectral_scale(g3, r, c, spectral_vecs[i], spectral_iters, target, eps)
+        else:
+            s = torch.ones(b, dtype=torch.float32, device=p.device)
+""", """            reference.sinkgd_spectral_scale(g3, r, c, spectral_vecs[i], spectral_iters, target, eps)  # MUTANT
+        s = torch.ones(b, dtype=torch.float32, device=p.device)
+""")],
+        SINKGD_TESTS,
+    ),
+    Mutant(
+        "sinkgd-no-spectral-triton", "8 SinkGD spectral scale not applied", "torch_fused/kernels/sinkgd.py", TRITON,
+        [("    if HAS_SPEC:\n        coef_x = coef_x * tl.load(p_spec + i_coef)\n", "")],
+        SINKGD_TESTS,
+    ),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Machinery
+# ---------------------------------------------------------------------------------------------
+class StaleMutant(Exception):
+    pass
+
+
+# A pytest plugin loaded into every run (-p mutation_guard): after collection, every imported
+# torch_fused module must come from the copy, and TRITON_INTERPRET must be as the run intends.
+GUARD = textwrap.dedent('''
+    import os
+    import sys
+
+    import pytest
+
+
+    def pytest_collection_finish(session):
+        import torch_fused
+        from torch_fused import _library
+
+        root = os.path.realpath(os.environ["MUTATION_COPY"]) + os.sep
+        files = {n: os.path.realpath(getattr(m, "__file__", "") or "") for n, m in list(sys.modules.items())
+                 if n == "torch_fused" or n.startswith("torch_fused.")}
+        outside = sorted(f"{n}: {f}" for n, f in files.items() if not f.startswith(root))
+        with open(os.environ["MUTATION_GUARD_OUT"], "w") as fh:
+            fh.write(f"file={os.path.realpath(torch_fused.__file__)}\\n")
+            fh.write(f"modules={len(files)}\\n")
+            fh.write(f"interpret={int(_library.INTERPRET)}\\n")
+            fh.write("outside=" + ";".join(outside) + "\\n")
+        if outside:
+            pytest.exit("torch_fused modules imported from outside the copy: " + "; ".join(outside), returncode=3)
+        if int(_library.INTERPRET) != int(os.environ["MUTATION_WANT_INTERPRET"]):
+            pytest.exit(f"INTERPRET is {_library.INTERPRET}, not as intended", returncode=3)
+        if os.environ.get("MUTATION_SHRINK") != "1":
+            _no_shrink(session.items)
+
+
+    def _no_shrink(items):
+        """Hypothesis tests keep their examples (same profile, same derandomized generation) but
+        report the first failing one instead of shrinking it: under the interpreter a shrink can
+        take minutes and changes nothing about pass or fail."""
+        try:
+            from hypothesis import Phase, settings
+        except ImportError:
+            return
+        done = set()
+        for item in items:
+            fn = getattr(item, "obj", None)
+            s = getattr(fn, "_hypothesis_internal_use_settings", None)
+            if s is None or id(fn) in done:
+                continue
+            done.add(id(fn))
+            fn._hypothesis_internal_use_settings = settings(
+                s, phases=[p for p in s.phases if p not in (Phase.shrink, Phase.explain)])
+''')
+
+
+def resolve_rev(rev: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", rev + "^{commit}"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+def make_copy(dest: Path, sha: str | None) -> None:
+    """torch_fused/, tests/, pyproject.toml of commit sha (or of the working tree if sha is None)."""
+    if sha is None:
+        for p in COPY_PATHS:
+            src = ROOT / p
+            if src.is_dir():
+                shutil.copytree(src, dest / p, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis"))
+            else:
+                shutil.copy2(src, dest / p)
+        return
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", sha, *COPY_PATHS],
+                          check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter="data")
+        else:  # pragma: no cover - old Pythons
+            tar.extractall(dest)
+
+
+def apply_edits(root: Path, mutant: Mutant) -> None:
+    f = root / mutant.file
+    if not f.is_file():
+        raise StaleMutant(f"{mutant.name}: {mutant.file} does not exist")
+    text = f.read_text()
+    for i, (old, new) in enumerate(mutant.edits):
+        n = text.count(old)
+        if n != 1:
+            raise StaleMutant(f"{mutant.name}: replacement {i + 1} of {len(mutant.edits)}: the old text occurs "
+                              f"{n} times in {mutant.file} (expected exactly once):\n{textwrap.indent(old, '    | ')}")
+        if old == new:
+            raise StaleMutant(f"{mutant.name}: replacement {i + 1} changes nothing")
+        text = text.replace(old, new)
+    f.write_text(text)
+
+
+FAILED_RE = re.compile(r"^FAILED (\S+?::.+?)(?: - .*)?$")
+ERROR_RE = re.compile(r"^ERROR (\S+)(?: - .*)?$")
+
+
+@dataclasses.dataclass
+class RunResult:
+    rc: int
+    failed: list[str]
+    errors: list[str]
+    seconds: float
+    output: str
+    guard: dict
+    reasons: list[str]  # pytest's one-line message per failed test
+
+
+def run_pytest(copy: Path, tmp: Path, interpret: bool, tests: list[str], python: str, timeout: float,
+               shrink: bool = False, stop_first: bool = True) -> RunResult:
+    guard_dir = tmp / "_guard"
+    guard_dir.mkdir(exist_ok=True)
+    (guard_dir / "mutation_guard.py").write_text(GUARD)
+    guard_out = tmp / "guard.txt"
+    if guard_out.exists():
+        guard_out.unlink()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "PYTHONPATH", "PYTEST_ADDOPTS", "HYPOTHESIS_PROFILE")}
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(copy), str(guard_dir)]),
+        PYTHONDONTWRITEBYTECODE="1",
+        TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
+        TRITON_CACHE_DIR=str(tmp / "triton"),
+        MUTATION_COPY=str(copy),
+        MUTATION_GUARD_OUT=str(guard_out),
+        MUTATION_WANT_INTERPRET="1" if interpret else "0",
+        MUTATION_SHRINK="1" if shrink else "0",
+    )
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    cmd = [python, "-m", "pytest", *(["-x"] if stop_first else []), *PYTEST_ARGS, "-p", "mutation_guard", *tests]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=timeout)
+        rc, out = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc, out = -1, out + f"\n[mutation_check] TIMEOUT after {timeout:.0f} s\n"
+    seconds = time.monotonic() - t0
+    failed, errors = [], []
+    for line in out.splitlines():
+        m = FAILED_RE.match(line)
+        if m:
+            failed.append(m.group(1))
+            continue
+        m = ERROR_RE.match(line)
+        if m:
+            errors.append(m.group(1))
+    # the first "E ..." line that names an error, per failure section of the report
+    reasons, section, picked = [], None, set()
+    for line in out.splitlines():
+        h = re.match(r"^_{3,} (.+?) _{3,}$", line)
+        if h:
+            section = h.group(1)
+        elif section and section not in picked and re.match(r"^E\s+\S*(Error|Exception|assert)", line):
+            picked.add(section)
+            reasons.append(f"{section}: {line[1:].strip()}")
+    guard = {}
+    if guard_out.exists():
+        for line in guard_out.read_text().splitlines():
+            k, _, v = line.partition("=")
+            guard[k] = v
+    return RunResult(rc, failed, errors, seconds, out, guard, reasons)
+
+
+def guard_problem(res: RunResult, copy: Path, interpret: bool) -> str | None:
+    """Why the run cannot be trusted (None if it can)."""
+    if not res.guard:
+        return "the guard plugin did not report (pytest did not reach collection?)"
+    root = str(copy.resolve()) + os.sep
+    if not res.guard.get("file", "").startswith(root):
+        return f"torch_fused imported from {res.guard.get('file')}, not from the copy"
+    if res.guard.get("outside"):
+        return f"modules from outside the copy: {res.guard['outside']}"
+    if res.guard.get("interpret") != ("1" if interpret else "0"):
+        return f"TRITON_INTERPRET took effect as {res.guard.get('interpret')}, wanted {int(interpret)}"
+    return None
+
+
+def tail(text: str, n: int = 40) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", action="append", metavar="NAME", help="run only this mutant (repeatable)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--rev", default="HEAD", help="commit to copy (default HEAD, resolved once)")
+    ap.add_argument("--worktree", action="store_true",
+                    help="copy the working tree instead of a commit (includes uncommitted edits)")
+    ap.add_argument("--all-failures", action="store_true",
+                    help="run each mutant's whole test subset (no -x) and list every failing test (slower)")
+    ap.add_argument("--no-control", action="store_true",
+                    help="skip rerunning the failing tests on an unmutated copy")
+    ap.add_argument("--python", default=sys.executable, help="interpreter that runs pytest (default: this one)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per pytest run (default 900)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary copies")
+    ap.add_argument("--shrink", action="store_true",
+                    help="let hypothesis shrink a failing example (slow under the interpreter; off by default)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every run's pytest output tail")
+    args = ap.parse_args(argv)
+
+    if args.list:
+        w = max(len(m.name) for m in MUTANTS)
+        for m in MUTANTS:
+            print(f"{m.name:<{w}}  {m.path:<18}  {m.file:<34}  bug {m.bug};  tests: {' '.join(m.tests)}")
+        return 0
+
+    mutants = MUTANTS
+    if args.only:
+        names = {m.name for m in MUTANTS}
+        unknown = [n for n in args.only if n not in names]
+        if unknown:
+            ap.error(f"unknown mutant(s) {unknown}; --list shows them")
+        mutants = [m for m in MUTANTS if m.name in args.only]
+
+    sha = None if args.worktree else resolve_rev(args.rev)
+    source = "working tree (uncommitted edits included)" if sha is None else f"commit {sha[:12]} ({args.rev})"
+    print(f"[mutation_check] source: {source}; python: {args.python}", flush=True)
+
+    # every mutant must apply before anything runs: a stale one stops the check here
+    stale = []
+    for m in mutants:
+        with tempfile.TemporaryDirectory(prefix="torch_fused_mut_probe_") as d:
+            make_copy(Path(d), sha)
+            try:
+                apply_edits(Path(d), m)
+            except StaleMutant as e:
+                stale.append(str(e))
+    if stale:
+        print("[mutation_check] STALE MUTANT(S): the source no longer contains the text to mutate\n",
+              file=sys.stderr)
+        for s in stale:
+            print(s + "\n", file=sys.stderr)
+        return 2
+
+    t_start = time.monotonic()
+    rows = []  # (mutant, status, failed list, seconds, note)
+    for i, m in enumerate(mutants, 1):
+        interpret = m.path == TRITON
+        tmp = Path(tempfile.mkdtemp(prefix=f"torch_fused_mut_{m.name}_"))
+        copy = tmp / "repo"
+        copy.mkdir()
+        try:
+            make_copy(copy, sha)
+            apply_edits(copy, m)
+            print(f"[mutation_check] ({i}/{len(mutants)}) {m.name}: {m.path}, {m.file}, "
+                  f"pytest {' '.join(m.tests)} ...", flush=True)
+            res = run_pytest(copy, tmp, interpret, m.tests, args.python, args.timeout, args.shrink,
+                             not args.all_failures)
+        finally:
+            if not args.keep:
+                shutil.rmtree(tmp, ignore_errors=True)
+        problem = guard_problem(res, copy, interpret)
+        if problem:
+            status, note = "INVALID", problem
+        elif res.failed:
+            status, note = "caught", ""
+        elif res.rc == 0:
+            status, note = "SURVIVED", "no test failed"
+        elif res.rc == -1:
+            status, note = "TIMEOUT", f"no failure within {args.timeout:.0f} s"
+        else:
+            status, note = "ERROR", f"pytest rc={res.rc}, no FAILED test; errors: {res.errors or '-'}"
+        rows.append([m, status, res.failed, res.seconds, note])
+        print(f"[mutation_check]     -> {status} in {res.seconds:.0f} s: {', '.join(res.failed) or note}", flush=True)
+        for why in res.reasons[:3]:
+            print(f"[mutation_check]        {why[:300]}", flush=True)
+        if status != "caught" or args.verbose:
+            print(textwrap.indent(tail(res.output), "    | "), flush=True)
+
+    # control: the tests that caught a mutant must pass on the unmutated code
+    if not args.no_control:
+        for path in (CPU, TRITON):
+            nodes = sorted({n for m, st, failed, _, _ in rows if st == "caught" and m.path == path for n in failed})
+            if not nodes:
+                continue
+            tmp = Path(tempfile.mkdtemp(prefix="torch_fused_mut_control_"))
+            copy = tmp / "repo"
+            copy.mkdir()
+            try:
+                make_copy(copy, sha)
+                print(f"[mutation_check] control ({path}, unmutated): {len(nodes)} test(s) ...", flush=True)
+                res = run_pytest(copy, tmp, path == TRITON, nodes, args.python, args.timeout, stop_first=False)
+            finally:
+                if not args.keep:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            problem = guard_problem(res, copy, path == TRITON)
+            bad = set(res.failed) | set(res.errors)
+            ok = res.rc == 0 and not problem
+            print(f"[mutation_check]     -> {'passed' if ok else 'FAILED'} in {res.seconds:.0f} s"
+                  + (f": {problem}" if problem else "") + (f": red unmutated: {sorted(bad)}" if bad else ""),
+                  flush=True)
+            if not ok:
+                print(textwrap.indent(tail(res.output), "    | "), flush=True)
+                for row in rows:
+                    m, st, failed = row[0], row[1], row[2]
+                    if st == "caught" and m.path == path and (problem or res.rc != 0 and (not bad or set(failed) & bad)):
+                        row[1] = "CONTROL-FAILED"
+                        row[4] = "the failing test also fails unmutated" if set(failed) & bad else \
+                            f"control run failed (rc={res.rc}) {problem or ''}"
+
+    total = time.monotonic() - t_start
+    header = ["mutant", "path", "file", "caught?", "first failing test(s)", "s"]
+    table = [[m.name, m.path, m.file, "yes" if st == "caught" else st,
+              ", ".join(failed[:3]) or note, f"{sec:.0f}"] for m, st, failed, sec, note in rows]
+    widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(header)]
+    print()
+    print(" | ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("-|-".join("-" * w for w in widths))
+    for r in table:
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
+    n_bad = sum(1 for r in rows if r[1] != "caught")
+    print(f"\n{len(rows) - n_bad}/{len(rows)} mutants caught; total {total:.0f} s; source {source}")
+    if n_bad:
+        print("NOT CAUGHT / NOT PROVEN: " + ", ".join(f"{r[0].name} ({r[1]})" for r in rows if r[1] != "caught"))
+    return 1 if n_bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
