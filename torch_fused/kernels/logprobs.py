@@ -177,6 +177,67 @@ def _logprobs_entropy_forward_kernel(
 
 
 @triton.jit
+def _chunk_merge_kernel(
+    p_x, p_idx, p_run, p_u, p_mo,
+    V, K, stride_row, v_off, first,
+    scale,  # c = log2(e) / T
+    EXACT_SHIFT: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EPT: tl.constexpr,
+):
+    """One vocabulary chunk of the fused lm_head: columns v_off .. v_off + V - 1 of each row's
+    logits (a contiguous [rows, V] fp32 chunk). Folds the chunk's statistics into the row's
+    running ones, run = (m, s, t) with s = sum 2^d and t = sum 2^d d against the shift m c, as
+    _forward_combine folds tile rows (first: the chunk's own are stored). For each of the row's K
+    ids inside the chunk, stores u = x c - m_c c (its d against the chunk's shift) and the
+    chunk's max m_c in p_mo; the caller finishes log2 s, the entropy and the log-probs."""
+    row = tl.program_id(0).to(tl.int64)
+    p_row = p_x + row * stride_row
+    c = scale
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    b_loc = tl.load(p_idx + row * K + o_k, mask=m_k, other=-1).to(tl.int64) - v_off
+    inside = m_k & (b_loc >= 0) & (b_loc < V)
+    b_xi = tl.load(p_row + b_loc, mask=inside, other=0.0).to(tl.float32)
+
+    NR: tl.constexpr = BLOCK_V // EPT
+    o_v = tl.arange(0, NR)[:, None] * EPT + tl.arange(0, EPT)[None, :]
+    s_r = tl.zeros([NR], dtype=tl.float32)
+    t_r = tl.zeros([NR], dtype=tl.float32)
+    m_r = tl.full([NR], float("-inf"), tl.float32)
+    v_full = V - V % BLOCK_V
+    if v_full > 0:
+        b_x = tl.load(p_row + o_v).to(tl.float32)
+        for start in range(BLOCK_V, v_full, BLOCK_V):
+            b_nx = tl.load(p_row + start + o_v).to(tl.float32)
+            m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, True, EXACT_SHIFT)
+            b_x = b_nx
+        m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, True, EXACT_SHIFT)
+    if v_full < V:
+        o = v_full + o_v
+        b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
+        m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, True, EXACT_SHIFT)
+    m_c, s_c, t_c = _forward_combine(m_r, s_r, t_r, c, True, EXACT_SHIFT)
+
+    tl.store(p_u + row * K + o_k, _shifted(b_xi, m_c, c, EXACT_SHIFT), mask=inside)
+    tl.store(p_mo + row * K + o_k, tl.zeros([BLOCK_K], dtype=tl.float32) + m_c, mask=inside)
+    if first != 0:
+        m, s, t = m_c, s_c, t_c
+    else:
+        m0 = tl.load(p_run + row * 3)
+        s0 = tl.load(p_run + row * 3 + 1)
+        t0 = tl.load(p_run + row * 3 + 2)
+        m = tl.maximum(m0, m_c)
+        da = _shift_diff(m0, m, c, EXACT_SHIFT)
+        db = _shift_diff(m_c, m, c, EXACT_SHIFT)
+        ea = tl.exp2(da)
+        eb = tl.exp2(db)
+        t = ea * (t0 + da * s0) + eb * (t_c + db * s_c)
+        s = s0 * ea + s_c * eb
+    tl.store(p_run + row * 3, m)
+    tl.store(p_run + row * 3 + 1, s)
+    tl.store(p_run + row * 3 + 2, t)
+
+
+@triton.jit
 def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s, a, b, it,
                     idx0, g0, ignore_index, v_off,
                     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
@@ -352,6 +413,10 @@ def compile_cases():
            "K": "i32", "n_rows": "i32", "inner_size": "i32", "stride_outer": "i64", "stride_inner": "i64",
            "v_off": "i32", "V_total": "i32", "dx_inner": "i32", "dx_outer": "i64", "dx_stride": "i64", "dz_inner": "i32", "dz_outer": "i64",
            "dz_stride": "i64", "scale": "fp32", "inv_t": "fp32", "ignore_index": "i32"}
+    merge = {"p_x": "*fp32", "p_idx": "*i64", "p_run": "*fp32", "p_u": "*fp32", "p_mo": "*fp32", "V": "i32",
+             "K": "i32", "stride_row": "i64", "v_off": "i32", "first": "i32", "scale": "fp32"}
+    yield ("lp_chunk_merge", _chunk_merge_kernel, merge,
+           {"EXACT_SHIFT": False, "BLOCK_V": 1024, "BLOCK_K": 2, "EPT": 4}, 2)
     for glp, gh, sk, dt, zt in [(True, True, True, False, False), (True, False, False, False, True),
                                 (False, True, True, False, True), (True, True, True, True, False)]:
         yield (f"lp_bwd glp={glp} gh={gh} single={sk} dt={dt} zero_tail={zt}", _logprobs_entropy_backward_kernel,

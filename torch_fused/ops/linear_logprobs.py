@@ -7,8 +7,9 @@ Log-probs at ``index`` and the entropy of ``softmax(z / T)``, z = softcap(logit_
   per chunk: at N = 8192, V = 151936 that made the forward memory-bound on the weight, 2.1x
   one GEMM). Each chunk's logits [N, v] come from one GEMM with fp32 output (cuBLAS
   accumulates bf16/fp16 products in fp32; ``torch.mm(..., out_dtype=torch.float32)``) and go
-  through the log-prob forward kernel; the chunks' row statistics (max, sum of exponentials,
-  entropy sum, the indexed logit) are merged as the kernel merges its tile rows. Saved for the
+  through one kernel (kernels/logprobs.py, _chunk_merge_kernel) that folds the chunk's row
+  statistics (max, sum of exponentials, entropy sum, the indexed logit) into running ones, as
+  the log-prob kernels fold their tile rows. Saved for the
   backward: the row max and log2 of the sum (the kernels' stats) and the entropy, O(N).
 - Backward: vocabulary chunks over all N tokens. A chunk's logits [N, v] are recomputed, the
   log-prob backward kernel turns them into d logits (rounded once to the weight's dtype, as a
@@ -41,12 +42,21 @@ _BWD = f"{NAMESPACE}::_linear_logprobs_entropy_backward"
 # d logits [N, v]. On CUDA, 96 MiB keeps the extra memory at N = 8192, H = 4096, V = 151936
 # (chunks plus the 128 MiB d hidden accumulator) under an eighth of the bf16 logits (297 MiB).
 CHUNK_BYTES = {"cuda": 96 << 20, "cpu": 4 << 20}
+# Narrowest vocabulary chunk on CUDA: narrower GEMMs lose efficiency, so at very many tokens the
+# chunks grow past the budget (N = 32768: 1024 columns, 192 MiB of chunk buffers).
+MIN_COLS = {"cuda": 1024}
 
 _HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
 def _chunk_budget(device: torch.device) -> int:
     return CHUNK_BYTES.get(device.type, CHUNK_BYTES["cpu"])
+
+
+def _chunk_cols(device: torch.device, n: int, bytes_per_elem: int) -> int:
+    """Vocabulary columns per chunk for n tokens: the budget's, in multiples of 128."""
+    step = max(1, _chunk_budget(device) // (bytes_per_elem * n), MIN_COLS.get(device.type, 1))
+    return step - step % 128 if step > 128 else step
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -96,7 +106,54 @@ def _effective_temperature(temperature, logit_scale, softcap):
     return temperature if softcap is not None else temperature / logit_scale
 
 
-def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap, stats_fn):
+def _shift_c(a, b, c, dt):
+    """(a - b) in the kernels' base-2 units: the difference of the rounded shifts a c and b c that
+    their sums are relative to (kernels/logprobs.py, _shift_diff)."""
+    return (a - b) * c if INTERPRET or dt == torch.float64 else a * c - b * c
+
+
+def _merge_reference(z, idx2, v0, first, run, u, m_own, t_eff, c):
+    """Fold one chunk of logits z [N, v] (ids v0 ..) into the running row statistics run [N, 3] =
+    (max m, s = sum 2^d, t = sum 2^d d against the shift m c) and, for the ids inside the chunk,
+    u = their d against the chunk's shift and m_own = the chunk's max: the reference of
+    kernels/logprobs.py's _chunk_merge_kernel."""
+    dt = run.dtype
+    loc = idx2 - v0
+    inside = (loc >= 0) & (loc < z.shape[1])
+    lp_c, ent_c, st_c = reference.logprobs_entropy_forward(z, torch.where(inside, loc, 0), t_eff, -1, True)
+    m_c, l2s_c = st_c[:, 0], st_c[:, 1]
+    s_c = torch.exp2(l2s_c)
+    t_c = s_c * (l2s_c - ent_c * (1.0 / LN2))
+    u.copy_(torch.where(inside, lp_c * (1.0 / LN2) + l2s_c[:, None], u))
+    m_own.copy_(torch.where(inside, m_c[:, None].expand_as(m_own), m_own))
+    if first:
+        run[:, 0], run[:, 1], run[:, 2] = m_c, s_c, t_c
+        return
+    m, s_run, t_run = run.unbind(1)
+    m_new = torch.maximum(m, m_c)
+    da, db = _shift_c(m, m_new, c, dt), _shift_c(m_c, m_new, c, dt)
+    ea, eb = torch.exp2(da), torch.exp2(db)
+    t_new = ea * (t_run + da * s_run) + eb * (t_c + db * s_c)
+    s_new = s_run * ea + s_c * eb
+    run[:, 0], run[:, 1], run[:, 2] = m_new, s_new, t_new
+
+
+def _merge_triton(z, idx2, v0, first, run, u, m_own, t_eff, c):
+    if run.dtype == torch.float64:
+        return _merge_reference(z, idx2, v0, first, run, u, m_own, t_eff, c)
+    from ..kernels import logprobs as K
+
+    n, v = z.shape
+    k = idx2.shape[1]
+    block_v, warps = K.pick_block(v, 4, "fwd_ent")
+    K._chunk_merge_kernel[(n,)](
+        z, idx2, run, u, m_own, v, k, z.stride(0), v0, int(first), c,
+        EXACT_SHIFT=INTERPRET, BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)), EPT=4,
+        num_warps=warps,
+    )
+
+
+def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap, merge_fn):
     meta.check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, softcap)
     dt = acc_dtype(hidden.dtype)
     lead = row_shape(hidden, shift)
@@ -107,58 +164,31 @@ def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift,
     n, v = h2.shape[0], weight.shape[0]
     if n == 0:
         return logp, ent, stats
-    if stats_fn is _stats_reference and hidden.device.type == "cpu":
+    if merge_fn is _merge_reference and hidden.device.type == "cpu":
         reference.check_index_range(idx2, v, ignore_index)
     w = weight if (weight.is_cuda or weight.dtype in (torch.float32, torch.float64)) else weight.float()
     if w is not weight:
         h2 = h2.float()
     t_eff = _effective_temperature(temperature, logit_scale, softcap)
     c = LOG2E / t_eff
-    step = max(1, _chunk_budget(hidden.device) // (4 * n))
-    if step > 128:
-        step -= step % 128
-
-    def shift_c(a_, b_):
-        """(a - b) in the kernels' base-2 units: the difference of the rounded shifts a c and b c
-        that their sums are relative to (kernels/logprobs.py, _shift_diff)."""
-        return (a_ - b_) * c if INTERPRET or dt == torch.float64 else a_ * c - b_ * c
-
-    # running row statistics over the vocabulary chunks, as the kernels keep them per tile row:
-    # max m, s = sum 2^d, t = sum 2^d d with d = x c - m c; and, per index, its d against the
-    # max of the chunk that holds it (u) with that max (m_own)
-    m = s_run = t_run = None
-    u = torch.zeros(idx2.shape, dtype=dt, device=hidden.device)
-    m_own = torch.zeros(idx2.shape, dtype=dt, device=hidden.device)
-    col = (lambda x: x[:, None]) if idx2.dim() == 2 else (lambda x: x)
+    step = _chunk_cols(hidden.device, n, 4)
+    ids = idx2.reshape(n, -1).contiguous()
+    run = torch.empty(n, 3, dtype=dt, device=hidden.device)
+    u = torch.zeros(ids.shape, dtype=dt, device=hidden.device)
+    m_own = torch.zeros(ids.shape, dtype=dt, device=hidden.device)
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
         z, _ = _logits_chunk(h2, w[v0:v1], bias[v0:v1] if bias is not None else None, logit_scale, softcap)
-        loc = idx2 - v0
-        inside = (loc >= 0) & (loc < v1 - v0)
-        lp_c, ent_c, st_c = stats_fn(z, torch.where(inside, loc, 0), t_eff, -1, True)
+        merge_fn(z, ids, v0, v0 == 0, run, u, m_own, t_eff, c)
         del z
-        m_c, l2s_c = st_c[:, 0], st_c[:, 1]
-        s_c = torch.exp2(l2s_c)
-        t_c = s_c * (l2s_c - ent_c * (1.0 / LN2))
-        u = torch.where(inside, lp_c * (1.0 / LN2) + col(l2s_c), u)
-        m_own = torch.where(inside, col(m_c).expand_as(m_own), m_own)
-        if m is None:
-            m, s_run, t_run = m_c, s_c, t_c
-            continue
-        m_new = torch.maximum(m, m_c)
-        da, db = shift_c(m, m_new), shift_c(m_c, m_new)
-        ea, eb = torch.exp2(da), torch.exp2(db)
-        t_run = ea * (t_run + da * s_run) + eb * (t_c + db * s_c)
-        s_run = s_run * ea + s_c * eb
-        m = m_new
+    m, s_run, t_run = run.unbind(1)
     log2s = torch.log2(s_run)
     stats.view(n, 2)[:, 0] = m
     stats.view(n, 2)[:, 1] = log2s
     ent.view(n).copy_((log2s - t_run / s_run) * LN2)
-    lp = (u + shift_c(m_own, col(m)) - col(log2s)) * LN2
-    valid = (idx2 >= 0) & (idx2 < v)
-    lp = torch.where(valid, lp, torch.full_like(lp, float("nan")))
-    logp.view(idx2.shape).copy_(torch.where(idx2 == ignore_index, torch.zeros_like(lp), lp))
+    lp = (u + _shift_c(m_own, m[:, None], c, dt) - log2s[:, None]) * LN2
+    lp = torch.where((ids >= 0) & (ids < v), lp, torch.full_like(lp, float("nan")))
+    logp.view(ids.shape).copy_(torch.where(ids == ignore_index, torch.zeros_like(lp), lp))
     return logp, ent, stats
 
 
@@ -183,9 +213,7 @@ def _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, 
     gh = grad_entropy.reshape(n) if grad_entropy is not None else None
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     dh = torch.zeros(n, h2.shape[1], dtype=acc, device=hidden.device)
-    step = max(1, _chunk_budget(hidden.device) // ((4 + weight.element_size()) * n))
-    if step > 128:
-        step -= step % 128
+    step = _chunk_cols(hidden.device, n, 4 + weight.element_size())
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
         b_c = bias[v0:v1] if bias is not None else None
@@ -207,10 +235,6 @@ def _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, 
     return dh_full, dw, db
 
 
-def _stats_reference(z, idx, t, ignore_index, ent):
-    return reference.logprobs_entropy_forward(z, idx, t, ignore_index, ent)
-
-
 def _bwd_reference(glp, gh, z, idx, st, ent, t, ignore_index, **kw):
     return reference.logprobs_entropy_backward(glp, gh, z, idx, st, ent, t, ignore_index, **kw)
 
@@ -224,7 +248,7 @@ def linear_forward(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tens
                    temperature: float, ignore_index: int, shift: bool, logit_scale: float,
                    softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap,
-                         _stats_reference)
+                         _merge_reference)
 
 
 @torch.library.custom_op(_BWD, mutates_args=())
@@ -243,7 +267,7 @@ if TRITON_DEVICES:
     @linear_forward.register_kernel(TRITON_DEVICES)
     def _linear_forward_triton(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap):
         return _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap,
-                             lp_ops._forward_triton)
+                             _merge_triton)
 
     @linear_backward.register_kernel(TRITON_DEVICES)
     def _linear_backward_triton(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
