@@ -107,11 +107,16 @@ def test_matches_materialized_float64(device, c):
     grads = torch.autograd.grad((lp.double().cpu() * g1).sum() + (ent.double().cpu() * g2).sum(), ins)
     rins = [hr, wr] + ([br] if br is not None else [])
     rgrads = torch.autograd.grad((rlp * g1).sum() + (rent * g2).sum(), rins)
+    # floor: fp32 rounding of d logits relative to the upstream gradients (V = 1: the true d
+    # logits is exactly 0, fp32 gives p - 1 ~ 1e-7), carried through the GEMM with the other operand
+    g_scale = (g1.norm() + g2.norm()).item() / c["t"] * c["scale"]
+    other = {"d hidden": wr.norm().item(), "d weight": hr.norm().item(), "d bias": 1.0}
     for name, gr, rg, x in zip(("d hidden", "d weight", "d bias"), grads, rgrads, ins):
         assert gr.dtype == x.dtype and gr.shape == x.shape, name
         gr = gr.cpu().double()
         err = (gr - rg).norm().item()
-        assert err <= GRAD_REL[dtype] * rg.norm().item() + 1e-12, (name, err, rg.norm().item())
+        floor = (1e-12 if dtype == torch.float64 else 1e-6) * g_scale * other[name]
+        assert err <= GRAD_REL[dtype] * rg.norm().item() + floor, (name, err, rg.norm().item(), floor)
     if c["shift"]:
         assert bool((grads[0][:, -1] == 0).all())
 
