@@ -38,13 +38,16 @@ from . import logprobs as lp_ops
 _FWD = f"{NAMESPACE}::_linear_logprobs_entropy_forward"
 _BWD = f"{NAMESPACE}::_linear_logprobs_entropy_backward"
 
-# Bytes of chunk buffers per device type: forward fp32 logits [N, v]; backward fp32 logits plus
-# d logits [N, v]. On CUDA, 96 MiB keeps the extra memory at N = 8192, H = 4096, V = 151936
-# (chunks plus the 128 MiB d hidden accumulator) under an eighth of the bf16 logits (297 MiB).
-CHUNK_BYTES = {"cuda": 96 << 20, "cpu": 4 << 20}
-# Narrowest vocabulary chunk on CUDA: narrower GEMMs lose efficiency, so at very many tokens the
-# chunks grow past the budget (N = 32768: 1024 columns, 192 MiB of chunk buffers).
-MIN_COLS = {"cuda": 1024}
+# Bytes of chunk buffers per device type: fp32 logits [N, v] (on CUDA the backward writes d
+# logits over them; elsewhere it takes a second buffer). On CUDA, 128 MiB keeps the extra memory
+# at N = 8192, H = 4096, V = 151936 (chunk plus the 128 MiB d hidden accumulator) under an
+# eighth of the bf16 logits (297 MiB).
+CHUNK_BYTES = {"cuda": 128 << 20, "cpu": 4 << 20}
+# Narrowest vocabulary chunk on CUDA. Every backward chunk reads and writes the fp32 [N, H] d
+# hidden accumulator once, so narrow chunks cost that traffic many times over (N = 16384,
+# H = 3584: 470 MB a chunk); at very many tokens the chunks grow past the budget instead
+# (N = 32768: 2048 columns, 256 MiB).
+MIN_COLS = {"cuda": 2048}
 
 _HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
@@ -75,6 +78,14 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
     else:
         acc += _mm_f32(a, b)
+
+
+def _gemm_operands(weight, h2, reference_path):
+    """(weight, hidden rows) as the GEMMs read them: as they are, except that the CPU reference
+    path upcasts bf16/fp16 once (its GEMMs would otherwise upcast per chunk)."""
+    if reference_path and not weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
+        return weight.float(), h2.float()
+    return weight, h2
 
 
 def _rows(hidden, index, shift):
@@ -166,9 +177,7 @@ def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift,
         return logp, ent, stats
     if merge_fn is _merge_reference and hidden.device.type == "cpu":
         reference.check_index_range(idx2, v, ignore_index)
-    w = weight if (weight.is_cuda or weight.dtype in (torch.float32, torch.float64)) else weight.float()
-    if w is not weight:
-        h2 = h2.float()
+    w, h2 = _gemm_operands(weight, h2, merge_fn is _merge_reference)
     t_eff = _effective_temperature(temperature, logit_scale, softcap)
     c = LOG2E / t_eff
     step = _chunk_cols(hidden.device, n, 4)
@@ -204,8 +213,7 @@ def _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, 
         dw.zero_()
         db.zero_()
         return dh_full, dw, db
-    w = weight if (weight.is_cuda or weight.dtype in (torch.float32, torch.float64)) else weight.float()
-    hm = h2 if w is weight else h2.float()  # the GEMMs' operand dtype
+    w, hm = _gemm_operands(weight, h2, bwd_fn is _bwd_reference)
     t_eff = _effective_temperature(temperature, logit_scale, softcap)
     st2 = stats.reshape(n, 2)
     ent2 = entropy.reshape(n)
@@ -213,13 +221,20 @@ def _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, 
     gh = grad_entropy.reshape(n) if grad_entropy is not None else None
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     dh = torch.zeros(n, h2.shape[1], dtype=acc, device=hidden.device)
-    step = _chunk_cols(hidden.device, n, 4 + weight.element_size())
+    in_place = bwd_fn is _bwd_triton and softcap is None and w.dtype in (torch.bfloat16, torch.float16)
+    step = _chunk_cols(hidden.device, n, 4 if in_place else 4 + w.element_size())
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
         b_c = bias[v0:v1] if bias is not None else None
         z, th = _logits_chunk(hm, w[v0:v1], b_c, logit_scale, softcap)
-        dz, _ = bwd_fn(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v0, v_total=v,
-                       out_dtype=z.dtype if th is not None else w.dtype)
+        if in_place:
+            # d logits written over the logits chunk: row r's w.dtype values in the first bytes
+            # of row r's fp32 values (no second chunk-sized buffer)
+            dz = z.view(w.dtype)[:, :v1 - v0]
+            bwd_fn(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v0, v_total=v, out=dz)
+        else:
+            dz, _ = bwd_fn(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v0, v_total=v,
+                           out_dtype=z.dtype if th is not None else w.dtype)
         del z
         if th is not None:  # d y = d z * s (1 - tanh^2), in fp32, then to the GEMMs' dtype
             dz = (dz.mul_(th.square_().neg_().add_(1.0)).mul_(logit_scale)).to(w.dtype)

@@ -115,10 +115,13 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
 
 
 def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
-                     temperature_t=None, shift=False, *, v_off=0, v_total=None, out_dtype=None):
+                     temperature_t=None, shift=False, *, v_off=0, v_total=None, out_dtype=None, out=None):
     """The backward op's Triton implementation. Keyword-only extras for the fused lm_head
     (ops/linear_logprobs.py): the logits may be columns v_off .. v_off + V - 1 of a vocabulary
-    of v_total (stats and entropy of the whole rows), and d logits may be of another dtype."""
+    of v_total (stats and entropy of the whole rows), and d logits may be of another dtype, or
+    written into ``out``: a [rows, V] view with unit column stride, which may share memory with
+    2-D logits as long as each row of ``out`` lies inside the bytes of the same logits row (a
+    program reads a block before it writes over it)."""
     if logits.dtype == torch.float64:
         return reference.logprobs_entropy_backward(
             grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift,
@@ -127,7 +130,7 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
 
     # d logits has the logits' full shape; with shift its rows L of every sequence are zero and
     # are written by the same launch (programs past the live rows), never by a second pass
-    dx = new_output(logits.shape, out_dtype or logits.dtype, logits.device)
+    dx = out if out is not None else new_output(logits.shape, out_dtype or logits.dtype, logits.device)
     if shift:
         logits = logits[..., :-1, :]
     v = logits.shape[-1]
@@ -143,7 +146,7 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
         tail = dx[..., -1, :]
         z_inner, z_outer, z_stride = rows_strides(tail)
     else:
-        d_inner, d_outer, d_stride = max(rows, 1), 0, v
+        d_inner, d_outer, d_stride = max(rows, 1), 0, dx.stride(0) if dx.dim() == 2 else v
         tail, z_inner, z_outer, z_stride = dx, 1, 0, 0
     has_glp = grad_logp is not None and index is not None
     if has_glp:
