@@ -280,6 +280,22 @@ GUARD = textwrap.dedent('''
             _no_shrink(session.items)
 
 
+    def _event(kind, nodeid):
+        with open(os.environ["MUTATION_EVENTS"], "a") as fh:
+            fh.write(f"{kind} {nodeid}\\n")
+
+
+    def pytest_runtest_logstart(nodeid, location):
+        _event("START", nodeid)
+
+
+    def pytest_runtest_logreport(report):
+        if report.failed:
+            _event("FAILED" if report.when == "call" else "ERROR", report.nodeid)
+        if report.when == "teardown":
+            _event("END", report.nodeid)
+
+
     def _no_shrink(items):
         """Hypothesis tests keep their examples (same profile, same derandomized generation) but
         report the first failing one instead of shrinking it: under the interpreter a shrink can
@@ -352,7 +368,9 @@ class RunResult:
     seconds: float
     output: str
     guard: dict
-    reasons: list[str]  # pytest's one-line message per failed test
+    reasons: list[str]  # the first error line of each failure
+    timed_out: bool
+    crashed_in: str | None  # the test that was running when pytest died (no summary then)
 
 
 def run_pytest(copy: Path, tmp: Path, interpret: bool, tests: list[str], python: str, timeout: float,
@@ -361,8 +379,10 @@ def run_pytest(copy: Path, tmp: Path, interpret: bool, tests: list[str], python:
     guard_dir.mkdir(exist_ok=True)
     (guard_dir / "mutation_guard.py").write_text(GUARD)
     guard_out = tmp / "guard.txt"
-    if guard_out.exists():
-        guard_out.unlink()
+    events = tmp / "events.txt"
+    for f in (guard_out, events):
+        if f.exists():
+            f.unlink()
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "PYTHONPATH", "PYTEST_ADDOPTS", "HYPOTHESIS_PROFILE")}
     env.update(
@@ -372,6 +392,7 @@ def run_pytest(copy: Path, tmp: Path, interpret: bool, tests: list[str], python:
         TRITON_CACHE_DIR=str(tmp / "triton"),
         MUTATION_COPY=str(copy),
         MUTATION_GUARD_OUT=str(guard_out),
+        MUTATION_EVENTS=str(events),
         MUTATION_WANT_INTERPRET="1" if interpret else "0",
         MUTATION_SHRINK="1" if shrink else "0",
     )
@@ -382,11 +403,13 @@ def run_pytest(copy: Path, tmp: Path, interpret: bool, tests: list[str], python:
     try:
         proc = subprocess.run(cmd, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=timeout)
-        rc, out = proc.returncode, proc.stdout
+        rc, out, timed_out = proc.returncode, proc.stdout, False
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        rc, out = -1, out + f"\n[mutation_check] TIMEOUT after {timeout:.0f} s\n"
+        rc, out, timed_out = -9, out + f"\n[mutation_check] TIMEOUT after {timeout:.0f} s\n", True
     seconds = time.monotonic() - t0
+    # failures from pytest's short summary ("FAILED ..." lines) and, should the process have died
+    # before printing it, from the plugin's event log
     failed, errors = [], []
     for line in out.splitlines():
         m = FAILED_RE.match(line)
@@ -396,6 +419,16 @@ def run_pytest(copy: Path, tmp: Path, interpret: bool, tests: list[str], python:
         m = ERROR_RE.match(line)
         if m:
             errors.append(m.group(1))
+    running = None
+    if events.exists():
+        for line in events.read_text().splitlines():
+            kind, _, nodeid = line.partition(" ")
+            if kind == "FAILED" and nodeid not in failed:
+                failed.append(nodeid)
+            elif kind == "ERROR" and nodeid not in errors:
+                errors.append(nodeid)
+            running = nodeid if kind == "START" else (None if kind == "END" else running)
+    crashed_in = running if (rc < 0 and not timed_out) else None
     # the first "E ..." line that names an error, per failure section of the report
     reasons, section, picked = [], None, set()
     for line in out.splitlines():
@@ -410,7 +443,7 @@ def run_pytest(copy: Path, tmp: Path, interpret: bool, tests: list[str], python:
         for line in guard_out.read_text().splitlines():
             k, _, v = line.partition("=")
             guard[k] = v
-    return RunResult(rc, failed, errors, seconds, out, guard, reasons)
+    return RunResult(rc, failed, errors, seconds, out, guard, reasons, timed_out, crashed_in)
 
 
 def guard_problem(res: RunResult, copy: Path, interpret: bool) -> str | None:
@@ -499,22 +532,26 @@ def main(argv=None) -> int:
                   f"pytest {' '.join(m.tests)} ...", flush=True)
             res = run_pytest(copy, tmp, interpret, m.tests, args.python, args.timeout, args.shrink,
                              not args.all_failures)
+            problem = guard_problem(res, copy, interpret)
         finally:
             if not args.keep:
                 shutil.rmtree(tmp, ignore_errors=True)
-        problem = guard_problem(res, copy, interpret)
+        died = (f"; then pytest died (rc={res.rc}) in {res.crashed_in}" if res.crashed_in else "")
         if problem:
             status, note = "INVALID", problem
         elif res.failed:
-            status, note = "caught", ""
+            status, note = "caught", died.lstrip("; ")
         elif res.rc == 0:
             status, note = "SURVIVED", "no test failed"
-        elif res.rc == -1:
+        elif res.timed_out:
             status, note = "TIMEOUT", f"no failure within {args.timeout:.0f} s"
+        elif res.crashed_in:
+            status, note = "CRASHED", f"no test failed; pytest died (rc={res.rc}) in {res.crashed_in}"
         else:
             status, note = "ERROR", f"pytest rc={res.rc}, no FAILED test; errors: {res.errors or '-'}"
         rows.append([m, status, res.failed, res.seconds, note])
-        print(f"[mutation_check]     -> {status} in {res.seconds:.0f} s: {', '.join(res.failed) or note}", flush=True)
+        print(f"[mutation_check]     -> {status} in {res.seconds:.0f} s: {', '.join(res.failed) or note}"
+              + (f" ({note})" if res.failed and note else ""), flush=True)
         for why in res.reasons[:3]:
             print(f"[mutation_check]        {why[:300]}", flush=True)
         if status != "caught" or args.verbose:
@@ -533,10 +570,10 @@ def main(argv=None) -> int:
                 make_copy(copy, sha)
                 print(f"[mutation_check] control ({path}, unmutated): {len(nodes)} test(s) ...", flush=True)
                 res = run_pytest(copy, tmp, path == TRITON, nodes, args.python, args.timeout, stop_first=False)
+                problem = guard_problem(res, copy, path == TRITON)
             finally:
                 if not args.keep:
                     shutil.rmtree(tmp, ignore_errors=True)
-            problem = guard_problem(res, copy, path == TRITON)
             bad = set(res.failed) | set(res.errors)
             ok = res.rc == 0 and not problem
             print(f"[mutation_check]     -> {'passed' if ok else 'FAILED'} in {res.seconds:.0f} s"

@@ -243,6 +243,7 @@ def _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, 
         _addmm_f32_(dh, dz, w[v0:v1])
         if bias is not None:
             db[v0:v1] = dz.sum(0, dtype=acc).to(db.dtype)
+        del dz  # (on CUDA it holds the chunk's memory: free it before the next chunk's GEMM)
     if shift:
         dh_full[..., :-1, :] = dh.view(dh_full[..., :-1, :].shape)
     else:
