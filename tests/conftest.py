@@ -75,7 +75,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # The interpreter run (tests/test_interpreter.py) is a second pytest process. It starts with the
-# session, so that it runs beside this one, and the test that owns it waits for it.
+# pytest session, so that it runs beside this one, and the test that owns it waits for it.
 _INTERPRETER = {}
 
 

@@ -6,7 +6,7 @@ for CPU tensors too: every op test (forward, backward, opcheck, torch.compile) t
 real kernels instead of the plain-PyTorch reference. Shapes are small there (tests/conftest.py
 shrinks the tiles so that small shapes still reach every kernel branch).
 
-The child process starts when the session starts (tests/conftest.py), so that on a machine with
+The child process starts when the pytest session starts (tests/conftest.py), so that on a machine with
 two cores it runs beside the plain CPU suite; this test waits for it and streams its progress.
 """
 

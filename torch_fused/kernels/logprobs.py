@@ -31,9 +31,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-# constexpr globals: usable inside @triton.jit (the launchers use torch_fused._library's floats)
-LOG2E_C = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
+from .._library import LN2 as _LN2, LOG2E as _LOG2E
+
+# constexpr globals: usable inside @triton.jit
+LOG2E_C = tl.constexpr(_LOG2E)
+LN2 = tl.constexpr(_LN2)
 
 
 @triton.jit
