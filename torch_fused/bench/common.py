@@ -121,8 +121,9 @@ def copy_bandwidth_gbps(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def peak_extra_mb(fn) -> float:
-    """Peak memory above what was allocated before the call (outputs included), in MiB."""
+def peak_extra_mb(fn, minus_bytes: int = 0) -> float:
+    """Peak memory above what was allocated before the call (outputs included, less minus_bytes:
+    e.g. the returned gradients), in MiB."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -130,7 +131,7 @@ def peak_extra_mb(fn) -> float:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     del out
-    return (peak - base) / 2**20
+    return (peak - base - minus_bytes) / 2**20
 
 
 def new_report() -> Report:

@@ -14,20 +14,9 @@ import torch
 
 import torch_fused
 
-from .common import Row, bench_ms, warm_up
+from .common import Row, bench_ms, peak_extra_mb, warm_up
 
 SHAPES = [(8192, 4096, 151936), (16384, 3584, 151936), (32768, 4096, 32000)]  # (N, H, V)
-
-
-def _peak_extra(fn, returned_bytes: int) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    del out
-    return (peak - base - returned_bytes) / 2**20
 
 
 def run(report, copy_gbps, quick=False):
@@ -65,7 +54,7 @@ def run(report, copy_gbps, quick=False):
                 ("lm_head fwd+bwd", "torch_fused linear_logprobs_and_entropy", fused_fwdbwd, gemm3, grads_bytes),
                 ("lm_head fwd+bwd", "materialized logits + torch_fused op", materialized_fwdbwd, gemm3, grads_bytes)]:
             ms = bench_ms(fn, warmup=5, rep=200)
-            pk = _peak_extra(fn, grads)
+            pk = peak_extra_mb(fn, grads)
             row = Row(group, shape, impl, ms, 0, peak_extra_mb=pk,
                       note=f"{ms / floor_ms:.3f}x the bare GEMMs ({floor_ms:.3f} ms); logits {logits_mib:.0f} MiB")
             row.floor_ms = floor_ms

@@ -111,6 +111,33 @@ def _forward_combine(m_r, s_r, t_r, c, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.co
 
 
 @triton.jit
+def _row_statistics(p_row, V, c, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_V: tl.constexpr,
+                    EPT: tl.constexpr):
+    """(m, s, t) of one row of V logits in one streaming pass: the row max and the sums
+    s = sum 2^d, t = sum 2^d d against the shift m c. A block is a [NR, EPT] tile, row k of
+    it logits k*EPT .. k*EPT+EPT-1, one thread's 16-byte vector; full blocks run unmasked with
+    the next block's load issued before this block's math."""
+    NR: tl.constexpr = BLOCK_V // EPT
+    o_v = tl.arange(0, NR)[:, None] * EPT + tl.arange(0, EPT)[None, :]
+    s_r = tl.zeros([NR], dtype=tl.float32)
+    t_r = tl.zeros([NR], dtype=tl.float32)
+    m_r = tl.full([NR], float("-inf"), tl.float32)
+    v_full = V - V % BLOCK_V
+    if v_full > 0:
+        b_x = tl.load(p_row + o_v).to(tl.float32)
+        for start in range(BLOCK_V, v_full, BLOCK_V):
+            b_nx = tl.load(p_row + start + o_v).to(tl.float32)
+            m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, HAS_ENT, EXACT_SHIFT)
+            b_x = b_nx
+        m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, HAS_ENT, EXACT_SHIFT)
+    if v_full < V:
+        o = v_full + o_v
+        b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
+        m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, HAS_ENT, EXACT_SHIFT)
+    return _forward_combine(m_r, s_r, t_r, c, HAS_ENT, EXACT_SHIFT)
+
+
+@triton.jit
 def _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR: tl.constexpr):
     """(c, 1/T): from the launch arguments, or (T_FROM_PTR) from a device scalar T, which may
     require grad. A non-positive T read from memory gives NaN (it cannot be checked without a
@@ -144,28 +171,7 @@ def _logprobs_entropy_forward_kernel(
         inb = (b_idx >= 0) & (b_idx < V)
         b_xi = tl.load(p_row + b_idx, mask=m_k & inb, other=0.0).to(tl.float32)
 
-    # the block as [NR, EPT]: row k of the tile is logits k*EPT .. k*EPT+EPT-1, one 16-byte
-    # vector, held by one thread
-    NR: tl.constexpr = BLOCK_V // EPT
-    o_v = tl.arange(0, NR)[:, None] * EPT + tl.arange(0, EPT)[None, :]
-    s_r = tl.zeros([NR], dtype=tl.float32)
-    t_r = tl.zeros([NR], dtype=tl.float32)
-    m_r = tl.full([NR], float("-inf"), tl.float32)
-    v_full = V - V % BLOCK_V
-    if v_full > 0:
-        # full blocks, unmasked, with the next block's load issued before this block's math
-        b_x = tl.load(p_row + o_v).to(tl.float32)
-        for start in range(BLOCK_V, v_full, BLOCK_V):
-            b_nx = tl.load(p_row + start + o_v).to(tl.float32)
-            m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, HAS_ENT, EXACT_SHIFT)
-            b_x = b_nx
-        m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, HAS_ENT, EXACT_SHIFT)
-    if v_full < V:
-        o = v_full + o_v
-        b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
-        m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, HAS_ENT, EXACT_SHIFT)
-
-    m, s, t = _forward_combine(m_r, s_r, t_r, c, HAS_ENT, EXACT_SHIFT)
+    m, s, t = _row_statistics(p_row, V, c, HAS_ENT, EXACT_SHIFT, BLOCK_V, EPT)
     log2s = tl.log2(s)
     tl.store(p_stats + row * 2, m)
     tl.store(p_stats + row * 2 + 1, log2s)
@@ -200,24 +206,7 @@ def _chunk_merge_kernel(
     inside = m_k & (b_loc >= 0) & (b_loc < V)
     b_xi = tl.load(p_row + b_loc, mask=inside, other=0.0).to(tl.float32)
 
-    NR: tl.constexpr = BLOCK_V // EPT
-    o_v = tl.arange(0, NR)[:, None] * EPT + tl.arange(0, EPT)[None, :]
-    s_r = tl.zeros([NR], dtype=tl.float32)
-    t_r = tl.zeros([NR], dtype=tl.float32)
-    m_r = tl.full([NR], float("-inf"), tl.float32)
-    v_full = V - V % BLOCK_V
-    if v_full > 0:
-        b_x = tl.load(p_row + o_v).to(tl.float32)
-        for start in range(BLOCK_V, v_full, BLOCK_V):
-            b_nx = tl.load(p_row + start + o_v).to(tl.float32)
-            m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, True, EXACT_SHIFT)
-            b_x = b_nx
-        m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, True, EXACT_SHIFT)
-    if v_full < V:
-        o = v_full + o_v
-        b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
-        m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, True, EXACT_SHIFT)
-    m_c, s_c, t_c = _forward_combine(m_r, s_r, t_r, c, True, EXACT_SHIFT)
+    m_c, s_c, t_c = _row_statistics(p_row, V, c, True, EXACT_SHIFT, BLOCK_V, EPT)
 
     tl.store(p_u + row * K + o_k, _shifted(b_xi, m_c, c, EXACT_SHIFT), mask=inside)
     tl.store(p_mo + row * K + o_k, tl.zeros([BLOCK_K], dtype=tl.float32) + m_c, mask=inside)
