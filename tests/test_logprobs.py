@@ -403,3 +403,22 @@ def test_shift_lengths_that_do_not_fit(name, xs, ishape, msg, mode):
         f = torch.compile(f, fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match=msg):
         f(torch.randn(xs), torch.zeros(ishape, dtype=torch.long))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tensor_temperature_gradient_with_very_negative_logits(device):
+    """Logits far below 0 (row max * c < -128) with V not a multiple of the block: the lanes
+    past V of the last block must stay out of d T (there p = 2^(-m c - log2 s) overflows)."""
+    gen = torch.Generator().manual_seed(11)
+    for v in (100, 37):
+        x = (torch.randn(3, v, generator=gen, dtype=torch.float64) - 100).float().to(device).requires_grad_(True)
+        t = torch.tensor(0.5, device=device, requires_grad=True)
+        idx = torch.randint(0, v, (3,), generator=gen).to(device)
+        lp, ent = torch_fused.logprobs_and_entropy(x, idx, temperature=t)
+        (dt,) = torch.autograd.grad(lp.sum() + ent.sum(), t)
+        xr = x.detach().cpu().double()
+        tr = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+        rlp, rent = ref_logprobs_entropy(xr, idx.cpu(), tr)
+        (rdt,) = torch.autograd.grad(rlp.sum() + rent.sum(), tr)
+        assert math.isfinite(dt.item()), v
+        assert abs(dt.item() - rdt.item()) <= 1e-4 * abs(rdt.item()) + 1e-3, (v, dt.item(), rdt.item())

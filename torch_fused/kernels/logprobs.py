@@ -216,11 +216,13 @@ def _chunk_merge_kernel(
         m0 = tl.load(p_run + row * 3)
         s0 = tl.load(p_run + row * 3 + 1)
         t0 = tl.load(p_run + row * 3 + 2)
-        m = tl.maximum(m0, m_c)
+        # a side with s == 0 (only -inf logits so far) holds the placeholder max 0: it must not
+        # set the max, and its factor is 0 (no 0 * inf)
+        m = tl.where(s_c == 0.0, m0, tl.where(s0 == 0.0, m_c, tl.maximum(m0, m_c)))
         da = _shift_diff(m0, m, c, EXACT_SHIFT)
         db = _shift_diff(m_c, m, c, EXACT_SHIFT)
-        ea = tl.exp2(da)
-        eb = tl.exp2(db)
+        ea = tl.where(s0 == 0.0, 0.0, tl.exp2(da))
+        eb = tl.where(s_c == 0.0, 0.0, tl.exp2(db))
         t = ea * (t0 + da * s0) + eb * (t_c + db * s_c)
         s = s0 * ea + s_c * eb
     tl.store(p_run + row * 3, m)
@@ -255,8 +257,11 @@ def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s
         tl.store(p_drow + o, b_dx.to(p_drow.dtype.element_ty), mask=o < V)
     else:
         tl.store(p_drow + o, b_dx.to(p_drow.dtype.element_ty))
-    if HAS_DT:  # -inf logits have dx = 0: keep their 0 * inf out of the sum
-        return tl.sum(tl.where(b_dx != 0.0, b_x * b_dx, 0.0), axis=0)
+    if HAS_DT:  # -inf logits have dx = 0 and lanes past V hold garbage: keep them out of the sum
+        keep = b_dx != 0.0
+        if MASKED:
+            keep = keep & (o < V)
+        return tl.sum(tl.where(keep, b_x * b_dx, 0.0), axis=0)
     else:
         return 0.0
 
@@ -280,8 +285,8 @@ def _logprobs_entropy_backward_kernel(
     inv_t,  # 1 / T
     ignore_index,
     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr, EXACT_SHIFT: tl.constexpr,
-    T_FROM_PTR: tl.constexpr, HAS_DT: tl.constexpr, ZERO_TAIL: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    T_FROM_PTR: tl.constexpr, HAS_DT: tl.constexpr, ZERO_TAIL: tl.constexpr, IN_PLACE: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """d z_j = sum_k g_k [j == idx_k] - p_j * (G + gH * (lp_j + H));  d x = d z / T.
 
@@ -291,7 +296,10 @@ def _logprobs_entropy_backward_kernel(
     vocabulary (ids v_off .. v_off + V - 1 of V_total, with the row statistics of the whole
     row): G counts every id, the scatter only ids in the slice. With ZERO_TAIL, programs past n_rows write
     the zero rows of d x that no row scores (shift: the last position of every sequence), so
-    the whole gradient is written by one launch."""
+    the whole gradient is written by one launch. With IN_PLACE, d x overwrites the logits: row r
+    of d x (narrower elements) starts at the bytes of row r of x, so its block k lies in bytes of
+    x blocks <= k; a barrier before each block's stores orders every warp's loads of those bytes
+    before them (another warp's thread holds them)."""
     row = tl.program_id(0).to(tl.int64)
     if ZERO_TAIL:
         if row >= n_rows:
@@ -300,12 +308,12 @@ def _logprobs_entropy_backward_kernel(
             _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K, v_off, V_total,
                           inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
                           scale, inv_t, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, T_FROM_PTR,
-                          HAS_DT, BLOCK_V, BLOCK_K)
+                          HAS_DT, IN_PLACE, BLOCK_V, BLOCK_K)
     else:
         _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K, v_off, V_total,
                       inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
                       scale, inv_t, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, T_FROM_PTR,
-                      HAS_DT, BLOCK_V, BLOCK_K)
+                      HAS_DT, IN_PLACE, BLOCK_V, BLOCK_K)
 
 
 @triton.jit
@@ -314,7 +322,7 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
                   scale, inv_t, ignore_index,
                   HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
                   EXACT_SHIFT: tl.constexpr, T_FROM_PTR: tl.constexpr, HAS_DT: tl.constexpr,
-                  BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                  IN_PLACE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
     p_drow = _row_base(p_dx, row, dx_inner, dx_outer, dx_stride)
     c, it = _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR)
@@ -357,16 +365,22 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
         b_x = tl.load(p_row + o_v).to(tl.float32)
         for start in range(BLOCK_V, v_full, BLOCK_V):
             b_nx = tl.load(p_row + start + o_v).to(tl.float32)  # prefetch the next block
+            if IN_PLACE:  # every warp's loads of blocks <= k+1 before any store of block k
+                tl.debug_barrier()
             xdx += _backward_block(b_x, start - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, start - BLOCK_V, V, K, c,
                                    m, log2s, a, b, it, idx0, g0, ignore_index, v_off, HAS_GLP, HAS_GH, SINGLE_K, False,
                                    EXACT_SHIFT, HAS_DT, BLOCK_V)
             b_x = b_nx
+        if IN_PLACE:
+            tl.debug_barrier()
         xdx += _backward_block(b_x, v_full - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, v_full - BLOCK_V, V, K, c,
                                m, log2s, a, b, it, idx0, g0, ignore_index, v_off, HAS_GLP, HAS_GH, SINGLE_K, False,
                                EXACT_SHIFT, HAS_DT, BLOCK_V)
     if v_full < V:
         o = v_full + o_v
         b_x = tl.load(p_row + o, mask=o < V, other=0.0).to(tl.float32)
+        if IN_PLACE:
+            tl.debug_barrier()
         xdx += _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, v_full, V, K, c,
                                m, log2s, a, b, it, idx0, g0, ignore_index, v_off, HAS_GLP, HAS_GH, SINGLE_K, True,
                                EXACT_SHIFT, HAS_DT, BLOCK_V)
@@ -412,4 +426,9 @@ def compile_cases():
                                 (False, True, True, False, True), (True, True, True, True, False)]:
         yield (f"lp_bwd glp={glp} gh={gh} single={sk} dt={dt} zero_tail={zt}", _logprobs_entropy_backward_kernel,
                bwd, {"HAS_GLP": glp, "HAS_GH": gh, "SINGLE_K": sk, "EXACT_SHIFT": False, "T_FROM_PTR": dt,
-                     "HAS_DT": dt, "ZERO_TAIL": zt, "BLOCK_V": 2048, "BLOCK_K": 4}, 4)
+                     "HAS_DT": dt, "ZERO_TAIL": zt, "IN_PLACE": False, "BLOCK_V": 2048, "BLOCK_K": 4}, 4)
+    # the fused lm_head's backward: fp32 logits chunk, bf16 d logits written over it
+    inplace = dict(bwd, p_x="*fp32", p_dx="*bf16", p_dz="*bf16", p_idx="*i64")
+    yield ("lp_bwd in_place", _logprobs_entropy_backward_kernel, inplace,
+           {"HAS_GLP": True, "HAS_GH": True, "SINGLE_K": True, "EXACT_SHIFT": False, "T_FROM_PTR": False,
+            "HAS_DT": False, "ZERO_TAIL": False, "IN_PLACE": True, "BLOCK_V": 1024, "BLOCK_K": 2}, 4)

@@ -120,8 +120,9 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
     (ops/linear_logprobs.py): the logits may be columns v_off .. v_off + V - 1 of a vocabulary
     of v_total (stats and entropy of the whole rows), and d logits may be of another dtype, or
     written into ``out``: a [rows, V] view with unit column stride, which may share memory with
-    2-D logits as long as each row of ``out`` lies inside the bytes of the same logits row (a
-    program reads a block before it writes over it)."""
+    2-D logits whose elements are at least as wide, as long as row r of ``out`` starts at the
+    first byte of logits row r (column j of ``out`` then never lies past column j of the
+    logits; the kernel orders its warps' loads before the stores over them)."""
     if logits.dtype == torch.float64:
         return reference.logprobs_entropy_backward(
             grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift,
@@ -165,6 +166,7 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
         LOG2E / temperature, 1.0 / temperature, ignore_index,
         HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1, EXACT_SHIFT=INTERPRET,
         T_FROM_PTR=has_dt, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0,
+        IN_PLACE=out is not None and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(),
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
         num_warps=warps,
     )
