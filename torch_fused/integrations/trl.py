@@ -1,0 +1,540 @@
+"""Route TRL's log-prob and entropy computations to torch_fused.
+
+    import torch_fused.integrations.trl as tf_trl
+    tf_trl.patch()                      # before or after building the trainer
+    trainer.train()
+    tf_trl.unpatch()                    # or: with tf_trl.patched(): trainer.train()
+
+What ``patch()`` replaces, in ``trl.trainer.utils``, ``trl.kernels`` (where present) and every
+already-imported ``trl.*`` module holding the original function object (modules imported later
+take the names from ``trl.trainer.utils`` and so get the replacements too):
+
+=========================================  ===============================================  ==========
+TRL name                                   routed to                                        tested TRL
+=========================================  ===============================================  ==========
+``selective_log_softmax``                  :func:`torch_fused.selective_log_softmax`        1.13, 1.16
+``entropy_from_logits``                    :func:`torch_fused.entropy_from_logits`          1.13, 1.16
+``selective_log_softmax_and_entropy``      :func:`torch_fused.logprobs_and_entropy`         1.16
+(``trl.trainer.utils``, ``trl.kernels``)
+``ChunkedLogProbFunction`` (opt-in:        :func:`torch_fused.linear_logprobs_and_entropy`  1.16
+``patch(fused_lm_head=True)``)
+=========================================  ===============================================  ==========
+
+Each replacement keeps TRL's signature (checked against the installed function at patch time)
+and its return conventions: the output dtype TRL's own function would return for those inputs
+(float32 where TRL's Triton kernel would run, the logits' dtype where TRL's PyTorch fallback would
+run), ``row_mask`` rows zero with no gradient, ``entropy_requires_grad=False`` detaches the
+entropy, ``chunk_size`` is accepted and ignored (the fused ops never materialize a chunk). Calls
+outside what the fused ops compute with the same semantics go to TRL's original function:
+a tensor temperature or a non-positive one (TRL raises), index shapes other than ``logits.shape[:-1]``
+(and ``[..., K]`` for ``selective_log_softmax``), index dtypes other than int32/int64, devices
+other than CPU and CUDA, DTensor inputs, fewer than 2 logits dims.
+
+Differences that remain: the fused ops read an index of ``-100`` as ignored (log-prob 0, no
+gradient) where TRL's fallback raises and its kernel reads out of bounds; a row holding ``-inf``
+logits (masked vocabulary) has a finite entropy where TRL's PyTorch fallback gives NaN; and the
+results are the fp32-accurate values, rounded once to TRL's output dtype.
+
+The lm_head route (``fused_lm_head=True``) is off by default. In TRL 1.16, ``GRPOTrainer`` (and
+the DPO, KTO, RLOO and SFT trainers) compute every per-token log-prob through TRL's chunked lm_head
+(``add_fused_lm_head`` -> ``trl.trainer.utils._ChunkedLogProbFunction``), never through the logits
+functions, so there the default ``patch()`` leaves those trainers' numbers untouched and only
+``fused_lm_head=True`` changes them (the logits functions serve TRL's experimental trainers and
+user code). In TRL 1.13, ``GRPOTrainer`` works on materialized logits and the default ``patch()``
+routes them; its ``_ChunkedLogProbFunction`` (two outputs, used by no trainer) is not routed.
+Measured on an H200 (forward+backward against the bare GEMMs of the same run), ours is
+1.46-1.55x and TRL's 1.46-1.49x: not faster yet, while ours
+holds 256-769 MiB of extra memory against TRL's 2.5-2.8 GB (an fp32 d weight accumulator). The
+route becomes the default once it is measured faster; until then it is the memory option. Under
+autocast the route casts ``lm_head.weight`` to the autocast dtype in one piece (TRL casts chunk by
+chunk): with fp32 weights under bf16 autocast that is one bf16 copy of the weight. Calls with
+DeepSpeed ZeRO-3 parameters (whose backward must re-gather the weight) or a non-positive logit
+scale or softcap go to TRL's class. Requested diagnostic outputs (``log_sum_sq_probs``,
+``mean_logits``, ``is_top1``, no gradient) cost one more forward pass over the lm_head GEMM, in
+the compute dtype as TRL's tiles.
+
+Versions: the TRL versions in ``TESTED_TRL_VERSIONS``. On any other version ``patch()`` raises
+:class:`UnsupportedTRLVersion`; ``patch(strict=False)`` patches anyway, with a warning, every
+function whose signature matches a tested form (for a TRL patch release, say), and skips the rest.
+TRL 1.14 and 1.15 are not tested: 1.14's trainers call a two-output chunked lm_head, and 1.15's
+chunked lm_head launches Triton kernels on any device, so its GRPOTrainer cannot run on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import math
+import sys
+import warnings
+
+import torch
+
+import torch_fused as _tf
+
+__all__ = [
+    "patch",
+    "unpatch",
+    "patched",
+    "is_patched",
+    "patched_names",
+    "UnsupportedTRLVersion",
+    "TESTED_TRL_VERSIONS",
+    "FUSED_LM_HEAD_TRL_VERSIONS",
+]
+
+# The TRL versions this module is tested against (tests/test_trl_integration.py runs GRPOTrainer on
+# each); the `trl` extra pins the newest. 1.13.0 is the last release whose GRPOTrainer computes
+# log-probs from materialized logits (selective_log_softmax, entropy_from_logits); from 1.14 its
+# trainers run a chunked lm_head, and 1.15 moved it behind `add_fused_lm_head`. 1.15.0's chunked
+# lm_head needs a GPU (Triton kernels on any device), so it cannot be tested on CPU.
+TESTED_TRL_VERSIONS = ("1.13.0", "1.16.0")
+# Versions whose chunked lm_head (ChunkedLogProbFunction, 5 outputs) `fused_lm_head=True` routes.
+FUSED_LM_HEAD_TRL_VERSIONS = ("1.16.0",)
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_LM_HEAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX = (torch.int32, torch.int64)
+_DEVICES = ("cpu", "cuda")
+_IGNORE = -100  # the fused ops' ignore_index; masked rows get it so that they are never read
+_DIAG_TILE = 1 << 24  # elements of one fp32 tile of the lm_head diagnostics pass (64 MiB)
+
+
+class UnsupportedTRLVersion(RuntimeError):
+    """The installed TRL is not a version this integration is tested against."""
+
+
+# ------------------------------------------------------------------------------------------------
+# argument checks shared by the adapters: False sends the call to TRL's original function
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _plain_tensor(t, dtypes) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in dtypes and not _is_dtensor(t)
+
+
+def _positive_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _routable_logits(logits) -> bool:
+    return (_plain_tensor(logits, _FLOAT) and logits.dim() >= 2 and logits.shape[-1] > 0
+            and logits.device.type in _DEVICES)
+
+
+def _routable_index(logits, index, *, k_ok: bool) -> bool:
+    if not _plain_tensor(index, _INDEX) or index.device != logits.device:
+        return False
+    if index.shape == logits.shape[:-1]:
+        return True
+    return k_ok and index.dim() == logits.dim() and index.shape[:-1] == logits.shape[:-1]
+
+
+def _routable_mask(row_mask, index) -> bool:
+    return row_mask is None or (isinstance(row_mask, torch.Tensor) and not _is_dtensor(row_mask)
+                                and row_mask.shape == index.shape and row_mask.device == index.device)
+
+
+def _ignore_masked(index, row_mask):
+    """Masked rows get the ignore index: log-prob 0, no gradient, and their index never read."""
+    return index if row_mask is None else index.masked_fill(row_mask == 0, _IGNORE)
+
+
+# ------------------------------------------------------------------------------------------------
+# adapters; each factory returns a function with TRL's exact signature (checked in patch())
+
+
+def _trl_dtype_rule(utils):
+    """The output dtype TRL's own function returns: float32 where its Triton kernel runs
+    (``_supports_trl_loss_kernel``, TRL >= 1.14), else the logits' dtype (its PyTorch path)."""
+    supports = getattr(utils, "_supports_trl_loss_kernel", None)
+    kernel = getattr(utils, "_fused_logprob_entropy", None) is not None
+
+    def dtype(logits, index=None, row_mask=None):
+        if supports is not None and kernel and supports(logits, index, row_mask):
+            return torch.float32
+        return logits.dtype
+
+    return dtype
+
+
+def _selective_log_softmax_2(original, utils):
+    """TRL <= 1.13: ``selective_log_softmax(logits, index)``, output in the logits' dtype."""
+
+    def selective_log_softmax(logits, index):
+        if not (_routable_logits(logits) and _routable_index(logits, index, k_ok=True)):
+            return original(logits, index)
+        return _tf.selective_log_softmax(logits, index).to(logits.dtype)
+
+    return selective_log_softmax
+
+
+def _selective_log_softmax_4(original, utils):
+    """TRL >= 1.14: ``selective_log_softmax(logits, index, temperature=1.0, row_mask=None)``."""
+    out_dtype = _trl_dtype_rule(utils)
+
+    def selective_log_softmax(logits, index, temperature=1.0, row_mask=None):
+        if not (_positive_number(temperature) and _routable_logits(logits)
+                and _routable_index(logits, index, k_ok=True) and _routable_mask(row_mask, index)):
+            return original(logits, index, temperature, row_mask)
+        logp = _tf.selective_log_softmax(logits, _ignore_masked(index, row_mask), temperature=float(temperature))
+        return logp.to(out_dtype(logits, index, row_mask))
+
+    return selective_log_softmax
+
+
+def _entropy_from_logits(original, utils):
+    """``entropy_from_logits(logits, chunk_size=128)`` (all versions); chunk_size is a memory knob
+    of TRL's loop, meaningless for the fused op."""
+    out_dtype = _trl_dtype_rule(utils)
+
+    def entropy_from_logits(logits, chunk_size=128):
+        if not _routable_logits(logits):
+            return original(logits, chunk_size)
+        return _tf.entropy_from_logits(logits).to(out_dtype(logits))
+
+    return entropy_from_logits
+
+
+def _selective_log_softmax_and_entropy_utils(original, utils):
+    """TRL >= 1.14 ``trl.trainer.utils.selective_log_softmax_and_entropy(logits, index,
+    entropy_requires_grad=True, temperature=1.0, row_mask=None) -> (logprobs, entropy)``."""
+    out_dtype = _trl_dtype_rule(utils)
+
+    def selective_log_softmax_and_entropy(logits, index, entropy_requires_grad=True, temperature=1.0,
+                                          row_mask=None):
+        if not (_positive_number(temperature) and _routable_logits(logits)
+                and _routable_index(logits, index, k_ok=False) and _routable_mask(row_mask, index)):
+            return original(logits, index, entropy_requires_grad, temperature, row_mask)
+        logp, ent = _tf.logprobs_and_entropy(logits, _ignore_masked(index, row_mask), temperature=float(temperature))
+        dt = out_dtype(logits, index, row_mask)
+        logp, ent = logp.to(dt), ent.to(dt)
+        if row_mask is not None:
+            ent = ent.masked_fill(row_mask == 0, 0.0)
+        return logp, (ent if entropy_requires_grad else ent.detach())
+
+    return selective_log_softmax_and_entropy
+
+
+def _selective_log_softmax_and_entropy_kernel(original, utils):
+    """TRL >= 1.14 ``trl.kernels.selective_log_softmax_and_entropy(logits, index, temperature=1.0,
+    row_mask=None) -> (logprobs, entropy)``, both float32 (TRL's Triton kernel)."""
+
+    def selective_log_softmax_and_entropy(logits, index, temperature=1.0, row_mask=None):
+        if not (_positive_number(temperature) and _routable_logits(logits)
+                and _routable_index(logits, index, k_ok=False) and _routable_mask(row_mask, index)):
+            return original(logits, index, temperature, row_mask)
+        logp, ent = _tf.logprobs_and_entropy(logits, _ignore_masked(index, row_mask), temperature=float(temperature))
+        if row_mask is not None:
+            ent = ent.masked_fill(row_mask == 0, 0.0)
+        return logp, ent
+
+    return selective_log_softmax_and_entropy
+
+
+@torch.no_grad()
+def _lm_head_diagnostics(h, w, b, targets, inv_t, logit_scale, softcap, want, chunk_size):
+    """TRL's optional per-token outputs of the chunked lm_head, without gradient: one pass over
+    ``h @ w.T`` in tiles of at most ``_DIAG_TILE`` fp32 elements, the tiles computed in the compute
+    dtype and transformed in fp32 as TRL's kernel does. Returns {name: tensor} for ``want``."""
+    n, v = h.shape[0], w.shape[0]
+    f32 = dict(device=h.device, dtype=torch.float32)
+    run_max = torch.full((n,), -math.inf, **f32)
+    sum_exp = torch.zeros(n, **f32)
+    sq_sum_exp = torch.zeros(n, **f32)
+    z_sum = torch.zeros(n, **f32)
+    before = torch.full((n,), -math.inf, **f32)  # max logit over the columns left of the target
+    target_z = torch.zeros(n, **f32)
+    cols = max(1, min(int(chunk_size), v, _DIAG_TILE))
+    rows = max(1, _DIAG_TILE // cols)
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        hr, tr = h[r0:r1], targets[r0:r1]
+        for c0 in range(0, v, cols):
+            c1 = min(c0 + cols, v)
+            z = torch.mm(hr, w[c0:c1].t())
+            if b is not None:
+                z += b[c0:c1]
+            z = z.float() * logit_scale
+            if softcap is not None:
+                z = softcap * torch.tanh(z / softcap)
+            z = z * inv_t
+            if "mean_logits" in want:
+                z_sum[r0:r1] += z.sum(-1)
+            local = tr - c0
+            if "is_top1" in want:
+                left = torch.arange(c1 - c0, device=z.device) < local.unsqueeze(-1)
+                before[r0:r1] = torch.maximum(before[r0:r1], z.masked_fill(~left, -math.inf).amax(-1))
+            in_tile = (local >= 0) & (local < c1 - c0)
+            picked = z.gather(-1, local.clamp(0, c1 - c0 - 1).unsqueeze(-1)).squeeze(-1)
+            target_z[r0:r1] = torch.where(in_tile, picked, target_z[r0:r1])
+            new_max = torch.maximum(run_max[r0:r1], z.amax(-1))
+            rescale = torch.exp(run_max[r0:r1] - new_max)
+            e = torch.exp(z - new_max.unsqueeze(-1))
+            sum_exp[r0:r1] = sum_exp[r0:r1] * rescale + e.sum(-1)
+            if "log_sum_sq_probs" in want:
+                sq_sum_exp[r0:r1] = sq_sum_exp[r0:r1] * rescale * rescale + (e * e).sum(-1)
+            run_max[r0:r1] = new_max
+    out = {}
+    if "log_sum_sq_probs" in want:
+        out["log_sum_sq_probs"] = torch.log(sq_sum_exp) - 2 * torch.log(sum_exp)
+    if "mean_logits" in want:
+        out["mean_logits"] = z_sum / v
+    if "is_top1" in want:
+        # the first maximum counts: a tie with an earlier token is not a top-1 prediction
+        out["is_top1"] = (target_z >= run_max) & (target_z > before)
+    return out
+
+
+def _chunked_logprob_5(original, optional_outputs):
+    """TRL >= 1.15 ``ChunkedLogProbFunction`` (``trl.kernels``; ``trl.trainer.utils._ChunkedLogProbFunction``):
+    ``.apply(hidden [N, H], weight [V, H], bias, targets [N], temperature, chunk_size,
+    final_logit_softcapping=None, logit_scale=1.0, outputs=OPTIONAL_OUTPUTS)`` returning
+    ``(logprobs, entropy, log_sum_sq_probs, mean_logits, is_top1)``, each but the first None unless
+    named in ``outputs``; float32 (is_top1 bool); the last three without gradient."""
+
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
+              logit_scale=1.0, outputs=optional_outputs):
+        args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale,
+                outputs)
+        dev = hidden.device if isinstance(hidden, torch.Tensor) else None
+        if not (dev is not None and dev.type in _DEVICES
+                and _plain_tensor(hidden, _FLOAT) and hidden.dim() == 2
+                and _plain_tensor(weight, _FLOAT) and weight.dim() == 2 and weight.shape[0] > 0
+                and not hasattr(weight, "ds_id")  # DeepSpeed ZeRO-3: TRL's backward re-gathers it
+                and (bias is None or _plain_tensor(bias, _FLOAT))
+                and _plain_tensor(targets, _INDEX) and targets.dim() == 1
+                and _positive_number(temperature) and _positive_number(logit_scale)
+                and (final_logit_softcapping is None or _positive_number(final_logit_softcapping))):
+            return original.apply(*args)
+        cd = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else hidden.dtype
+        if cd not in _LM_HEAD_DTYPES:
+            return original.apply(*args)
+        softcap = None if final_logit_softcapping is None else float(final_logit_softcapping)
+        with torch.autocast(dev.type, enabled=False):
+            h, w = hidden.to(cd), weight.to(cd)
+            b = None if bias is None else bias.to(cd)
+            logp, ent = _tf.linear_logprobs_and_entropy(h, w, targets, bias=b, temperature=float(temperature),
+                                                        logit_scale=float(logit_scale), softcap=softcap)
+            want = {"log_sum_sq_probs", "mean_logits", "is_top1"}.intersection(outputs)
+            diag = (_lm_head_diagnostics(h.detach(), w.detach(), None if b is None else b.detach(), targets,
+                                         1.0 / float(temperature), float(logit_scale), softcap, want, chunk_size)
+                    if want else {})
+        return (logp, ent if "entropy" in outputs else None, diag.get("log_sum_sq_probs"),
+                diag.get("mean_logits"), diag.get("is_top1"))
+
+    # A class, as TRL's: callers write `ChunkedLogProbFunction.apply(...)`.
+    return type("ChunkedLogProbFunction", (), {
+        "__doc__": "TRL's ChunkedLogProbFunction call form, routed to torch_fused.linear_logprobs_and_entropy.",
+        "__module__": __name__,
+        "apply": staticmethod(apply),
+        "torch_fused_original": original,
+    })
+
+
+# ------------------------------------------------------------------------------------------------
+# signatures
+
+
+def _params(fn, *, drop_first=False):
+    ps = list(inspect.signature(fn).parameters.values())
+    if drop_first:
+        ps = ps[1:]
+    return [(p.name, p.kind, p.default) for p in ps]
+
+
+def _same_signature(adapter_fn, original_fn, *, drop_first=False) -> bool:
+    a, o = _params(adapter_fn), _params(original_fn, drop_first=drop_first)
+    if len(a) != len(o):
+        return False
+    for (an, ak, ad), (on, ok, od) in zip(a, o):
+        if an != on or ak != ok:
+            return False
+        if (ad is inspect.Parameter.empty) != (od is inspect.Parameter.empty):
+            return False
+        if ad is not inspect.Parameter.empty and not (ad is od or ad == od):
+            return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# patch / unpatch
+
+_STATE = None  # None, or {"options", "adapters": [(adapter, original, label)], "replaced": [(module, attr)]}
+
+
+def _trl_version() -> str:
+    import trl
+
+    version = getattr(trl, "__version__", None)
+    if version is None:  # pragma: no cover - every TRL release sets __version__
+        from importlib.metadata import version as _v
+
+        version = _v("trl")
+    return version
+
+
+def _import_optional(name):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _plan(fused_lm_head: bool, strict: bool, version: str):
+    """[(adapter, original, label)] for the installed TRL; raises where strict demands."""
+    import trl.trainer.utils as utils
+
+    kernels = _import_optional("trl.kernels")
+    plan = []
+
+    def add(label, original, factories):
+        if original is None:
+            return
+        for factory in factories:
+            adapter = factory(original, utils)
+            if _same_signature(adapter, original):
+                plan.append((adapter, original, label))
+                return
+        msg = f"TRL {version}: {label}{inspect.signature(original)} has no signature this integration knows"
+        if strict:
+            raise UnsupportedTRLVersion(msg)
+        warnings.warn(msg + "; left as it is", stacklevel=4)
+
+    add("trl.trainer.utils.selective_log_softmax", getattr(utils, "selective_log_softmax", None),
+        (_selective_log_softmax_4, _selective_log_softmax_2))
+    add("trl.trainer.utils.entropy_from_logits", getattr(utils, "entropy_from_logits", None),
+        (_entropy_from_logits,))
+    add("trl.trainer.utils.selective_log_softmax_and_entropy",
+        getattr(utils, "selective_log_softmax_and_entropy", None), (_selective_log_softmax_and_entropy_utils,))
+    if kernels is not None:
+        add("trl.kernels.selective_log_softmax_and_entropy",
+            getattr(kernels, "selective_log_softmax_and_entropy", None), (_selective_log_softmax_and_entropy_kernel,))
+
+    if fused_lm_head:
+        cls = getattr(kernels, "ChunkedLogProbFunction", None) if kernels is not None else None
+        cls = cls or getattr(utils, "_ChunkedLogProbFunction", None)
+        if cls is None:
+            raise ValueError(f"patch(fused_lm_head=True): TRL {version} has no chunked lm_head "
+                             "(ChunkedLogProbFunction); its trainers compute log-probs from materialized logits, "
+                             "which patch() routes without fused_lm_head")
+        chunked = _import_optional(cls.__module__)
+        optional = getattr(chunked, "OPTIONAL_OUTPUTS", None)
+        adapter = _chunked_logprob_5(cls, optional) if optional is not None else None
+        if adapter is None or not _same_signature(adapter.apply, cls.forward, drop_first=True):
+            raise ValueError(
+                f"patch(fused_lm_head=True): TRL {version}'s {cls.__name__}{inspect.signature(cls.forward)} is not the "
+                f"five-output form of TRL {', '.join(FUSED_LM_HEAD_TRL_VERSIONS)} that the lm_head route adapts; "
+                "use one of those versions, or patch() without fused_lm_head")
+        plan.append((adapter, cls, f"{cls.__module__}.{cls.__name__}"))
+    return plan
+
+
+def _trl_modules():
+    for name, mod in list(sys.modules.items()):
+        if mod is not None and (name == "trl" or name.startswith("trl.")):
+            yield name, mod
+
+
+def _swap(mapping: dict, replaced: list | None = None) -> None:
+    """In every loaded trl.* module, set each attribute holding a key of ``mapping`` (by identity)
+    to its value."""
+    for name, mod in _trl_modules():
+        d = getattr(mod, "__dict__", None)
+        if d is None:
+            continue
+        for attr, val in list(d.items()):
+            hit = mapping.get(id(val))
+            if hit is not None and hit[0] is val:
+                setattr(mod, attr, hit[1])
+                if replaced is not None and not any(m is mod and a == attr for m, a in replaced):
+                    replaced.append((mod, attr))
+
+
+def patch(*, fused_lm_head: bool = False, strict: bool = True) -> None:
+    """Route TRL's log-prob / entropy functions to torch_fused (see the module docstring).
+
+    Args:
+        fused_lm_head: also route TRL's chunked lm_head (``ChunkedLogProbFunction``, behind
+            ``add_fused_lm_head`` and every trainer's per-token log-probs in TRL >= 1.15) to
+            :func:`torch_fused.linear_logprobs_and_entropy`. Off by default: on an H200 it is not
+            faster than TRL's yet (1.46-1.55x the bare GEMMs against 1.46-1.49x); it needs
+            256-769 MiB of extra memory where TRL's needs 2.5-2.8 GB.
+        strict: raise :class:`UnsupportedTRLVersion` unless the installed TRL is one of
+            ``TESTED_TRL_VERSIONS``. ``strict=False`` warns instead and patches each function whose
+            signature matches a tested form.
+
+    Idempotent: calling it again with the same options re-scans the loaded ``trl.*`` modules and
+    changes nothing else; with other options it unpatches first. Raises ImportError without TRL.
+    """
+    global _STATE
+    options = {"fused_lm_head": bool(fused_lm_head), "strict": bool(strict)}
+    if _STATE is not None and _STATE["options"] == options:
+        _swap({id(o): (o, a) for a, o, _ in _STATE["adapters"]}, _STATE["replaced"])
+        return
+    if _STATE is not None:
+        unpatch()
+    version = _trl_version()
+    if version not in TESTED_TRL_VERSIONS:
+        msg = (f"torch_fused.integrations.trl is tested with TRL {', '.join(TESTED_TRL_VERSIONS)}; the installed TRL "
+               f"is {version}. Install a tested version (pip install 'trl=={TESTED_TRL_VERSIONS[-1]}', or "
+               "pip install -e '.[trl]' in a torch-fused checkout), or call patch(strict=False) to patch the "
+               "functions whose signatures match a tested version's")
+        if strict:
+            raise UnsupportedTRLVersion(msg)
+        warnings.warn(msg, stacklevel=2)
+    plan = _plan(options["fused_lm_head"], options["strict"], version)
+    replaced: list = []
+    _swap({id(o): (o, a) for a, o, _ in plan}, replaced)
+    _STATE = {"options": options, "adapters": plan, "replaced": replaced, "version": version}
+
+
+def unpatch() -> None:
+    """Put TRL's original objects back wherever ``patch()`` (or a later import) put an adapter.
+    A no-op when not patched."""
+    global _STATE
+    if _STATE is None:
+        return
+    back = {id(a): (a, o) for a, o, _ in _STATE["adapters"]}
+    _swap(back)
+    for mod, attr in _STATE["replaced"]:  # modules since dropped from sys.modules
+        hit = back.get(id(getattr(mod, attr, None)))
+        if hit is not None and hit[0] is getattr(mod, attr):
+            setattr(mod, attr, hit[1])
+    _STATE = None
+
+
+@contextlib.contextmanager
+def patched(*, fused_lm_head: bool = False, strict: bool = True):
+    """``with patched(): ...`` patches for the block and then restores the state before it
+    (unpatched, or patched with the previous options)."""
+    before = None if _STATE is None else dict(_STATE["options"])
+    patch(fused_lm_head=fused_lm_head, strict=strict)
+    try:
+        yield
+    finally:
+        if before is None:
+            unpatch()
+        else:
+            patch(**before)
+
+
+def is_patched() -> bool:
+    return _STATE is not None
+
+
+def patched_names() -> list[str]:
+    """``module.attribute`` of every replacement currently in place (sorted)."""
+    if _STATE is None:
+        return []
+    adapters = {id(a) for a, _, _ in _STATE["adapters"]}
+    return sorted(f"{name}.{attr}" for name, mod in _trl_modules() for attr, val in list(vars(mod).items())
+                  if id(val) in adapters)
