@@ -1,6 +1,6 @@
 """GRPO with TRL's GRPOTrainer, its log-prob computations routed to torch_fused.
 
-    pip install -e '.[trl]'          # TRL 1.16.0 (tested: 1.13.0, 1.16.0), transformers, datasets, accelerate
+    pip install -e '.[trl]'          # TRL 1.16.0 (tested: 1.13.0, 1.14.2, 1.16.0), transformers, datasets, ...
     python examples/grpo_trl.py --model Qwen/Qwen2.5-0.5B-Instruct --fused-lm-head
     python examples/grpo_trl.py --tiny --max-steps 2      # offline: a tiny random model, on CPU
 
@@ -14,8 +14,8 @@ selective_log_softmax_and_entropy (where the installed TRL has them) become the 
 1.16 GRPOTrainer computes every log-prob through its chunked lm_head, which only --fused-lm-head
 routes (to torch_fused.linear_logprobs_and_entropy): off by default, since on an H200 it is not
 faster than TRL's yet (1.46-1.55x the bare GEMMs against 1.46-1.49x), though it holds 256-769 MiB
-of extra memory where TRL's holds 2.5-2.8 GB. With TRL 1.13 GRPOTrainer works on materialized
-logits, and the default patch() routes them.
+of extra memory where TRL's holds 2.5-2.8 GB. With TRL 1.13 and 1.14 GRPOTrainer works on
+materialized logits, and the default patch() routes them.
 """
 
 import argparse

@@ -162,8 +162,11 @@ def test_grpo_patch_default(trl_run, tmp_path, calls):
         assert trl_utils._ChunkedLogProbFunction is ORIG["_ChunkedLogProbFunction"]
         _assert_same_training(run, trl_run, exact=True)
     else:
-        # TRL 1.13: GRPOTrainer calls selective_log_softmax and entropy_from_logits on the logits
-        assert calls["selective_log_softmax"] >= 2 and calls["entropy_from_logits"] >= 2, calls
+        # TRL 1.13 / 1.14: GRPOTrainer scores materialized logits (1.13: selective_log_softmax and
+        # entropy_from_logits; 1.14: selective_log_softmax_and_entropy with temperature and row_mask)
+        logp_calls = calls["selective_log_softmax"] + calls["logprobs_and_entropy"]
+        entropy_calls = calls["entropy_from_logits"] + calls["logprobs_and_entropy"]
+        assert logp_calls >= 2 and entropy_calls >= 2, calls
         _assert_same_training(run, trl_run)
 
 

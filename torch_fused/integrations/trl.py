@@ -12,9 +12,9 @@ take the names from ``trl.trainer.utils`` and so get the replacements too):
 =========================================  ===============================================  ==========
 TRL name                                   routed to                                        tested TRL
 =========================================  ===============================================  ==========
-``selective_log_softmax``                  :func:`torch_fused.selective_log_softmax`        1.13, 1.16
-``entropy_from_logits``                    :func:`torch_fused.entropy_from_logits`          1.13, 1.16
-``selective_log_softmax_and_entropy``      :func:`torch_fused.logprobs_and_entropy`         1.16
+``selective_log_softmax``                  :func:`torch_fused.selective_log_softmax`        1.13-1.16
+``entropy_from_logits``                    :func:`torch_fused.entropy_from_logits`          1.13-1.16
+``selective_log_softmax_and_entropy``      :func:`torch_fused.logprobs_and_entropy`         1.14, 1.16
 (``trl.trainer.utils``, ``trl.kernels``)
 ``ChunkedLogProbFunction`` (opt-in:        :func:`torch_fused.linear_logprobs_and_entropy`  1.16
 ``patch(fused_lm_head=True)``)
@@ -40,12 +40,16 @@ the DPO, KTO, RLOO and SFT trainers) compute every per-token log-prob through TR
 (``add_fused_lm_head`` -> ``trl.trainer.utils._ChunkedLogProbFunction``), never through the logits
 functions, so there the default ``patch()`` leaves those trainers' numbers untouched and only
 ``fused_lm_head=True`` changes them (the logits functions serve TRL's experimental trainers and
-user code). In TRL 1.13, ``GRPOTrainer`` works on materialized logits and the default ``patch()``
-routes them; its ``_ChunkedLogProbFunction`` (two outputs, used by no trainer) is not routed.
-Measured on an H200 (forward+backward against the bare GEMMs of the same run), ours is
-1.46-1.55x and TRL's 1.46-1.49x: not faster yet, while ours
-holds 256-769 MiB of extra memory against TRL's 2.5-2.8 GB (an fp32 d weight accumulator). The
-route becomes the default once it is measured faster; until then it is the memory option. Under
+user code). In TRL 1.13 and 1.14, ``GRPOTrainer`` works on materialized logits (1.13:
+``selective_log_softmax`` and ``entropy_from_logits``; 1.14: ``selective_log_softmax_and_entropy``
+with ``temperature`` and ``row_mask``) and the default ``patch()`` routes them. Their
+``_ChunkedLogProbFunction`` has two outputs (1.14's GRPOTrainer runs it with ``use_liger_kernel``)
+and is not routed: ``fused_lm_head=True`` raises there.
+
+Why the lm_head route is opt-in: measured on an H200 (forward+backward against the bare GEMMs of
+the same run), ours is 1.46-1.55x and TRL's 1.46-1.49x, not faster yet, while ours holds 256-769
+MiB of extra memory against TRL's 2.5-2.8 GB (an fp32 d weight accumulator). The route becomes
+the default once it is measured faster; until then it is the memory option. Under
 autocast the route casts ``lm_head.weight`` to the autocast dtype in one piece (TRL casts chunk by
 chunk): with fp32 weights under bf16 autocast that is one bf16 copy of the weight. Calls with
 DeepSpeed ZeRO-3 parameters (whose backward must re-gather the weight) or a non-positive logit
@@ -56,8 +60,8 @@ the compute dtype as TRL's tiles.
 Versions: the TRL versions in ``TESTED_TRL_VERSIONS``. On any other version ``patch()`` raises
 :class:`UnsupportedTRLVersion`; ``patch(strict=False)`` patches anyway, with a warning, every
 function whose signature matches a tested form (for a TRL patch release, say), and skips the rest.
-TRL 1.14 and 1.15 are not tested: 1.14's trainers call a two-output chunked lm_head, and 1.15's
-chunked lm_head launches Triton kernels on any device, so its GRPOTrainer cannot run on CPU.
+TRL 1.15 is not tested: its chunked lm_head launches Triton kernels on any device, so its
+GRPOTrainer cannot run on CPU. Releases before 1.13 are not tested.
 """
 
 from __future__ import annotations
@@ -85,11 +89,12 @@ __all__ = [
 ]
 
 # The TRL versions this module is tested against (tests/test_trl_integration.py runs GRPOTrainer on
-# each); the `trl` extra pins the newest. 1.13.0 is the last release whose GRPOTrainer computes
-# log-probs from materialized logits (selective_log_softmax, entropy_from_logits); from 1.14 its
-# trainers run a chunked lm_head, and 1.15 moved it behind `add_fused_lm_head`. 1.15.0's chunked
-# lm_head needs a GPU (Triton kernels on any device), so it cannot be tested on CPU.
-TESTED_TRL_VERSIONS = ("1.13.0", "1.16.0")
+# each); the `trl` extra pins the newest. 1.13.0 and 1.14.2 compute GRPO's log-probs from
+# materialized logits (1.13: selective_log_softmax, entropy_from_logits; 1.14: their
+# temperature/row_mask forms and selective_log_softmax_and_entropy); from 1.15 every trainer runs a
+# chunked lm_head behind `add_fused_lm_head`. 1.15.0's chunked lm_head needs a GPU (Triton kernels
+# on any device), so it cannot be tested on CPU.
+TESTED_TRL_VERSIONS = ("1.13.0", "1.14.2", "1.16.0")
 # Versions whose chunked lm_head (ChunkedLogProbFunction, 5 outputs) `fused_lm_head=True` routes.
 FUSED_LM_HEAD_TRL_VERSIONS = ("1.16.0",)
 
@@ -464,7 +469,7 @@ def patch(*, fused_lm_head: bool = False, strict: bool = True) -> None:
 
     Args:
         fused_lm_head: also route TRL's chunked lm_head (``ChunkedLogProbFunction``, behind
-            ``add_fused_lm_head`` and every trainer's per-token log-probs in TRL >= 1.15) to
+            ``add_fused_lm_head`` and every trainer's per-token log-probs in TRL 1.16) to
             :func:`torch_fused.linear_logprobs_and_entropy`. Off by default: on an H200 it is not
             faster than TRL's yet (1.46-1.55x the bare GEMMs against 1.46-1.49x); it needs
             256-769 MiB of extra memory where TRL's needs 2.5-2.8 GB.
