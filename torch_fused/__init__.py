@@ -6,6 +6,8 @@ the documented Python entry points over them.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from . import ops as _ops  # noqa: F401  (registers the fused:: ops)
@@ -29,6 +31,27 @@ __all__ = [
 ]
 
 
+def _is_dtensor(t) -> bool:
+    """Whether t is a DTensor, without importing torch.distributed.tensor (about 2 s) for plain
+    tensors: none can exist before that module is imported."""
+    if type(t) is torch.Tensor or t is None:
+        return False
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def _parallel():
+    from . import parallel
+
+    return parallel
+
+
+def _no_mesh_dim(mesh_dim) -> None:
+    if mesh_dim is not None:
+        raise ValueError(f"mesh_dim: only for DTensor inputs (the mesh dim that shards the vocabulary), got "
+                         f"mesh_dim={mesh_dim!r} with plain tensors")
+
+
 def _temperature_args(temperature, logits) -> tuple[float, torch.Tensor | None]:
     """(float temperature, temperature tensor or None) for the ops' schemas: a Python number is a
     constant of the op; a 1-element tensor is passed as ``temperature_tensor`` (differentiable).
@@ -49,6 +72,7 @@ def selective_log_softmax(
     temperature: float | torch.Tensor | None = None,
     ignore_index: int = -100,
     shift: bool = False,
+    mesh_dim: int | str | None = None,
 ) -> torch.Tensor:
     """``log_softmax(logits / temperature, -1)`` gathered at ``index``, never materialized.
 
@@ -67,12 +91,25 @@ def selective_log_softmax(
             scores index t and the last position is dropped. Outputs are ``[..., L]``; the
             gradient is ``[..., L+1, V]``, zero at the last position, written in one pass (no
             slice node and no second logits-sized buffer in the autograd graph).
+        mesh_dim: for DTensor logits sharded on the vocabulary (vocab-parallel), the mesh dim that
+            shards it; None: the only dim of a 1-D mesh.
+
+    Vocab-parallel: ``logits`` may be a DTensor with placement ``Shard(-1)`` (on a 1-D mesh, or on
+    ``mesh_dim`` with ``Replicate()`` on the other mesh dims; uneven splits allowed) and ``index`` a
+    plain tensor (the same on every rank) or a ``Replicate()`` DTensor. The result is then a
+    ``Replicate()`` DTensor equal to the single-device result, from one all-gather of O(rows)
+    partial statistics; the logits' gradient is a ``Shard(-1)`` DTensor computed locally (no
+    collective). ``temperature`` must then be a float. See torch_fused/parallel.py.
 
     Returns:
         float32 log-probs shaped like ``index`` (float64 for float64 logits). An index outside
         ``[0, V)`` that is not ``ignore_index`` raises ``IndexError`` on CPU; on CUDA (where
         checking would cost a device sync) it gives NaN at that position and a NaN gradient row.
     """
+    if _is_dtensor(logits):
+        return _parallel().logprobs_entropy(logits, index, temperature=temperature, ignore_index=ignore_index,
+                                            shift=shift, mesh_dim=mesh_dim, want_ent=False)[0]
+    _no_mesh_dim(mesh_dim)
     t, t_tensor = _temperature_args(temperature, logits)
     return torch.ops.fused.selective_log_softmax(logits, index, t, ignore_index, shift=shift,
                                                  temperature_tensor=t_tensor)
@@ -80,7 +117,7 @@ def selective_log_softmax(
 
 def entropy_from_logits(
     logits: torch.Tensor, chunk_size: int | None = None, *, temperature: float | torch.Tensor | None = None,
-    shift: bool = False,
+    shift: bool = False, mesh_dim: int | str | None = None,
 ) -> torch.Tensor:
     """Shannon entropy (nats) of ``softmax(logits / temperature)`` per row, in one pass over V.
 
@@ -89,9 +126,14 @@ def entropy_from_logits(
     for float64 logits) of shape ``logits.shape[:-1]`` (``[..., L]`` with ``shift=True``, which
     drops the last position of ``[..., L+1, V]``). Entries of ``-inf`` are masked vocabulary and
     contribute nothing; a row of equal logits gives ``log V``. ``temperature``: as in
-    :func:`selective_log_softmax` (a tensor one is differentiated).
+    :func:`selective_log_softmax` (a tensor one is differentiated). DTensor logits ``Shard(-1)``
+    and ``mesh_dim``: as in :func:`selective_log_softmax` (a ``Replicate()`` DTensor result).
     """
     del chunk_size
+    if _is_dtensor(logits):
+        return _parallel().logprobs_entropy(logits, None, temperature=temperature, shift=shift, mesh_dim=mesh_dim,
+                                            want_logp=False)[1]
+    _no_mesh_dim(mesh_dim)
     t, t_tensor = _temperature_args(temperature, logits)
     return torch.ops.fused.entropy_from_logits(logits, t, shift=shift, temperature_tensor=t_tensor)
 
@@ -103,12 +145,19 @@ def logprobs_and_entropy(
     temperature: float | torch.Tensor | None = None,
     ignore_index: int = -100,
     shift: bool = False,
+    mesh_dim: int | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(selective_log_softmax(...), entropy_from_logits(...))`` from ONE read of the logits.
 
     Same arguments and index semantics as :func:`selective_log_softmax`. The backward is one
-    fused pass for any combination of the two upstream gradients.
+    fused pass for any combination of the two upstream gradients. DTensor logits ``Shard(-1)``
+    and ``mesh_dim``: as in :func:`selective_log_softmax` (both results ``Replicate()``
+    DTensors, from the same one all-gather).
     """
+    if _is_dtensor(logits):
+        return _parallel().logprobs_entropy(logits, index, temperature=temperature, ignore_index=ignore_index,
+                                            shift=shift, mesh_dim=mesh_dim)
+    _no_mesh_dim(mesh_dim)
     t, t_tensor = _temperature_args(temperature, logits)
     return torch.ops.fused.logprobs_and_entropy(logits, index, t, ignore_index, shift=shift,
                                                 temperature_tensor=t_tensor)
@@ -125,6 +174,7 @@ def linear_logprobs_and_entropy(
     shift: bool = False,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    mesh_dim: int | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A fused lm_head: log-probs at ``index`` and entropy of ``softmax(z / temperature)`` with
     ``z = softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap)`` (no tanh when
@@ -140,6 +190,15 @@ def linear_logprobs_and_entropy(
         temperature, ignore_index: as in :func:`selective_log_softmax` (a float temperature).
         logit_scale: multiplies the logits (models that scale their logits before the softmax).
         softcap: caps the logits as ``c * tanh(z / c)`` (Gemma-style), or None.
+        mesh_dim: for a DTensor weight, the mesh dim that shards the vocabulary (None: the only
+            dim of a 1-D mesh).
+
+    Vocab-parallel head: ``weight`` may be a DTensor ``Shard(0)`` (``bias`` then None or a DTensor
+    placed like it), with ``hidden`` and ``index`` plain tensors (the same on every rank) or
+    ``Replicate()`` DTensors. Each rank runs the fused head on its weight rows; one all-gather of
+    O(rows) partial statistics gives ``Replicate()`` DTensor results equal to the single-device
+    ones. Backward: d weight (d bias) stays ``Shard(0)``, local; d hidden is summed over the ranks
+    with one all-reduce (fp32, rounded once to hidden's dtype).
 
     Returns:
         ``(logp, entropy)``, float32 (float64 for float64 inputs), shaped like ``index`` and
@@ -147,6 +206,11 @@ def linear_logprobs_and_entropy(
         (nothing filtered), d logits rounded once to the weight's dtype as a materialized path
         rounds them, every GEMM accumulating in fp32.
     """
+    if _is_dtensor(weight) or _is_dtensor(hidden):
+        return _parallel().linear_logprobs_and_entropy(
+            hidden, weight, index, bias=bias, temperature=temperature, ignore_index=ignore_index, shift=shift,
+            logit_scale=logit_scale, softcap=softcap, mesh_dim=mesh_dim)
+    _no_mesh_dim(mesh_dim)
     return torch.ops.fused.linear_logprobs_and_entropy(
         hidden, weight, index, bias=bias, temperature=temperature, ignore_index=ignore_index, shift=shift,
         logit_scale=logit_scale, softcap=softcap)

@@ -15,7 +15,7 @@ import torch
 
 from . import common
 
-SUITES = ("logprobs", "model_logits", "lm_head", "mask_reduce", "sinkgd")
+SUITES = ("logprobs", "model_logits", "lm_head", "vocab_parallel", "mask_reduce", "sinkgd")
 
 DESCRIPTION = """\
 Benchmark the torch_fused ops on a CUDA device against baselines timed in the same run
@@ -32,6 +32,12 @@ Suites:
                shift=True against the [:, :-1] slice, eager and compiled
   lm_head      linear_logprobs_and_entropy against the bare GEMMs of the same run (its floor)
                and the materialized logits; peak memory beyond inputs and returned gradients
+  vocab_parallel
+               one rank's local work of the vocab-parallel ops (2 ranks, no process group, the
+               collectives not timed): the per-row partial statistics and their merge forward,
+               the local backward, on a [N, V/2] bf16 shard of V = 151936 against the single-GPU
+               op on the full logits (fractions of each one's floor); the fused head with a
+               [V/2, H] weight shard against its shard's bare GEMMs
   mask_reduce  fused::mask_reduce against torch.where(...).sum and its torch.compile
   sinkgd       one SinkGD optimizer step against torch.optim.AdamW(fused=True)
 

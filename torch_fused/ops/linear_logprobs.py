@@ -204,23 +204,34 @@ def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift,
 def _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
                    ignore_index, shift, logit_scale, softcap, bwd_fn):
     meta.check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, softcap)
-    dh_full = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+    dh, dw, db = _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
+                                  ignore_index, shift, logit_scale, softcap, bwd_fn)
+    return _hidden_grad(dh, hidden, shift), dw, db
+
+
+def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
+                     ignore_index, shift, logit_scale, softcap, bwd_fn, *, v_off=0, v_total=None):
+    """(d hidden rows [N, H] in fp32 (fp64 for fp64), d weight, d bias) from vocabulary chunks.
+    The weight's rows may be ids v_off .. of a vocabulary of v_total (the vocabulary-parallel
+    head, torch_fused/parallel.py: stats and entropy of the whole rows, index the global ids);
+    d hidden is then this slice's part of the sum."""
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
     db = torch.empty(bias.shape if bias is not None else (0,), dtype=hidden.dtype, device=hidden.device)
     h2, idx2 = _rows(hidden, index, shift)
     n, v = h2.shape[0], weight.shape[0]
-    if n == 0 or (grad_logp is None and grad_entropy is None):
+    v_total = v if v_total is None else v_total
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    dh = torch.zeros(n, h2.shape[1], dtype=acc, device=hidden.device)
+    if n == 0 or v == 0 or (grad_logp is None and grad_entropy is None):
         dw.zero_()
         db.zero_()
-        return dh_full, dw, db
+        return dh, dw, db
     w, hm = _gemm_operands(weight, h2, bwd_fn is _bwd_reference)
     t_eff = _effective_temperature(temperature, logit_scale, softcap)
     st2 = stats.reshape(n, 2)
     ent2 = entropy.reshape(n)
     glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
     gh = grad_entropy.reshape(n) if grad_entropy is not None else None
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    dh = torch.zeros(n, h2.shape[1], dtype=acc, device=hidden.device)
     in_place = bwd_fn is _bwd_triton and softcap is None and w.dtype in (torch.bfloat16, torch.float16)
     step = _chunk_cols(hidden.device, n, 4 if in_place else 4 + w.element_size())
     for v0 in range(0, v, step):
@@ -231,9 +242,9 @@ def _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, 
             # d logits written over the logits chunk: row r's w.dtype values in the first bytes
             # of row r's fp32 values (no second chunk-sized buffer)
             dz = z.view(w.dtype)[:, :v1 - v0]
-            bwd_fn(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v0, v_total=v, out=dz)
+            bwd_fn(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v_off + v0, v_total=v_total, out=dz)
         else:
-            dz, _ = bwd_fn(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v0, v_total=v,
+            dz, _ = bwd_fn(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v_off + v0, v_total=v_total,
                            out_dtype=z.dtype if th is not None else w.dtype)
         del z
         if th is not None:  # d y = d z * s (1 - tanh^2), in fp32, then to the GEMMs' dtype
@@ -244,11 +255,18 @@ def _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, 
         if bias is not None:
             db[v0:v1] = dz.sum(0, dtype=acc).to(db.dtype)
         del dz  # (on CUDA it holds the chunk's memory: free it before the next chunk's GEMM)
-    if shift:
-        dh_full[..., :-1, :] = dh.view(dh_full[..., :-1, :].shape)
-    else:
-        dh_full.copy_(dh.view(dh_full.shape))
-    return dh_full, dw, db
+    return dh, dw, db
+
+
+def _hidden_grad(dh, hidden, shift):
+    """d hidden in hidden's shape and dtype from the rows' fp32 sum (zero last position with shift)."""
+    dh_full = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+    if dh.numel():
+        if shift:
+            dh_full[..., :-1, :] = dh.view(dh_full[..., :-1, :].shape)
+        else:
+            dh_full.copy_(dh.view(dh_full.shape))
+    return dh_full
 
 
 def _bwd_reference(glp, gh, z, idx, st, ent, t, ignore_index, **kw):
