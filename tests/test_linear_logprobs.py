@@ -244,3 +244,38 @@ def test_bad_input_clear_error(name, make, kw, msg, mode):
 def test_index_out_of_range_cpu():
     with pytest.raises(IndexError, match=r"index: value 5 is outside \[0, V=5\)"):
         torch_fused.linear_logprobs_and_entropy(torch.randn(2, 8), torch.randn(5, 8), torch.tensor([1, 5]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_edge_cases_across_chunks(device, monkeypatch):
+    """Empty inputs with K ids; a vocabulary chunk whose logits are all -inf for a row (its
+    placeholder max must not enter the merge); logits near 1e4 over several chunks (the shifts
+    of the chunks' sums must be differenced as the sums were made)."""
+    monkeypatch.setitem(LL.CHUNK_BYTES, "cpu", 4 * 128 * 2)  # 128-column chunks for 2 rows
+    monkeypatch.setitem(LL.CHUNK_BYTES, "cuda", 4 * 128 * 2)
+    lp, ent = torch_fused.linear_logprobs_and_entropy(torch.randn(0, 8, device=device), torch.randn(5, 8, device=device),
+                                                      torch.zeros(0, 3, dtype=torch.long, device=device))
+    assert lp.shape == (0, 3) and ent.shape == (0,)
+    lp, ent = torch_fused.linear_logprobs_and_entropy(torch.randn(2, 1, 8, device=device), torch.randn(5, 8, device=device),
+                                                      torch.zeros(2, 0, 2, dtype=torch.long, device=device), shift=True)
+    assert lp.shape == (2, 0, 2) and ent.shape == (2, 0)
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(2, 8, generator=gen)
+    w = torch.randn(256, 8, generator=gen)
+    b = torch.full((256,), -20.0)
+    b[:128] = float("-inf")
+    idx = torch.tensor([200, 150])
+    for t in (1.0, 0.1):
+        lp, ent = torch_fused.linear_logprobs_and_entropy(h.to(device), w.to(device), idx.to(device), bias=b.to(device),
+                                                          temperature=t)
+        rlp, _ = ref_linear(h, w, idx, b, t)
+        assert_logprob_close(lp, rlp, 256, f"logp, -inf chunk, T={t}")
+        z = torch.log_softmax((h.double() @ w.double().t() + b.double()) / t, -1)
+        rent = -torch.where(z.exp() > 0, z.exp() * z, torch.zeros_like(z)).sum(-1)
+        assert_logprob_close(ent, rent, 256, f"entropy, -inf chunk, T={t}")
+    h = torch.ones(2, 1)
+    w = (1e4 + torch.randn(300, 1, generator=gen)).float()
+    idx = torch.tensor([0, 5])
+    lp, _ = torch_fused.linear_logprobs_and_entropy(h.to(device), w.to(device), idx.to(device))
+    rlp, _ = ref_linear(h, w, idx)
+    assert (lp.double().cpu() - rlp).abs().max().item() <= 1e-5

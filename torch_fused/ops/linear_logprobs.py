@@ -96,7 +96,7 @@ def _rows(hidden, index, shift):
     h = hidden.shape[-1]
     h2 = hidden.reshape(-1, h).contiguous()
     n = h2.shape[0]
-    idx2 = index.reshape(n, -1) if index.dim() == hidden.dim() else index.reshape(n)
+    idx2 = index.reshape(n, index.shape[-1]) if index.dim() == hidden.dim() else index.reshape(n)
     return h2, idx2
 
 
@@ -117,10 +117,11 @@ def _effective_temperature(temperature, logit_scale, softcap):
     return temperature if softcap is not None else temperature / logit_scale
 
 
-def _shift_c(a, b, c, dt):
+def _shift_c(a, b, c, dt, exact=False):
     """(a - b) in the kernels' base-2 units: the difference of the rounded shifts a c and b c that
-    their sums are relative to (kernels/logprobs.py, _shift_diff)."""
-    return (a - b) * c if INTERPRET or dt == torch.float64 else a * c - b * c
+    the GPU kernels' sums are relative to (kernels/logprobs.py, _shift_diff); exact (a - b) c for
+    sums made that way (the reference, the interpreter, float64)."""
+    return (a - b) * c if exact or INTERPRET or dt == torch.float64 else a * c - b * c
 
 
 def _merge_reference(z, idx2, v0, first, run, u, m_own, t_eff, c):
@@ -134,16 +135,19 @@ def _merge_reference(z, idx2, v0, first, run, u, m_own, t_eff, c):
     lp_c, ent_c, st_c = reference.logprobs_entropy_forward(z, torch.where(inside, loc, 0), t_eff, -1, True)
     m_c, l2s_c = st_c[:, 0], st_c[:, 1]
     s_c = torch.exp2(l2s_c)
-    t_c = s_c * (l2s_c - ent_c * (1.0 / LN2))
+    t_c = torch.where(s_c > 0, s_c * (l2s_c - ent_c * (1.0 / LN2)), torch.zeros_like(s_c))
     u.copy_(torch.where(inside, lp_c * (1.0 / LN2) + l2s_c[:, None], u))
     m_own.copy_(torch.where(inside, m_c[:, None].expand_as(m_own), m_own))
     if first:
         run[:, 0], run[:, 1], run[:, 2] = m_c, s_c, t_c
         return
     m, s_run, t_run = run.unbind(1)
-    m_new = torch.maximum(m, m_c)
-    da, db = _shift_c(m, m_new, c, dt), _shift_c(m_c, m_new, c, dt)
-    ea, eb = torch.exp2(da), torch.exp2(db)
+    # a side with s == 0 (only -inf logits so far) holds the placeholder max 0: it must not set
+    # the max, and its factor is 0 (no 0 * inf)
+    m_new = torch.where(s_c == 0, m, torch.where(s_run == 0, m_c, torch.maximum(m, m_c)))
+    da, db = _shift_c(m, m_new, c, dt, True), _shift_c(m_c, m_new, c, dt, True)
+    ea = torch.where(s_run == 0, torch.zeros_like(da), torch.exp2(da))
+    eb = torch.where(s_c == 0, torch.zeros_like(db), torch.exp2(db))
     t_new = ea * (t_run + da * s_run) + eb * (t_c + db * s_c)
     s_new = s_run * ea + s_c * eb
     run[:, 0], run[:, 1], run[:, 2] = m_new, s_new, t_new
@@ -195,7 +199,7 @@ def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift,
     stats.view(n, 2)[:, 0] = m
     stats.view(n, 2)[:, 1] = log2s
     ent.view(n).copy_((log2s - t_run / s_run) * LN2)
-    lp = (u + _shift_c(m_own, m[:, None], c, dt) - log2s[:, None]) * LN2
+    lp = (u + _shift_c(m_own, m[:, None], c, dt, merge_fn is _merge_reference) - log2s[:, None]) * LN2
     lp = torch.where((ids >= 0) & (ids < v), lp, torch.full_like(lp, float("nan")))
     logp.view(ids.shape).copy_(torch.where(ids == ignore_index, torch.zeros_like(lp), lp))
     return logp, ent, stats
