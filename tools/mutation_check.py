@@ -26,11 +26,11 @@ non-zero if any mutant survives, errors, or its control fails.
 
 Not part of CI; dependency-free (standard library + git + the project's own test deps).
 
-    /work/venv/bin/python tools/mutation_check.py            # every mutant, then the control
-    /work/venv/bin/python tools/mutation_check.py --list
-    /work/venv/bin/python tools/mutation_check.py --only lse-fp32-triton
-    /work/venv/bin/python tools/mutation_check.py --all-failures   # every failing test, no -x
-    /work/venv/bin/python tools/mutation_check.py --worktree       # uncommitted edits included
+    python tools/mutation_check.py            # every mutant, then the control
+    python tools/mutation_check.py --list
+    python tools/mutation_check.py --only lse-fp32-triton
+    python tools/mutation_check.py --all-failures   # every failing test, no -x
+    python tools/mutation_check.py --worktree       # uncommitted edits included
 """
 
 from __future__ import annotations
