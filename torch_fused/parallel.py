@@ -81,8 +81,9 @@ class VocabLayout:
         return self.sizes[self.rank]
 
     @property
-    def ends(self) -> tuple:
-        return tuple(s + n for s, n in zip(self.starts, self.sizes))
+    def step(self) -> int:
+        """Ids per slice but the last ones (slice r starts at r * step)."""
+        return self.sizes[0]
 
 
 def chunk_split(v: int, world: int) -> tuple[tuple, tuple]:
@@ -219,8 +220,7 @@ def _shift(a, b, c: float, exact: bool):
 def local_index(index2: torch.Tensor, v_off: int, v_local: int) -> torch.Tensor:
     """Ids of this slice as columns (0 .. v_local - 1); every other id (another slice's,
     ignore_index, out of range) reads column 0, whose value the merge discards."""
-    own = (index2 >= v_off) & (index2 < v_off + v_local)
-    return torch.where(own, index2 - v_off, torch.zeros_like(index2))
+    return (index2 - v_off).masked_fill_((index2 < v_off) | (index2 >= v_off + v_local), 0)
 
 
 def _parts_from(stats2, ent, lp2, dt, n):
@@ -236,14 +236,14 @@ def _empty_parts(n: int, k: int | None, has_ent: bool, dt, device) -> torch.Tens
     """The partials of an empty slice (no columns): s = 0, so it weighs nothing in the merge."""
     cols = 2 + int(has_ent) + (k or 0)
     p = torch.zeros(n, cols, dtype=dt, device=device)
-    p[:, 1] = float("-inf")
+    p[:, 1].fill_(float("-inf"))
     return p
 
 
 def _index_rows(index: torch.Tensor | None, n: int, lead) -> torch.Tensor | None:
     if index is None:
         return None
-    return index.reshape(n, -1) if index.dim() == len(lead) + 1 else index.reshape(n, 1)
+    return index.reshape(n, index.shape[-1]) if index.dim() == len(lead) + 1 else index.reshape(n, 1)
 
 
 def logits_partials(x: torch.Tensor, index: torch.Tensor | None, v_off: int, temperature: float,
@@ -265,39 +265,39 @@ def logits_partials(x: torch.Tensor, index: torch.Tensor | None, v_off: int, tem
                        None if idx2 is None else lp.reshape(n, k), dt, n)
 
 
-def merge_partials(parts: torch.Tensor, index2: torch.Tensor | None, ignore_index: int, ends, v: int,
+def merge_partials(parts: torch.Tensor, index2: torch.Tensor | None, ignore_index: int, step: int, v: int,
                    c: float, exact: bool, has_ent: bool):
     """The world's partials [W, n, 2 (+1) (+K)] (rank order) -> (logp [n, K] or None, entropy [n] or
-    None, stats [n, 2]) of the whole rows; the same arithmetic on every rank. ``ends``: each
-    slice's end id (slice r holds ends[r-1] .. ends[r] - 1); ``v``: the vocabulary size."""
+    None, stats [n, 2]) of the whole rows; the same arithmetic on every rank. Slice r holds ids
+    r * step .. (r + 1) * step - 1 (torch.chunk's split; ``step`` = ceil(V / W)); ``v``: the
+    vocabulary size.
+
+    O(n W) elementwise work in a few dozen small launches, none of which waits for the device:
+    no tensor is made from host values here (a host-to-device copy would synchronize the stream
+    and leave every launch after it exposed)."""
     dt = parts.dtype
+    ninf = float("-inf")
     m_r, l2s_r = parts[..., 0], parts[..., 1]
-    empty = l2s_r == float("-inf")  # s_r = 0: no columns, or only -inf logits (a NaN stays NaN)
-    big = torch.where(empty, torch.full_like(m_r, float("-inf")), m_r).amax(0)
-    big = torch.where(big == float("-inf"), torch.zeros_like(big), big)  # a row of only -inf (kernels: 0)
-    a = l2s_r.double() + _shift(m_r, big, c, exact).double()  # [W, n], -inf for empty slices
-    l2s = torch.log2(torch.exp2(a).sum(0))  # fixed order: rank 0 .. W-1
+    empty = l2s_r == ninf  # s_r = 0: no columns, or only -inf logits (a NaN stays NaN)
+    big = m_r.masked_fill(empty, ninf).amax(0)
+    big = big.masked_fill(big == ninf, 0.0)  # a row of only -inf (the kernels' max 0)
+    a = l2s_r + _shift(m_r, big, c, exact)  # [W, n], -inf for empty slices
+    l2s = torch.exp2(a).sum(0).log2()  # fixed order: rank 0 .. W-1
     rel = a - l2s  # log2 w_r
-    stats = torch.stack([big, l2s.to(dt)], 1)
+    stats = torch.stack([big, l2s], 1)
     ent = None
     if has_ent:
-        h_r = parts[..., 2].double()
-        term = torch.where(empty, torch.zeros_like(rel), torch.exp2(rel) * (h_r - rel * LN2))
-        ent = term.sum(0)
-        ent = torch.where(l2s == float("-inf"), torch.full_like(ent, float("nan")), ent).to(dt)
+        ent = (torch.exp2(rel) * (parts[..., 2] - rel * LN2)).masked_fill_(empty, 0.0).sum(0)
+        ent = ent.masked_fill_(l2s == ninf, float("nan"))
     logp = None
     if index2 is not None:
-        lp_r = parts[..., 2 + int(has_ent):].double()  # [W, n, K]
-        ends_t = torch.tensor(ends[:-1], dtype=index2.dtype, device=index2.device)
-        owner = (index2[..., None] >= ends_t).sum(-1)  # int64, 0 .. W-1 (ids outside [0, V) are discarded)
-        lp_o = lp_r.gather(0, owner[None]).squeeze(0)
-        rel_o = rel.t().gather(1, owner)  # [n, K]
-        empty_o = empty.t().gather(1, owner)
-        val = lp_o + rel_o * LN2
+        lp_r = parts[..., 2 + int(has_ent):]  # [W, n, K]
+        owner = torch.div(index2, step, rounding_mode="floor").clamp_(0, parts.shape[0] - 1).long()
+        val = lp_r.gather(0, owner[None]).squeeze(0) + rel.t().gather(1, owner) * LN2
         # the owner's slice of the row is all -inf: so is the id's logit (-inf, or NaN for a row of only -inf)
-        val = torch.where(empty_o, float("-inf") - l2s[:, None], val)
-        val = torch.where((index2 >= 0) & (index2 < v), val, torch.full_like(val, float("nan")))
-        logp = torch.where(index2 == ignore_index, torch.zeros_like(val), val).to(dt)
+        val = torch.where(empty.t().gather(1, owner), ninf - l2s[:, None], val)
+        val = val.masked_fill_((index2 < 0) | (index2 >= v), float("nan"))
+        logp = val.masked_fill_(index2 == ignore_index, 0.0)
     return logp, ent, stats
 
 
@@ -344,7 +344,7 @@ def linear_backward(g_logp, g_ent, hidden, weight, index, bias, stats, ent, temp
 def _finish(parts_world, index, lead, ignore_index, layout, c, exact, has_ent, dt):
     n = math.prod(lead)
     idx2 = _index_rows(index, n, lead)
-    lp2, ent, stats = merge_partials(parts_world, idx2, ignore_index, layout.ends, layout.v, c, exact, has_ent)
+    lp2, ent, stats = merge_partials(parts_world, idx2, ignore_index, layout.step, layout.v, c, exact, has_ent)
     logp = lp2.reshape(index.shape) if lp2 is not None else torch.empty(0, dtype=dt, device=parts_world.device)
     ent = ent.reshape(lead) if ent is not None else torch.empty(0, dtype=dt, device=parts_world.device)
     return logp, ent, stats.reshape(*lead, 2)

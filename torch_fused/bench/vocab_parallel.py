@@ -46,14 +46,13 @@ def _rank_pieces(v: int, rank: int = 0):
     from .. import parallel as P
 
     starts, sizes = P.chunk_split(v, WORLD)
-    ends = tuple(s + n for s, n in zip(starts, sizes))
-    return P, starts[rank], sizes[rank], ends
+    return P, starts[rank], sizes[rank], sizes[0]
 
 
 def _logits_rows(report, copy_gbps, n):
     from .._library import LOG2E
 
-    P, v_off, v_loc, ends = _rank_pieces(V)
+    P, v_off, v_loc, step = _rank_pieces(V)
     g = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(n, v_loc, device=DEVICE, dtype=torch.bfloat16, generator=g) * 3  # this rank's shard
     idx = torch.randint(0, V, (n,), device=DEVICE, generator=g)
@@ -67,7 +66,7 @@ def _logits_rows(report, copy_gbps, n):
     def fwd():
         parts = P.logits_partials(x, idx, v_off, 1.0, True, False)
         world = torch.stack([parts, parts])  # stands for the all-gather's output
-        return P.merge_partials(world, idx2, -100, ends, V, LOG2E, exact, True)
+        return P.merge_partials(world, idx2, -100, step, V, LOG2E, exact, True)
 
     def partials():
         return P.logits_partials(x, idx, v_off, 1.0, True, False)
@@ -119,7 +118,7 @@ def _head_rows(report, n, hd, v):
     from .._library import LOG2E
     from ..ops import linear_logprobs as LL
 
-    P, v_off, v_loc, ends = _rank_pieces(v)
+    P, v_off, v_loc, step = _rank_pieces(v)
     g = torch.Generator(device=DEVICE).manual_seed(0)
     h = torch.randn(n, hd, device=DEVICE, generator=g).to(torch.bfloat16)
     w_full = (torch.randn(v, hd, device=DEVICE, generator=g) / hd**0.5 * 2).to(torch.bfloat16)
@@ -132,7 +131,7 @@ def _head_rows(report, n, hd, v):
 
     def fwd():
         parts = P.linear_partials(h, w, idx, None, 1.0, False, 1.0, None, v_off)
-        return P.merge_partials(torch.stack([parts, parts]), idx2, -100, ends, v, LOG2E, exact, True)
+        return P.merge_partials(torch.stack([parts, parts]), idx2, -100, step, v, LOG2E, exact, True)
 
     def fwdbwd():
         _, ent, stats = fwd()
