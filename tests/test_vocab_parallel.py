@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from torch_fused._library import INTERPRET
-from _helpers import FWD_RTOL, assert_grad_close, assert_logprob_close, ref_logprobs_entropy
+from _helpers import DEVICES, FWD_RTOL, assert_grad_close, assert_logprob_close, ref_logprobs_entropy
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
@@ -603,6 +603,44 @@ def test_unsupported_placements_fail_clearly(group):
 
 def test_compiled_fullgraph(group):
     _assert_check(group, "compiled_fullgraph")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("offset", [1e4, -1e4])
+def test_rank_local_pieces_large_logits(device, offset):
+    """The pieces every rank runs, without a process group: each slice's partials, the merge of
+    all of them (what every rank does with the all-gather's output) and each slice's local
+    backward. Logits near +-1e4 with an O(1) spread: the shards' shifts must be differenced as
+    the kernels form them, rounded products of m c on the GPU (an exact difference there would
+    be off by up to an ulp of 1.4e4, 1e-3): log-probs and entropy within 1e-4 nats of float64, as
+    the single-device test_large_logits_absolute_error. On CUDA this is the only test of that path."""
+    from torch_fused import parallel as P
+    from torch_fused._library import LOG2E
+
+    gen = torch.Generator().manual_seed(9)
+    v, world = (40, 3) if INTERPRET else (5000, 3)
+    starts, sizes = P.chunk_split(v, world)
+    for t in (1.0, 0.7):
+        x64 = offset + 3 * torch.randn(2, 3, v, generator=gen, dtype=torch.float64)
+        x = x64.float().to(device)
+        idx = torch.randint(0, v, (2, 3, 2), generator=gen)
+        idx[..., 0] = x64.argmax(-1)  # at the row max too, where the log-prob is near 0
+        idx = idx.to(device)
+        parts = torch.stack([P.logits_partials(x[..., s:s + n], idx, s, t, True, False)
+                             for s, n in zip(starts, sizes)])
+        lp, ent, stats = P.merge_partials(parts, idx.reshape(6, 2), -100, sizes[0], v, LOG2E / t,
+                                          P._exact_shift(x, torch.float32), True)
+        xr = x.cpu().double().requires_grad_(True)
+        rlp, rent = ref_logprobs_entropy(xr, idx.cpu(), t)
+        assert (lp.reshape(2, 3, 2).double().cpu() - rlp).abs().max().item() <= 1e-4, "logp"
+        assert (ent.reshape(2, 3).double().cpu() - rent).abs().max().item() <= 1e-4, "entropy"
+        g1 = torch.randn(2, 3, 2, generator=gen, dtype=torch.float64)
+        g2 = torch.randn(2, 3, generator=gen, dtype=torch.float64)
+        dx = torch.cat([P.logits_backward(g1.float().to(device), g2.float().to(device), x[..., s:s + n], idx,
+                                          stats.reshape(2, 3, 2), ent.reshape(2, 3), t, -100, False, s, v)
+                        for s, n in zip(starts, sizes)], -1)
+        (rdx,) = torch.autograd.grad((rlp * g1).sum() + (rent * g2).sum(), xr)
+        assert_grad_close(dx, rdx, (g1.abs().sum(-1) + g2.abs())[..., None] / t, torch.float32, f"d logits T={t}")
 
 
 def test_chunk_split_matches_dtensor():
