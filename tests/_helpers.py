@@ -99,3 +99,23 @@ def rel_err(a, b):
 
 
 SMALL = INTERPRET  # the interpreter runs kernels in Python: keep shapes small there
+
+
+def ref_linear(h, w, idx, bias=None, t=1.0, scale=1.0, softcap=None, shift=False, ignore_index=-100):
+    """The materialized float64 path."""
+    h, w = h.double(), w.double()
+    if shift:
+        h = h[..., :-1, :]
+    y = h @ w.t()
+    if bias is not None:
+        y = y + bias.double()
+    y = y * scale
+    if softcap is not None:
+        y = softcap * torch.tanh(y / softcap)
+    z = torch.log_softmax(y / t, -1)
+    single = idx.dim() == h.dim() - 1
+    ii = (idx[..., None] if single else idx).long()
+    lp = z.gather(-1, ii.clamp(0, w.shape[0] - 1))
+    lp = torch.where(ii == ignore_index, torch.zeros_like(lp), lp)
+    ent = -(z.exp() * z).sum(-1)
+    return (lp[..., 0] if single else lp), ent

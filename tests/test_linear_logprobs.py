@@ -14,31 +14,11 @@ from hypothesis import given, strategies as st
 import torch_fused
 from torch_fused._library import INTERPRET
 from torch_fused.ops import linear_logprobs as LL
-from _helpers import DEVICES, SMALL, assert_logprob_close
+from _helpers import DEVICES, SMALL, assert_logprob_close, ref_linear
 
 # norm-wise relative error of the gradients: the GEMMs accumulate in fp32 and round once to the
 # inputs' dtype (d logits too, on devices where the GEMMs read them in that dtype)
 GRAD_REL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 4e-6, torch.float64: 1e-10}
-
-
-def ref_linear(h, w, idx, bias=None, t=1.0, scale=1.0, softcap=None, shift=False, ignore_index=-100):
-    """The materialized float64 path."""
-    h, w = h.double(), w.double()
-    if shift:
-        h = h[..., :-1, :]
-    y = h @ w.t()
-    if bias is not None:
-        y = y + bias.double()
-    y = y * scale
-    if softcap is not None:
-        y = softcap * torch.tanh(y / softcap)
-    z = torch.log_softmax(y / t, -1)
-    single = idx.dim() == h.dim() - 1
-    ii = (idx[..., None] if single else idx).long()
-    lp = z.gather(-1, ii.clamp(0, w.shape[0] - 1))
-    lp = torch.where(ii == ignore_index, torch.zeros_like(lp), lp)
-    ent = -(z.exp() * z).sum(-1)
-    return (lp[..., 0] if single else lp), ent
 
 
 @pytest.fixture(autouse=True, scope="module")

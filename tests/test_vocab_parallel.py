@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from torch_fused._library import INTERPRET
-from _helpers import DEVICES, FWD_RTOL, assert_grad_close, assert_logprob_close, ref_logprobs_entropy
+from _helpers import DEVICES, FWD_RTOL, assert_grad_close, assert_logprob_close, ref_linear, ref_logprobs_entropy
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
@@ -267,23 +267,6 @@ def logits_values_gradients_collectives(ctx):
     ctx.done()
 
 
-def ref_linear(h, w, idx, bias=None, t=1.0, softcap=None, shift=False, ignore_index=-100):
-    h, w = h.double(), w.double()
-    if shift:
-        h = h[..., :-1, :]
-    y = h @ w.t()
-    if bias is not None:
-        y = y + bias.double()
-    if softcap is not None:
-        y = softcap * torch.tanh(y / softcap)
-    z = torch.log_softmax(y / t, -1)
-    single = idx.dim() == h.dim() - 1
-    ii = (idx[..., None] if single else idx).long()
-    lp = z.gather(-1, ii.clamp(0, w.shape[0] - 1))
-    lp = torch.where(ii == ignore_index, torch.zeros_like(lp), lp)
-    return (lp[..., 0] if single else lp), -(z.exp() * z).sum(-1)
-
-
 HEAD_CASES = [
     # V, dtype, T, K, shift, bias, softcap, hidden as a Replicate DTensor
     (37, torch.float32, 0.8, None, False, True, None, False),
@@ -341,7 +324,7 @@ def head_vocab_sharded_weight(ctx):
         acc = torch.float32
         hr, wr = hf.double().requires_grad_(True), wf.double().requires_grad_(True)
         br = bf.double().requires_grad_(True) if has_bias else None
-        rlp, rent = ref_linear(hr, wr, idx, br, t, softcap, shift)
+        rlp, rent = ref_linear(hr, wr, idx, br, t, softcap=softcap, shift=shift)
         with ctx.soft(label + " values"):
             assert_logprob_close(lp.to_local(), rlp, v, "logp vs float64", acc)
             assert_logprob_close(ent.to_local(), rent, v, "entropy vs float64", acc)
