@@ -1,6 +1,7 @@
 """``python -m torch_fused.bench``: time the fused ops against same-run baselines on a CUDA device.
 
-Writes <out>/<suite>.json, <suite>.md and <suite>.png for each suite; ``--sweep`` writes
+Writes <out>/<suite>.json, <suite>.md and <suite>.png for each suite (suites named as arguments,
+or with --only); ``--sweep`` writes
 <out>/sweep_<suite>.json instead. ``python -m torch_fused.bench --help`` explains every option.
 """
 
@@ -15,7 +16,7 @@ import torch
 
 from . import common
 
-SUITES = ("logprobs", "model_logits", "lm_head", "vocab_parallel", "mask_reduce", "sinkgd")
+SUITES = ("logprobs", "model_logits", "lm_head", "vocab_parallel", "mask_reduce", "sinkgd", "step")
 
 DESCRIPTION = """\
 Benchmark the torch_fused ops on a CUDA device against baselines timed in the same run
@@ -40,6 +41,13 @@ Suites:
                [V/2, H] weight shard against its shard's bare GEMMs
   mask_reduce  fused::mask_reduce against torch.where(...).sum and its torch.compile
   sinkgd       one SinkGD optimizer step against torch.optim.AdamW(fused=True)
+  step         one GRPO training step of an 8-layer transformer (hidden 2048, vocab 151936,
+               4096 tokens per sequence, bf16), eager and compiled: materialized logits +
+               AdamW(fused=True), TRL's chunked lm_head (trl.kernels.ChunkedLogProbFunction,
+               skipped without trl) + AdamW(fused=True), and torch_fused's fused head +
+               aggregate_loss + SinkGD; step time, tokens/s and peak memory at one micro-batch,
+               then the largest micro-batch each path fits (eager) and tokens/s there; PASS/FAIL
+               against its targets. About 5 minutes on an H200, compilation included
 
 Results go to <out>/<suite>.json, <suite>.md and <suite>.png (the plot needs matplotlib:
 pip install -e '.[bench]').
@@ -50,6 +58,8 @@ EPILOG = """\
 examples:
   python -m torch_fused.bench                                  every suite, results in benchmarks/results
   python -m torch_fused.bench --only mask_reduce --out /tmp/r  one suite, results in /tmp/r
+  python -m torch_fused.bench step                             one suite, named as an argument
+  python -m torch_fused.bench step --quick                     2 layers, S 2048, eager only: about a minute
   python -m torch_fused.bench --quick                          a fast smoke run over fewer shapes
   python -m torch_fused.bench --sweep --only logprobs          block-size sweep of the log-prob kernels
   bash benchmarks/device_run.sh                                CUDA tests, then every suite
@@ -59,11 +69,15 @@ environment:
                        (its compilation takes minutes)"""
 
 
-def _suites(only: str) -> list[str]:
-    names = [s for s in only.split(",") if s]
+def _suites(only: str | None, positional: list[str]) -> list[str]:
+    if only is not None and positional:
+        raise SystemExit(f"suites: name them as arguments or with --only, not both (got {positional} and "
+                         f"--only {only})")
+    names = [s for s in only.split(",") if s] if only is not None else list(positional) or list(SUITES)
+    where = "--only" if only is not None else "suites"
     for s in names:
         if s not in SUITES:
-            raise SystemExit(f"--only: unknown suite {s!r}; choose from {', '.join(SUITES)}")
+            raise SystemExit(f"{where}: unknown suite {s!r}; choose from {', '.join(SUITES)}")
     return names
 
 
@@ -75,7 +89,10 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
-        "--only", default=",".join(SUITES), metavar="SUITES",
+        "suites", nargs="*", metavar="SUITE",
+        help=f"suites to run, in this order (default: all of {' '.join(SUITES)}); the same as --only")
+    ap.add_argument(
+        "--only", default=None, metavar="SUITES",
         help=f"comma-separated suites to run, in this order (default: all of {','.join(SUITES)})")
     ap.add_argument(
         "--out", default="benchmarks/results", metavar="DIR",
@@ -83,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--quick", action="store_true",
         help="fewer shapes: the first shape of logprobs and mask_reduce, sinkgd without its "
-             "4-layer case; a fast smoke run, not the published figures")
+             "4-layer case, step with 2 layers at S 2048, eager only; a fast smoke run, not the "
+             "published figures")
     ap.add_argument(
         "--sweep", action="store_true",
         help="instead of the benchmark tables, time each kernel configuration (block size, warps) "
@@ -93,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         "--sweep-shape", default=None, metavar="INTS",
         help="comma-separated input shape of the sweep; for logprobs B,L,V (default: 4,4096,151936)")
     args = ap.parse_args(argv)
-    suites = _suites(args.only)
+    suites = _suites(args.only, args.suites)
     if not torch.cuda.is_available():
         raise SystemExit("python -m torch_fused.bench needs a CUDA device (none is visible to torch)")
     out = Path(args.out)
@@ -114,8 +132,9 @@ def main(argv: list[str] | None = None) -> None:
         report = common.new_report()
         report.copy_gbps = copy
         mod.run(report, copy, quick=args.quick)
-        common.save(report, out, suite)
-        print(common.markdown(report), flush=True)
+        # a suite whose results are not rows of memory-floor fractions (step) writes its own files
+        getattr(mod, "save", common.save)(report, out, suite)
+        print(getattr(mod, "markdown", common.markdown)(report), flush=True)
 
 
 if __name__ == "__main__":
