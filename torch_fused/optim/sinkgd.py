@@ -8,6 +8,8 @@ import torch
 from torch.optim import Optimizer
 
 from ..ops.sinkgd import SinkGDCache, sinkgd_step_eager
+from . import sharded
+from .sharded import is_dtensor
 
 
 def sinkgd_step(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05, weight_decay=0.0, eps=1e-8,
@@ -74,6 +76,11 @@ def _functional_adamw():
 _ADAMW = _functional_adamw()
 
 
+def _eager(fn):
+    """``fn`` outside torch.compile's tracing (a graph break where it is called)."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 def _warm_start(p: torch.Tensor) -> torch.Tensor:
     """A fixed, non-degenerate unit vector per matrix [B, n] to start the power iteration from
     (no random generator: the same on every run and traceable by torch.compile)."""
@@ -81,7 +88,10 @@ def _warm_start(p: torch.Tensor) -> torch.Tensor:
     b = p.numel() // (p.shape[-2] * n)
     v = torch.cos(0.5 + 2.399963 * torch.arange(n, dtype=torch.float32, device=p.device))
     v = v / v.norm()
-    return v.expand(b, n).clone()
+    v = v.expand(b, n).clone()
+    if is_dtensor(p) and sharded.warm_start_is_sharded(p):
+        return sharded.shard_like(v.view(*p.shape[:-2], n), p)  # a Shard(0) batch: sharded like it
+    return v  # plain, the same on every rank for a DTensor parameter
 
 
 class SinkGD(Optimizer):
@@ -139,6 +149,14 @@ class SinkGD(Optimizer):
         super().__setstate__(state)
         self.plan_cache = SinkGDCache()  # never pickled or copied: plans hold device addresses
 
+    @staticmethod
+    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
+        # load_state_dict casts floating state to the parameter's dtype; the warm-start vectors
+        # stay float32 (the power iteration's precision)
+        if key == "spectral_v":
+            return value.to(dtype=torch.float32, device=param.device)
+        return Optimizer._process_value_according_to_param_policy(param, value, param_id, param_groups, key)
+
     def _fallback_step(self, group, params, lr):
         kw = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
         kw.update(group["fallback_kwargs"])
@@ -191,18 +209,33 @@ class SinkGD(Optimizer):
                 if "step" not in st0:  # drives the stochastic-rounding seed; float32 like torch's
                     st0["step"] = torch.zeros((), dtype=torch.float32, device=mats[0].device)
                 st0["step"].add_(1)
-                # eager: with the optimizer's cache, the op's implementation called directly;
-                # compiled: the op, traced as one node
-                cache = None if torch.compiler.is_compiling() else self.plan_cache
-                sinkgd_step(
-                    mats, grads, lr=lr, spectral_vecs=vecs, lr_scale=group["lr_scale"],
-                    weight_decay=group["weight_decay"], eps=group["eps"], sinkhorn_iters=group["sinkhorn_iters"],
-                    spectral_norm=group["spectral_norm"], spectral_target=group["spectral_target"],
-                    spectral_iters=group["spectral_iters"], base_width=group["base_width"],
-                    width_exponent=group["width_exponent"], stochastic_round=group["stochastic_round"],
-                    step=st0["step"], cache=cache)
+                kw = dict(lr=lr, lr_scale=group["lr_scale"], weight_decay=group["weight_decay"], eps=group["eps"],
+                          sinkhorn_iters=group["sinkhorn_iters"], spectral_norm=group["spectral_norm"],
+                          spectral_target=group["spectral_target"], spectral_iters=group["spectral_iters"],
+                          base_width=group["base_width"], width_exponent=group["width_exponent"],
+                          stochastic_round=group["stochastic_round"], step=st0["step"])
+                dt = [is_dtensor(p) for p in mats]
+                if any(dt):  # sharded matrices (FSDP2, DTensor): optim/sharded.py, a few small all-reduces
+                    salts = sharded.update_salts(mats, grads)  # the seeds' salts the whole group would get
+                    sel = [k for k, d in enumerate(dt) if d]
+                    sharded.sinkgd_step_sharded(
+                        [mats[k] for k in sel], [grads[k] for k in sel],
+                        spectral_vecs=[vecs[k] for k in sel] if vecs else None, salts=[salts[k] for k in sel],
+                        **kw)
+                    keep = [k for k, d in enumerate(dt) if not d]
+                    mats, grads = [mats[k] for k in keep], [grads[k] for k in keep]
+                    vecs = [vecs[k] for k in keep] if vecs else vecs
+                if mats:
+                    # eager: with the optimizer's cache, the op's implementation called directly;
+                    # compiled: the op, traced as one node
+                    cache = None if torch.compiler.is_compiling() else self.plan_cache
+                    sinkgd_step(mats, grads, spectral_vecs=vecs, cache=cache, **kw)
             if small:
-                self._fallback_step(group, small, lr)
+                if any(is_dtensor(p) for p in small):
+                    # DTensors run eagerly under torch.compile (uneven shards trip traced AdamW)
+                    _eager(self._fallback_step)(group, small, lr)
+                else:
+                    self._fallback_step(group, small, lr)
         return loss
 
 

@@ -1,0 +1,477 @@
+"""SinkGD on sharded parameters (torch_fused/optim/sharded.py): DTensor Shard(0) matrices and
+torch.distributed.fsdp.fully_shard models.
+
+Gloo on CPU, world sizes 2 and 3 (uneven row splits: m = 7 over 2 and 3 ranks, m = 2 over 3
+leaves a rank no rows), spawned with torch.multiprocessing. Each world size is ONE process
+group that runs every check (a fork server preloads torch and torch_fused once); each check is
+reported as its own test. Every rank compares with the single-device step on the whole
+matrices (computed in the same process):
+
+- values: plain and spectral ("unit", "muon") steps, fp32 (to ~1e-5) and bf16 (to rounding),
+  a Shard(0) batch [B, m, n] and a Shard(1) row split of [B, m, n];
+- what the collectives carry, counted by a TorchDispatchMode over the c10d functional ops:
+  one all-reduce per Sinkhorn iteration and per power iteration, of exactly the column
+  partials (and the spectral scalars);
+- a fully_shard MLP (3 Linear layers with biases) trained against an unsharded replica,
+  the optimizer's state_dict round trip, torch.compile of the step;
+- clear errors for placements the sharded step does not take.
+
+Single-process tests (no group): the update kernel's random bits reproduced by the sharded
+path's PyTorch Philox, checked against the Triton kernel where it runs (the interpreter run on
+CPU, and CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import math
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_fused  # noqa: F401
+from torch_fused._library import HAS_TRITON, INTERPRET, TRITON_DEVICES
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="needs torch.distributed with the gloo backend")
+
+# The distributed logic is the same PyTorch code in the plain and the interpreter run; the
+# interpreter run keeps world size 2 and only the check whose reference drives the Triton
+# kernels (stochastic rounding against the interpreted update kernel).
+WORLDS = [2, pytest.param(3, marks=pytest.mark.skipif(
+    INTERPRET, reason="the plain CPU run covers world size 3; the interpreter run checks the kernels' bits"))]
+GROUP_TIMEOUT_S = 240
+PLAIN_ONLY = "distributed logic only: the plain CPU run covers it"
+
+CHECKS = {}
+
+
+def check(interpret=False, worlds=(2, 3)):
+    def register(fn):
+        if interpret or not INTERPRET:
+            CHECKS[fn.__name__] = (fn, worlds)
+        return fn
+
+    return register
+
+
+class Ctx:
+    def __init__(self, rank, world, mesh):
+        self.rank, self.world, self.mesh = rank, world, mesh
+        self.failures = []
+
+    @contextlib.contextmanager
+    def soft(self, label):
+        """Record an assertion failure and go on: every rank keeps making the same collectives."""
+        try:
+            yield
+        except AssertionError as e:
+            self.failures.append(f"[{label}] {e}")
+
+    def done(self):
+        assert not self.failures, "\n".join(self.failures)
+
+
+class CollectiveCounter:
+    """``with CollectiveCounter() as calls``: (op name, elements) of every c10d collective
+    dispatched inside the block (wait_tensor excepted), as a TorchDispatchMode sees them."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        calls = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func.namespace in ("_c10d_functional", "c10d", "c10d_functional") and "wait" not in func.__name__:
+                    n = sum(t.numel() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+                    calls.append((func.__name__.split(".")[0], n))
+                return func(*args, **kwargs)
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return calls
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _bf16_close(got, want, label):
+    """bf16 results of the same step: equal but where the fp32 values straddle a rounding
+    boundary (then one bf16 ulp apart), which must be rare."""
+    g, w = got.float(), want.float()
+    diff = (g - w).abs()
+    ulp = w.abs().clamp_min(1e-30) * 2.0 ** -7
+    assert bool((diff <= ulp * 1.01).all()), f"{label}: bf16 difference beyond one ulp: {diff.max().item()}"
+    frac = (diff > 0).float().mean().item()
+    assert frac <= 0.02, f"{label}: {frac:.3%} of the bf16 entries differ"
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks: run inside every rank of the group
+# ---------------------------------------------------------------------------------------------
+# (name, global shape, Shard dim, dtype)
+MATS = [
+    ("w7x5", (7, 5), 0, torch.float32),  # uneven rows over 2 and 3 ranks
+    ("w2x6", (2, 6), 0, torch.float32),  # world 3: a rank with no rows
+    ("w16x9", (16, 9), 0, torch.bfloat16),
+    ("b3x4x6", (3, 4, 6), 0, torch.float32),  # a batch of whole matrices: no collective
+    ("b2x7x3", (2, 7, 3), 1, torch.float32),  # a batch whose rows are split
+    ("w9x8", (9, 8), 0, torch.float32),
+]
+STEP_CASES = [
+    dict(sinkhorn_iters=5),
+    dict(sinkhorn_iters=2, weight_decay=0.1, base_width=4.0, width_exponent=0.5),
+    dict(sinkhorn_iters=3, spectral_norm=True, spectral_target="unit", spectral_iters=2),
+    dict(sinkhorn_iters=1, spectral_norm=True, spectral_target="muon", spectral_iters=1, weight_decay=0.05),
+    dict(sinkhorn_iters=0),
+]
+
+
+def _full_mats(seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, shape, d, dtype in MATS:
+        w = torch.randn(shape, generator=g).to(dtype)
+        gr = (torch.randn(shape, generator=g) * torch.rand(shape[-1], generator=g) * 3).to(dtype)
+        out.append((name, w, gr, d))
+    return out
+
+
+@check()
+def step_values_and_collectives(ctx):
+    """Every STEP_CASES step on all MATS at once (one call) equals the single-device step on the
+    whole matrices, the warm-start vectors too; the collectives are one all-reduce per
+    Sinkhorn iteration and per power iteration, of exactly the row-split matrices' column
+    partials (and [B] scalars per power iteration)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch_fused.optim import sinkgd_step
+    from torch_fused.optim.sharded import sinkgd_step_sharded
+
+    for ci, case in enumerate(STEP_CASES):
+        mats = _full_mats(10 + ci)
+        ps = [distribute_tensor(w.clone(), ctx.mesh, [Shard(d)]) for _, w, _, d in mats]
+        gs = [distribute_tensor(g, ctx.mesh, [Shard(d)]) for _, _, g, d in mats]
+        ref_ps = [w.clone() for _, w, _, _ in mats]
+        vecs = ref_vecs = None
+        if case.get("spectral_norm"):
+            from torch_fused.optim.sinkgd import _warm_start
+
+            vecs = [_warm_start(p) for p in ps]
+            ref_vecs = [_warm_start(p) for p in ref_ps]
+        step = torch.tensor(3.0)
+        with CollectiveCounter() as calls:
+            sinkgd_step_sharded(ps, gs, lr=0.7, spectral_vecs=vecs, step=step, **case)
+        sinkgd_step(ref_ps, [g for _, _, g, _ in mats], lr=0.7, spectral_vecs=ref_vecs, step=step, **case)
+        for k, (name, w0, _, d) in enumerate(mats):
+            label = f"case {ci} {name}"
+            with ctx.soft(label):
+                got = ps[k].full_tensor()
+                if w0.dtype == torch.float32:
+                    e = _rel(got - w0, ref_ps[k] - w0)
+                    assert e < 2e-5, f"{label}: update differs, norm-wise relative error {e:.2e}"
+                else:
+                    _bf16_close(got, ref_ps[k], label)
+                if vecs is not None:
+                    v = vecs[k].full_tensor() if hasattr(vecs[k], "full_tensor") else vecs[k]
+                    e = _rel(v.reshape(ref_vecs[k].shape), ref_vecs[k])
+                    assert e < 2e-5, f"{label}: warm-start vector differs, relative error {e:.2e}"
+        with ctx.soft(f"case {ci} collectives"):
+            rows = [(shape, d) for _, shape, d, _ in MATS if d == len(shape) - 2]
+            cols = sum(math.prod(shape[:-2]) * shape[-1] for shape, _ in rows)
+            scal = sum(math.prod(shape[:-2]) for shape, _ in rows)
+            L = case["sinkhorn_iters"]
+            s_it = case.get("spectral_iters", 1) if case.get("spectral_norm") else 0
+            want = [("all_reduce", cols)] * L + [("all_reduce", cols + scal)] * s_it
+            assert calls == want, f"collectives {calls}, expected {want}"
+            total = sum(n for _, n in calls)
+            assert total <= (L + 2) * cols + s_it * scal
+    ctx.done()
+
+
+@check(interpret=True, worlds=(2,))
+def stochastic_rounding_bits(ctx):
+    """bf16 with stochastic_round on a Triton device (the interpreter run on CPU): the sharded
+    step's random bits are the update kernel's at each element's index in the whole matrix
+    and its matrix index in the group. With sinkhorn_iters=0 the fp32 values are the same
+    operations in the same order, so the results are bitwise equal; with iterations, equal
+    but where the scales' last-bit differences cross a rounding step."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch_fused.optim import sinkgd_step
+    from torch_fused.optim.sharded import sinkgd_step_sharded, update_salts
+
+    if "cpu" not in TRITON_DEVICES:
+        return  # the plain CPU run rounds to nearest on both paths: step_values_and_collectives
+    g = torch.Generator().manual_seed(5)
+    shapes = [(7, 16), (6, 5), (9, 16), (2, 3, 8)]  # n = 5: another alignment class (its own salt count)
+    for iters, step in ((0, 2.0), (2, 3001.0)):  # 3001 * 1000003 wraps int32: a negative seed
+        ws = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+        gs = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+        ps = [distribute_tensor(w.clone(), ctx.mesh, [Shard(0)]) for w in ws]
+        dgs = [distribute_tensor(x, ctx.mesh, [Shard(0)]) for x in gs]
+        ref = [w.clone() for w in ws]
+        kw = dict(lr=3.0, weight_decay=0.1, sinkhorn_iters=iters, stochastic_round=True,
+                  step=torch.tensor(step))
+        sinkgd_step_sharded(ps, dgs, salts=update_salts(ps, dgs), **kw)
+        sinkgd_step(ref, gs, **kw)
+        for k, (w0, want) in enumerate(zip(ws, ref)):
+            label = f"iters {iters} matrix {k}"
+            with ctx.soft(label):
+                got = ps[k].full_tensor()
+                if iters == 0:
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                        f"{label}: {(got != want).sum().item()} of {got.numel()} entries differ"
+                else:
+                    _bf16_close(got, want, label)
+    ctx.done()
+
+
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 11), torch.nn.Tanh(), torch.nn.Linear(11, 7), torch.nn.Tanh(),
+                               torch.nn.Linear(7, 5))
+
+
+@check()
+def fully_shard_mlp_training(ctx):
+    """fully_shard on every Linear and the root: SinkGD (spectral "muon" with weight decay on
+    the weights, AdamW on the biases as DTensors) trained 4 steps on the same batches as an
+    unsharded replica: the same parameters. Then the optimizer's state_dict (warm-start
+    vectors, AdamW moments, step counts) loads into a new optimizer that continues exactly
+    like the original, and the step's collectives are the Sinkhorn and power iterations'
+    all-reduces alone."""
+    from torch.distributed.fsdp import fully_shard
+    from torch_fused.optim import SinkGD
+
+    model = _mlp(0)
+    replica = copy.deepcopy(model)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=ctx.mesh)
+    fully_shard(model, mesh=ctx.mesh)
+    kw = dict(lr=0.5, sinkhorn_iters=3, spectral_norm=True, spectral_target="muon", weight_decay=0.1,
+              fallback_kwargs=dict(lr=1e-2, weight_decay=0.01))
+    opt = SinkGD(model.parameters(), **kw)
+    ref_opt = SinkGD(replica.parameters(), **kw)
+    g = torch.Generator().manual_seed(1)
+
+    def train(m, o, x, y):
+        o.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+
+    def compare(label, tol):
+        for (name, p), q in zip(model.named_parameters(), replica.parameters()):
+            with ctx.soft(f"{label} {name}"):
+                e = _rel(p.full_tensor(), q)
+                assert e < tol, f"{label} {name}: relative error {e:.2e}"
+
+    batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 5, generator=g)) for _ in range(5)]
+    for i, (x, y) in enumerate(batches[:4]):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with CollectiveCounter() as calls:  # the last step's are checked
+            opt.step()
+        train(replica, ref_opt, x, y)
+    compare("after 4 steps", 1e-5)
+    with ctx.soft("optimizer step collectives"):
+        cols = 6 + 11 + 7  # the three weights' columns, all row-sharded
+        assert calls == [("all_reduce", cols)] * 3 + [("all_reduce", cols + 3)], calls
+    # the state_dict round trip: a new optimizer over the same model continues identically
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    opt2 = SinkGD(model.parameters(), **kw)
+    buf.seek(0)
+    opt2.load_state_dict(torch.load(buf, weights_only=False))
+    with ctx.soft("state_dict types"):
+        for p in model.parameters():
+            st = opt2.state[p]
+            if p.dim() >= 2:
+                v = st["spectral_v"]
+                assert type(v) is torch.Tensor and v.dtype == torch.float32, (type(v), v.dtype)
+                assert torch.equal(v, opt.state[p]["spectral_v"])
+            else:
+                assert type(st["exp_avg"]).__name__ == "DTensor"
+    train(model, opt2, *batches[4])
+    train(replica, ref_opt, *batches[4])
+    compare("after the reloaded step", 1e-5)
+    ctx.done()
+
+
+@check()
+def compiled_step(ctx):
+    """torch.compile(opt.step) on sharded parameters (matrices and a 1-D AdamW parameter, uneven
+    splits) gives the eager step's values: the DTensor parameters' steps run eagerly inside the
+    compiled step (graph breaks; docs/SINKGD.md)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch_fused.optim import SinkGD
+
+    mats = _full_mats(3)
+    results = []
+    for compiled in (False, True):
+        ps = [torch.nn.Parameter(distribute_tensor(w.clone(), ctx.mesh, [Shard(d)])) for _, w, _, d in mats]
+        for p, (_, _, gr, d) in zip(ps, mats):
+            p.grad = distribute_tensor(gr, ctx.mesh, [Shard(d)])
+        bias = torch.nn.Parameter(distribute_tensor(torch.linspace(-1, 1, 7), ctx.mesh, [Shard(0)]))
+        bias.grad = distribute_tensor(torch.linspace(2, -1, 7), ctx.mesh, [Shard(0)])
+        ps.append(bias)  # AdamW on a DTensor
+        opt = SinkGD(ps, lr=torch.tensor(0.5), sinkhorn_iters=2, spectral_norm=True)
+        fn = torch.compile(opt.step) if compiled else opt.step
+        for _ in range(2):
+            fn()
+        results.append([p.full_tensor() for p in ps])
+    for k, (a, b) in enumerate(zip(*results)):
+        with ctx.soft(f"matrix {k}"):
+            # (the warm-start vectors are made inside the compiled graph: cos rounds differently)
+            e = _rel(a, b)
+            assert e < 1e-6, f"matrix {k}: compiled step differs, relative error {e:.2e}"
+    ctx.done()
+
+
+@check()
+def unsupported_placements_fail_clearly(ctx):
+    """Shard(1) of a matrix (its columns), a 2-D mesh, Partial, a plain gradient for a DTensor
+    parameter, a DTensor warm-start vector for a row-split matrix: ValueError naming the
+    argument and the placement."""
+    import re
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch_fused.optim import SinkGD
+    from torch_fused.optim.sharded import sinkgd_step_sharded
+
+    w = torch.randn(6, 4)
+    mesh2 = init_device_mesh("cpu", (1, ctx.world))
+
+    def sh(t, pl, mesh=ctx.mesh):
+        return distribute_tensor(t.clone(), mesh, pl)
+
+    cases = [
+        ([sh(w, [Shard(1)])], [sh(w, [Shard(1)])], {}, r"params\[0\]: .*Shard\(dim=1\).*columns"),
+        ([sh(w, [Replicate(), Shard(0)], mesh2)], [sh(w, [Replicate(), Shard(0)], mesh2)], {},
+         r"params\[0\]: .*2-D mesh"),
+        ([DTensor.from_local(w, ctx.mesh, [Partial()])], [DTensor.from_local(w, ctx.mesh, [Partial()])], {},
+         r"params\[0\]: .*Partial"),
+        ([sh(w, [Shard(0)])], [w.clone()], {}, r"grads\[0\]: .*got a Tensor"),
+        ([sh(w, [Shard(0)])], [sh(w, [Replicate()])], {}, r"grads\[0\]: .*Replicate"),
+        ([sh(w, [Shard(0)])], [sh(w, [Shard(0)])],
+         dict(spectral_norm=True, spectral_vecs=[sh(torch.ones(1, 4), [Replicate()])]),
+         r"spectral_vecs\[0\]: expected a float32 plain tensor of shape \(1, 4\)"),
+        ([sh(w, [Shard(0)])], [sh(w, [Shard(0)])], dict(sinkhorn_iters=-1), r"sinkhorn_iters: expected >= 0"),
+    ]
+    for k, (ps, gs, kw, pattern) in enumerate(cases):
+        with ctx.soft(f"case {k}"):
+            try:
+                sinkgd_step_sharded(ps, gs, lr=0.1, **kw)
+            except ValueError as e:
+                assert re.search(pattern, str(e)), f"case {k}: message {e!r} does not match {pattern!r}"
+            else:
+                raise AssertionError(f"case {k}: no error")
+    with ctx.soft("through the optimizer"):
+        p = torch.nn.Parameter(sh(w, [Shard(1)]))
+        p.grad = sh(w, [Shard(1)])
+        try:
+            SinkGD([p], lr=0.1).step()
+        except ValueError as e:
+            assert "Shard(dim=1)" in str(e), str(e)
+        else:
+            raise AssertionError("no error")
+    ctx.done()
+
+
+# ---------------------------------------------------------------------------------------------
+# The group
+# ---------------------------------------------------------------------------------------------
+def _worker(rank, world, store_path, out_dir, names):
+    torch.set_num_threads(1)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch_fused import _library
+
+    _library.POISON = True  # as the suite's conftest
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    results = {}
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for name in names:
+            t0 = time.perf_counter()
+            try:
+                CHECKS[name][0](Ctx(rank, world, mesh))
+                err = None
+            except Exception:
+                err = traceback.format_exc()
+            results[name] = {"error": err, "s": round(time.perf_counter() - t0, 2)}
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def _run_group(world, tmp):
+    import multiprocessing
+
+    import torch.multiprocessing as tmp_mp
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "torch_fused",
+                                "torch_fused.optim.sharded", "torch._dynamo", __name__])
+    names = [name for name, (_, worlds) in CHECKS.items() if world in worlds]
+    pc = tmp_mp.start_processes(_worker, args=(world, str(tmp / "store"), str(tmp), names), nprocs=world,
+                                join=False, start_method="forkserver")
+    deadline = time.monotonic() + GROUP_TIMEOUT_S
+    while not pc.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in pc.processes:
+                p.kill()
+            pytest.fail(f"world {world}: the process group did not finish in {GROUP_TIMEOUT_S} s")
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def group(request, tmp_path_factory):
+    world = request.param
+    return world, _run_group(world, tmp_path_factory.mktemp(f"sinkgd_sharded_w{world}"))
+
+
+def _assert_check(group, name):
+    if name not in CHECKS:
+        pytest.skip(PLAIN_ONLY)
+    world, results = group
+    if world not in CHECKS[name][1]:
+        pytest.skip(f"runs at world sizes {CHECKS[name][1]}")
+    errors = [f"--- rank {r} of {world}:\n{res[name]['error']}" for r, res in enumerate(results)
+              if res[name]["error"]]
+    assert not errors, "\n".join(errors)
+
+
+def test_step_values_and_collectives(group):
+    _assert_check(group, "step_values_and_collectives")
+
+
+def test_stochastic_rounding_bits(group):
+    _assert_check(group, "stochastic_rounding_bits")
+
+
+def test_fully_shard_mlp_training(group):
+    _assert_check(group, "fully_shard_mlp_training")
+
+
+def test_compiled_step(group):
+    _assert_check(group, "compiled_step")
+
+
+def test_unsupported_placements_fail_clearly(group):
+    _assert_check(group, "unsupported_placements_fail_clearly")

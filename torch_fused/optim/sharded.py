@@ -1,0 +1,473 @@
+"""SinkGD on sharded parameters: DTensors with ``Shard(0)`` placement on a 1-D mesh, as
+``torch.distributed.fsdp.fully_shard`` (FSDP2) leaves every parameter. ``SinkGD.step`` sends
+its DTensor matrices here; the algorithm is docs/SINKGD.md's, and so is the result (the step of
+the whole matrix), computed from the local shards with a few small all-reduces.
+
+X = diag(r) G diag(c). With the rows of a matrix split over the ranks (``Shard(0)`` of a 2-D
+``[m, n]`` weight, ``Shard(ndim - 2)`` in general), each rank holds its rows' r and a copy of c:
+
+- row step: r_i <- r_i sqrt(n) / max(||row i of X||, eps): local (a row is whole on its rank);
+- column step: c_j <- c_j sqrt(m) / max(sqrt(sum over ALL rows of (r_i G_ij c_j)^2), eps), m the
+  global row count: every rank sums its rows' terms into column partials [B, n], and ONE
+  all-reduce per iteration sums the partials of every row-sharded matrix of the step (one flat
+  fp32 buffer), after which every rank holds the same c;
+- spectral step (optional), per power iteration: u = X v over the local rows, |u|^2 and
+  X^T u summed over the ranks in ONE all-reduce (every matrix's [B, n] partials and [B]
+  scalars), w = (X^T u) / max(|u|, eps), sigma = |w|, v = w / max(sigma, eps). The warm-start
+  vector v [B, n] is the same on every rank (a plain tensor in the optimizer's state);
+- update: W <- W - eta (X + weight_decay W) on the local rows, fp32 math, stored in W's dtype.
+
+So a step's collectives carry (sinkhorn_iters + spectral_iters) * sum(B n) + spectral_iters *
+sum(B) fp32 elements: O(columns), never a parameter or a gradient. A batch of matrices
+``[B, ..., m, n]`` sharded on dim 0 (``Shard(0)`` with ndim >= 3) holds whole matrices on each
+rank: no collective; its warm-start vectors are a DTensor ``[B, ..., n]`` with the same
+placement. ``Replicate()`` on a 1-D mesh is the whole matrix on every rank: computed locally, no
+collective. Every other placement raises ValueError naming it.
+
+The computation is PyTorch ops on any device (fp32 math on the scale vectors, the gradient read
+in row chunks of about ``CHUNK_ELEMS`` elements: no fp32 copy of a whole gradient). Stochastic
+rounding of bf16 parameters (where the single-device op does it: a Triton device) reproduces
+the update kernel's random bits: Philox (Triton's ``tl.randint``, 10 rounds) keyed by the seed
+``step * 1000003 + matrix index`` at the element's index in the WHOLE parameter, so every
+element gets the noise it gets in the unsharded step (``philox_noise``, ``update_salts``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+CHUNK_ELEMS = 1 << 22  # gradient elements per row chunk of the local passes
+
+_M32 = 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------------------------
+# Placements
+# ---------------------------------------------------------------------------------------------
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor (a type check first: plain tensors never import
+    torch.distributed.tensor)."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _fmt(placements) -> str:
+    return "(" + ", ".join(repr(p) for p in placements) + ("," if len(placements) == 1 else "") + ")"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """How one DTensor matrix parameter is split. kind: "rows" (each matrix's rows split over
+    the ranks: column sums need an all-reduce), "batch" (whole matrices per rank) or "whole"
+    (Replicate: everything local). Global sizes b (matrices), m, n; local b_loc, m_loc; the
+    local block starts at matrix b_off, row row_off of the whole parameter."""
+
+    kind: str
+    group_name: str | None
+    b: int
+    m: int
+    n: int
+    b_loc: int
+    m_loc: int
+    b_off: int
+    row_off: int
+
+
+def _local_offset(p, mesh, placements):
+    """(local shape, global offset) of this rank's shard of ``p`` (torch.chunk's split, as
+    DTensor's Shard and FSDP2 place an uneven dim)."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - older releases
+        compute_local_shape_and_global_offset = None
+    if compute_local_shape_and_global_offset is not None:
+        shape, off = compute_local_shape_and_global_offset(p.shape, mesh, placements)
+        return tuple(shape), tuple(off)
+    d = placements[0].dim % p.dim()
+    world, rank = mesh.size(0), mesh.get_local_rank(0)
+    size = p.shape[d]
+    step = -(-size // world) if size else 0
+    lo, hi = min(rank * step, size), min(size, (rank + 1) * step)
+    shape = list(p.shape)
+    shape[d] = hi - lo
+    off = [0] * p.dim()
+    off[d] = lo
+    return tuple(shape), tuple(off)
+
+
+def shard_info(p, g, i: int) -> ShardInfo:
+    """Validate DTensor parameter ``params[i]`` and its gradient and describe its split; an
+    unsupported placement raises ValueError naming it."""
+    from torch.distributed.tensor import DTensor
+
+    what = f"params[{i}]"
+    mesh, placements, nd = p.device_mesh, tuple(p.placements), p.dim()
+    shape = tuple(p.shape)
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"{what}: SinkGD supports DTensor parameters on a 1-D mesh with placement Shard(0) (rows; "
+            f"Shard({nd - 2}) of a [..., m, n] parameter, or Shard(0) of a batch of matrices) or Replicate(); "
+            f"got placements {_fmt(placements)} on a {mesh.ndim}-D mesh, shape {shape}")
+    pl = placements[0]
+    if not isinstance(g, DTensor):
+        raise ValueError(f"grads[{i}]: the parameter is a DTensor with placements {_fmt(placements)}; expected its "
+                         f"gradient to be a DTensor with the same placements, got a {type(g).__name__}")
+    if g.device_mesh != mesh or tuple(g.placements) != placements:
+        raise ValueError(f"grads[{i}]: expected the parameter's placements {_fmt(placements)} on its mesh, got "
+                         f"{_fmt(g.placements)}" + ("" if g.device_mesh == mesh else " on another mesh"))
+    if tuple(g.shape) != shape:
+        raise ValueError(f"grads[{i}]: shape {tuple(g.shape)} does not match its parameter's {shape}")
+    m, n = shape[-2], shape[-1]
+    b = math.prod(shape[:-2])
+    if pl.is_replicate():
+        return ShardInfo("whole", None, b, m, n, b, m, 0, 0)
+    if type(pl).__name__ != "Shard":  # Partial, _StridedShard, other placements
+        raise ValueError(f"{what}: SinkGD supports DTensor placements Shard(0) (rows of a matrix, or a batch "
+                         f"of matrices) and Replicate() on a 1-D mesh; got {_fmt(placements)}, shape {shape}")
+    d = pl.dim % nd
+    if d == nd - 2:
+        kind = "rows"
+    elif d == 0:  # nd >= 3: a batch of whole matrices
+        kind = "batch"
+    else:
+        part = "columns (the last dim)" if d == nd - 1 else f"leading dim {d}"
+        raise ValueError(
+            f"{what}: SinkGD supports Shard({nd - 2}) (rows) or Shard(0) of a [..., m, n] parameter; got "
+            f"{_fmt(placements)}, which shards its {part}, shape {shape}")
+    local_shape, off = _local_offset(p, mesh, placements)
+    with torch.no_grad():
+        lp = p.to_local()
+    if tuple(lp.shape) != local_shape:
+        raise NotImplementedError(
+            f"{what}: local shard of shape {tuple(lp.shape)} on rank {mesh.get_local_rank(0)}; expected "
+            f"torch.chunk's split of {shape} ({local_shape})")
+    group_name = mesh.get_group(0).group_name
+    if kind == "rows":
+        return ShardInfo(kind, group_name, b, m, n, b, local_shape[-2], 0, off[-2])
+    inner = math.prod(shape[1:-2])
+    return ShardInfo(kind, group_name, b, m, n, local_shape[0] * inner, m, off[0] * inner, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The update kernel's random bits, in PyTorch ops
+# ---------------------------------------------------------------------------------------------
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+
+
+def _mul32(a: int, b: torch.Tensor):
+    """(high, low) 32-bit words of a * b for a uint32 constant ``a`` and int64 tensor ``b`` of
+    uint32 values, without leaving int64: a = a1 2^16 + a0, every partial product < 2^48."""
+    t1 = b * (a >> 16)
+    t0 = b * (a & 0xFFFF)
+    hi = (t1 + (t0 >> 16)) >> 16
+    lo = (((t1 & 0xFFFF) << 16) + t0) & _M32
+    return hi, lo
+
+
+def philox_noise(seed: torch.Tensor, offset: torch.Tensor, rounds: int = 10) -> torch.Tensor:
+    """Triton's ``tl.randint(seed, offset)`` for an int32 seed (a 0-dim int64 tensor holding
+    it, possibly negative) and uint32 offsets (an int64 tensor of values in [0, 2^32)): the
+    first word of Philox-4x32 with counter (offset, 0, 0, 0) and key (the seed as uint64: low
+    word, high word). Returns int64 values in [0, 2^32)."""
+    k0 = seed & _M32
+    k1 = torch.where(seed < 0, _M32, 0)  # int32 -> uint64 sign-extends
+    c0, c1, c2, c3 = offset, torch.zeros_like(offset), torch.zeros_like(offset), torch.zeros_like(offset)
+    for _ in range(rounds):
+        hi_b, lo_b = _mul32(_PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mul32(_PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + _PHILOX_KEY_A) & _M32
+        k1 = (k1 + _PHILOX_KEY_B) & _M32
+    return c0
+
+
+def sr_seed(step: torch.Tensor, salt: int) -> torch.Tensor:
+    """The update kernel's int32 seed ``int32(step) * 1000003 + salt`` (wrapping), as a 0-dim
+    int64 tensor on step's device (no host sync)."""
+    s = step.reshape(()).to(torch.int64) * 1000003 + salt
+    return ((s + (1 << 31)) & _M32) - (1 << 31)
+
+
+def stochastic_round_bf16(new: torch.Tensor, seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """fp32 ``new`` with 16 random bits (Philox at ``index``, the elements' indices in the whole
+    parameter) added below bf16's mantissa and truncated, as the update kernel does; non-finite
+    values are left to round to nearest. Returns fp32 values exact in bf16 (or non-finite)."""
+    noise = philox_noise(seed, index & _M32) & 0xFFFF
+    bits = new.view(torch.int32).to(torch.int64) & _M32
+    rounded = (bits + noise) & 0xFFFF0000
+    rounded = torch.where(rounded >= (1 << 31), rounded - (1 << 32), rounded).to(torch.int32).view(torch.float32)
+    return torch.where(torch.isfinite(new), rounded, new)
+
+
+def update_salts(params, grads) -> list[int | None]:
+    """The matrix index that salts each parameter's stochastic-rounding seed in the unsharded
+    op (ops/sinkgd.py: parameters grouped by (device, param dtype, grad dtype), then by the
+    update kernel's alignment class: 16-byte loads where n is a multiple of 16 bytes' worth of
+    the narrower dtype, the whole tensors taken as 16-byte aligned, as separately allocated
+    parameters are). None where the op takes the float64 reference path or skips the
+    parameter. Global shapes for DTensors."""
+    counts: dict = {}
+    out: list[int | None] = []
+    for p, g in zip(params, grads):
+        if p.numel() == 0 or torch.float64 in (p.dtype, g.dtype):
+            out.append(None)
+            continue
+        vec = 16 // min(p.element_size(), g.element_size())
+        key = (p.device, p.dtype, g.dtype, p.shape[-1] % vec == 0)
+        out.append(counts.get(key, 0))
+        counts[key] = counts.get(key, 0) + 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------------
+class _Mat:
+    """One matrix parameter's local view [b_loc, m_loc, n], its gradient's, and its scales."""
+
+    def __init__(self, w, g, info: ShardInfo, v):
+        self.w = w
+        self.g = g
+        self.info = info
+        dev = w.device
+        self.r = torch.ones(info.b_loc, info.m_loc, dtype=torch.float32, device=dev)
+        self.c = torch.ones(info.b_loc, info.n, dtype=torch.float32, device=dev)
+        self.v = v
+        self.chunk = max(1, CHUNK_ELEMS // max(1, info.b_loc * info.n))
+
+    def chunks(self):
+        for a in range(0, self.info.m_loc, self.chunk):
+            yield a, min(self.info.m_loc, a + self.chunk)
+
+
+def _all_reduce(buf: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sum over the group (the c10d functional op: traceable, seen by dispatch modes)."""
+    out = torch.ops._c10d_functional.all_reduce(buf, "sum", group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def _reduce_groups(mats, parts):
+    """Sum ``parts[k]`` (fp32 tensors, one per matrix) over the ranks for every row-sharded
+    matrix: ONE all-reduce per process group, of the parts concatenated; others stay as they
+    are. Returns the list of summed parts."""
+    out = list(parts)
+    by_group: dict = {}
+    for k, mat in enumerate(mats):
+        if mat.info.kind == "rows":
+            by_group.setdefault(mat.info.group_name, []).append(k)
+    for name, idx in by_group.items():
+        flat = torch.cat([parts[k].reshape(-1) for k in idx])
+        flat = _all_reduce(flat, name)
+        at = 0
+        for k in idx:
+            size = parts[k].numel()
+            out[k] = flat[at:at + size].view(parts[k].shape)
+            at += size
+    return out
+
+
+def _row_pass(mat: _Mat, eps: float) -> torch.Tensor:
+    """Row step on the local rows (r updated in place); returns the column partials [b_loc, n]
+    sum_i (r_i G_ij c_j)^2 over the local rows."""
+    info = mat.info
+    target = math.sqrt(info.n)
+    part = torch.zeros(info.b_loc, info.n, dtype=torch.float32, device=mat.w.device)
+    for a, e in mat.chunks():
+        y = mat.g[:, a:e].float() * mat.c[:, None, :]
+        r_old = mat.r[:, a:e]
+        norm = r_old * y.square().sum(2).sqrt()
+        r_new = (r_old * target / norm.clamp_min(eps)).clamp_max(1e30)
+        mat.r[:, a:e] = r_new
+        part += (y * r_new[:, :, None]).square().sum(1)
+    return part
+
+
+def _mv(mat: _Mat, x: torch.Tensor) -> torch.Tensor:
+    """G x over the local rows: [b_loc, m_loc] from [b_loc, n] (fp32, chunked)."""
+    out = torch.empty(mat.info.b_loc, mat.info.m_loc, dtype=torch.float32, device=mat.w.device)
+    for a, e in mat.chunks():
+        out[:, a:e] = torch.einsum("bmn,bn->bm", mat.g[:, a:e].float(), x)
+    return out
+
+
+def _mv_t(mat: _Mat, y: torch.Tensor) -> torch.Tensor:
+    """G^T y over the local rows: [b_loc, n] partials from [b_loc, m_loc]."""
+    out = torch.zeros(mat.info.b_loc, mat.info.n, dtype=torch.float32, device=mat.w.device)
+    for a, e in mat.chunks():
+        out += torch.einsum("bmn,bm->bn", mat.g[:, a:e].float(), y[:, a:e])
+    return out
+
+
+def _update(mat: _Mat, coef_x: torch.Tensor, coef_w: torch.Tensor, seed) -> None:
+    """W <- W - coef_x[b] (r_i G_ij c_j) - coef_w W on the local rows, fp32 math, stored in W's
+    dtype (stochastically rounded to bf16 where ``seed`` is given), in the update kernel's
+    operation order."""
+    info = mat.info
+    dev = mat.w.device
+    if seed is not None:
+        cols = torch.arange(info.n, dtype=torch.int64, device=dev)
+        bs = torch.arange(info.b_loc, dtype=torch.int64, device=dev)[:, None]
+    for a, e in mat.chunks():
+        w = mat.w[:, a:e]
+        wf = w.float()
+        x = mat.g[:, a:e].float() * mat.r[:, a:e, None] * mat.c[:, None, :]
+        new = wf - coef_x[:, None, None] * x - coef_w * wf
+        if seed is not None:
+            rows = (bs + info.b_off) * info.m + info.row_off + torch.arange(a, e, dtype=torch.int64, device=dev)
+            new = stochastic_round_bf16(new, seed, rows[:, :, None] * info.n + cols)
+        w.copy_(new.to(w.dtype))
+
+
+def check_sharded_vecs(params, vecs) -> None:
+    """Each warm-start vector: float32 [B, n] (a plain tensor) for a row-sharded or replicated
+    matrix, a DTensor [*lead, n] with the parameter's placement for a batch-sharded one."""
+    for i, (p, v) in enumerate(zip(params, vecs)):
+        lead = tuple(p.shape[:-2])
+        batch = warm_start_is_sharded(p)
+        if batch:
+            want = lead + (p.shape[-1],)
+            ok = is_dtensor(v) and tuple(v.shape) == want and tuple(v.placements) == tuple(p.placements)
+        else:
+            want = (math.prod(lead), p.shape[-1])
+            ok = not is_dtensor(v) and tuple(v.shape) == want
+        if not ok or v.dtype != torch.float32:
+            shown = (f"a float32 DTensor of shape {want} with placements {_fmt(p.placements)}" if batch
+                     else f"a float32 plain tensor of shape {want} (the same on every rank)")
+            got = f"{type(v).__name__} {v.dtype} {tuple(v.shape)}"
+            if is_dtensor(v):
+                got += f" {_fmt(v.placements)}"
+            raise ValueError(f"spectral_vecs[{i}]: expected {shown}, got {got}")
+
+
+@torch.compiler.disable(recursive=True)
+def sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05, weight_decay=0.0, eps=1e-8,
+                        sinkhorn_iters=5, spectral_norm=False, spectral_target="unit", spectral_iters=1,
+                        base_width=None, width_exponent=1.0, stochastic_round=False, step=None,
+                        salts=None) -> None:
+    """One in-place SinkGD update of DTensor matrices (``Shard(0)`` rows, a ``Shard(0)`` batch
+    of matrices, or ``Replicate()``, on a 1-D mesh), equal to the step of the whole matrices
+    (``torch_fused.optim.sinkgd_step``'s arguments; the module docstring says how). Every rank
+    of the mesh must call it with the same parameters in the same order.
+
+    ``spectral_vecs``: per matrix, a float32 plain tensor [B, n] (row-sharded, replicated;
+    the same on every rank) or, for a ``Shard(0)`` batch [B, ..., m, n], a DTensor [B, ..., n]
+    with the same placement; updated in place. ``salts``: each matrix's stochastic-rounding
+    salt (``update_salts`` over the whole param group; default: ``update_salts`` over
+    ``params``). Stochastic rounding applies to bf16 parameters on the devices where the
+    single-device op does it (Triton devices); elsewhere the op rounds to nearest, and so does
+    this."""
+    from .._library import TRITON_DEVICES
+    from ..meta.sinkgd import PARAM_DTYPES, SPECTRAL_TARGETS
+
+    if len(params) != len(grads):
+        raise ValueError(f"grads: expected one gradient per parameter ({len(params)}), got {len(grads)}")
+    if sinkhorn_iters < 0:
+        raise ValueError(f"sinkhorn_iters: expected >= 0, got {sinkhorn_iters}")
+    if not eps > 0:
+        raise ValueError(f"eps: expected > 0, got {eps}")
+    if spectral_target not in SPECTRAL_TARGETS:
+        raise ValueError(f"spectral_target: expected one of {SPECTRAL_TARGETS}, got {spectral_target!r}")
+    vecs = list(spectral_vecs or [])
+    if spectral_norm:
+        if len(vecs) != len(params):
+            raise ValueError(f"spectral_vecs: expected one vector per parameter ({len(params)}), got {len(vecs)}")
+        if spectral_iters < 1:
+            raise ValueError(f"spectral_iters: expected >= 1, got {spectral_iters}")
+        check_sharded_vecs(params, vecs)
+    if not params:
+        return
+    if salts is None:
+        salts = update_salts(params, grads)
+    mats = []
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if not is_dtensor(p):
+            raise ValueError(f"params[{i}]: expected a DTensor, got a {type(p).__name__}")
+        if p.dim() < 2:
+            raise ValueError(f"params[{i}]: SinkGD needs a matrix [..., m, n], got shape {tuple(p.shape)}")
+        if p.dtype not in PARAM_DTYPES:
+            raise ValueError(f"params[{i}]: expected a floating dtype, got {p.dtype}")
+        info = shard_info(p, g, i)
+        if p.numel() == 0:
+            continue
+        w = p.to_local()
+        if not w.is_contiguous():
+            raise ValueError(f"params[{i}]: expected a contiguous local shard, got strides {tuple(w.stride())} "
+                             f"for local shape {tuple(w.shape)}")
+        gl = g.to_local()
+        w3 = w.view(info.b_loc, info.m_loc, info.n)
+        g3 = gl.contiguous().view(info.b_loc, info.m_loc, info.n)
+        v = None
+        if spectral_norm:
+            v = vecs[i].to_local().view(info.b_loc, info.n) if is_dtensor(vecs[i]) else vecs[i]
+        mat = _Mat(w3, g3, info, v)
+        mat.index = i
+        mats.append(mat)
+    if not mats:
+        return
+    dev = mats[0].w.device
+    for _ in range(sinkhorn_iters):
+        parts = _reduce_groups(mats, [_row_pass(mat, eps) for mat in mats])
+        for mat, col in zip(mats, parts):
+            mat.c = (mat.c * math.sqrt(mat.info.m) / col.sqrt().clamp_min(eps)).clamp_max(1e30)
+    scales = [None] * len(mats)
+    if spectral_norm:
+        sigma = [None] * len(mats)
+        for _ in range(spectral_iters):
+            parts = []
+            for mat in mats:
+                u = mat.r * _mv(mat, mat.c * mat.v)
+                w = mat.c * _mv_t(mat, mat.r * u)
+                parts.append(torch.cat([w, u.square().sum(1, keepdim=True)], dim=1))
+            parts = _reduce_groups(mats, parts)
+            for k, (mat, part) in enumerate(zip(mats, parts)):
+                w = part[:, :-1] / part[:, -1:].sqrt().clamp_min(eps)
+                sigma[k] = w.norm(dim=1)
+                mat.v.copy_(w / sigma[k][:, None].clamp_min(eps))
+        for k, mat in enumerate(mats):
+            target = 1.0 if spectral_target == "unit" else math.sqrt(mat.info.m / mat.info.n)
+            scales[k] = target / sigma[k].clamp_min(eps)
+    if isinstance(lr, torch.Tensor):
+        lr_d = lr.reshape(()).to(device=dev, dtype=torch.float32)
+    else:
+        lr_d = torch.tensor(float(lr), dtype=torch.float32, device=dev)
+    if step is None:
+        step = torch.zeros((), dtype=torch.float32, device=dev)
+    for k, mat in enumerate(mats):
+        info = mat.info
+        fac = lr_scale * ((base_width / info.n) ** width_exponent if base_width is not None else 1.0)
+        eta = lr_d * fac  # fp32 (the scalar rounded to fp32), as the kernel's lr * fac
+        coef_x = eta.expand(info.b_loc) if scales[k] is None else eta * scales[k]
+        coef_w = eta * float(weight_decay)
+        seed = None
+        salt = salts[mat.index]
+        if (stochastic_round and mat.w.dtype == torch.bfloat16 and mat.g.dtype != torch.float64
+                and dev.type in TRITON_DEVICES and salt is not None):
+            seed = sr_seed(step.to(dev), salt)
+        _update(mat, coef_x, coef_w, seed)
+
+
+def warm_start_is_sharded(p) -> bool:
+    """Whether DTensor ``p``'s warm-start vectors are sharded like it (a Shard(0) batch of
+    matrices) rather than a plain tensor replicated on every rank."""
+    pl = p.placements[0] if p.device_mesh.ndim == 1 else None
+    return pl is not None and pl.is_shard() and p.dim() >= 3 and pl.dim % p.dim() == 0
+
+
+def shard_like(full: torch.Tensor, p):
+    """``full`` (the same on every rank, dim 0 the batch dim of DTensor ``p``) as a DTensor
+    with ``p``'s mesh and placements, each rank keeping its slice (no collective)."""
+    from torch.distributed.tensor import DTensor
+
+    local_shape, off = _local_offset(full, p.device_mesh, tuple(p.placements))
+    local = full.narrow(0, off[0], local_shape[0]).clone()
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=full.shape,
+                              stride=full.stride())
