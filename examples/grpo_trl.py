@@ -16,9 +16,12 @@ routes (to torch_fused.linear_logprobs_and_entropy): off by default, since on an
 faster than TRL's yet (1.46-1.55x the bare GEMMs against 1.46-1.49x), though it holds 256-769 MiB
 of extra memory where TRL's holds 2.5-2.8 GB. With TRL 1.13 and 1.14 GRPOTrainer works on
 materialized logits, and the default patch() routes them.
+
+The script ends by checking that every logged loss is finite, and raises otherwise.
 """
 
 import argparse
+import math
 
 
 def parse_args(argv=None):
@@ -91,15 +94,20 @@ def main(argv=None):
     trainer = GRPOTrainer(model=model, reward_funcs=reward_len, args=config, train_dataset=train,
                           processing_class=tokenizer)
 
+    patched = []
     if args.no_patch:
         trainer.train()
     else:
         # before or after building the trainer: patch() replaces the names in every loaded trl module
         with tf_trl.patched(fused_lm_head=args.fused_lm_head):
-            print("torch_fused in place of:", *tf_trl.patched_names(), sep="\n  ")
+            patched = tf_trl.patched_names()
+            print("torch_fused in place of:", *patched, sep="\n  ")
             trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
     print(f"{len(losses)} steps, loss per step: {', '.join(f'{x:.4f}' for x in losses)}")
+    if not losses or not all(math.isfinite(x) for x in losses):
+        raise RuntimeError(f"expected a finite loss at every logged step, got {losses}")
+    return dict(losses=losses, patched=patched)
 
 
 if __name__ == "__main__":
