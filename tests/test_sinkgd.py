@@ -577,4 +577,62 @@ def test_compile_cases_cover_every_kernel():
     from torch_fused.kernels import sinkgd as K
 
     names = {fn.__name__ for _, fn, *_ in K.compile_cases()}
-    assert names == {"_sinkgd_rows_kernel", "_sinkgd_sums_kernel", "_sinkgd_scale_kernel", "_sinkgd_update_kernel"}
+    assert names == {"_sinkgd_rows_kernel", "_sinkgd_sums_kernel", "_sinkgd_scale_kernel", "_sinkgd_update_kernel",
+                     "_sinkgd_power_rows_kernel", "_sinkgd_power_tiles_kernel", "_sinkgd_power_cols_kernel",
+                     "_sinkgd_power_norm_kernel"}
+
+
+SPECTRAL_SHAPES = [(37, 50), (2, 9, 130), (70, 3), (6, 20)]  # (6, 20): its gradient is all zeros
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_fused_n", [0, 1 << 20], ids=["two-pass", "one-read"])
+@pytest.mark.parametrize("dtype,target,spectral_iters,iters", [
+    (torch.float32, "unit", 2, 2), (torch.bfloat16, "muon", 1, 1), (torch.float16, "muon", 3, 0)])
+def test_spectral_step_paths_match_reference(device, max_fused_n, dtype, target, spectral_iters, iters, monkeypatch):
+    """The spectral step on each row-pass path (MAX_FUSED_N = 0: every matrix takes the
+    two-pass power pass; 1 << 20: the one-read one): batched, tall, short and all-zero
+    gradients in one multi-tensor call, every grad dtype, both targets, several power
+    iterations and sinkhorn_iters = 0, against the float64 reference (W and the warm-start
+    vectors it writes back)."""
+    from torch_fused.kernels import sinkgd as K
+
+    monkeypatch.setattr(K, "MAX_FUSED_N", max_fused_n)
+    gen = torch.Generator().manual_seed(9)
+    ws = [torch.randn(s, generator=gen).to(dtype) for s in SPECTRAL_SHAPES]
+    gs = [(torch.randn(s, generator=gen) * 1e-2).to(dtype) for s in SPECTRAL_SHAPES]
+    gs[-1].zero_()
+    vs = [torch.nn.functional.normalize(torch.randn(w.numel() // (s[-2] * s[-1]), s[-1], generator=gen), dim=1)
+          for w, s in zip(ws, SPECTRAL_SHAPES)]
+    got = [w.clone().to(device) for w in ws]
+    got_v = [v.clone().to(device) for v in vs]
+    sinkgd_step(got, [g.to(device) for g in gs], lr=0.5, spectral_vecs=got_v, weight_decay=0.1,
+                sinkhorn_iters=iters, spectral_norm=True, spectral_target=target, spectral_iters=spectral_iters)
+    for w, g, v, out, out_v in zip(ws, gs, vs, got, got_v):
+        ref_w, ref_v = ref_sinkgd(w, g, 0.5, iters=iters, wd=0.1, spectral=True, target=target,
+                                  spectral_iters=spectral_iters, v=v)
+        _assert_update_close(out, ref_w, w, dtype, f"{tuple(w.shape)}: ")
+        torch.testing.assert_close(out_v.cpu().double(), ref_v, rtol=1e-4, atol=1e-5)
+    assert torch.equal(got_v[-1].cpu(), torch.zeros_like(vs[-1]))  # zero gradient: w = 0, v = 0 / eps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_spectral_step_with_non_contiguous_vector(device):
+    """A warm-start vector that is a non-contiguous view is updated in place like any other."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(2, 9, 12, generator=gen)
+    g = torch.randn(2, 9, 12, generator=gen)
+    base = torch.nn.functional.normalize(torch.randn(12, 2, generator=gen), dim=0)
+    v = base.clone().to(device).t()  # [2, 12], strides (1, 2)
+    out = w.clone().to(device)
+    sinkgd_step([out], [g.to(device)], lr=0.5, spectral_vecs=[v], sinkhorn_iters=1, spectral_norm=True)
+    ref_w, ref_v = ref_sinkgd(w, g, 0.5, iters=1, spectral=True, v=base.t())
+    _assert_update_close(out, ref_w, w, torch.float32)
+    torch.testing.assert_close(v.cpu().double(), ref_v, rtol=1e-4, atol=1e-5)
+
+
+def test_spectral_vector_on_another_device_raises():
+    w = torch.randn(4, 4)
+    v = torch.ones(1, 4, device="meta")
+    with pytest.raises(RuntimeError, match=r"spectral_vecs\[0\]: device meta differs from its parameter's cpu"):
+        sinkgd_step([w], [torch.randn_like(w)], lr=0.1, spectral_vecs=[v], spectral_norm=True)

@@ -54,7 +54,10 @@ PR_OFF = tl.constexpr(6)
 PC_OFF = tl.constexpr(7)
 COEF_OFF = tl.constexpr(8)
 N_PC = tl.constexpr(9)  # column partials per batch entry (row blocks of the pass that wrote them)
-META_COLS = tl.constexpr(10)
+V_PTR = tl.constexpr(10)  # the spectral warm-start vectors [B, n] (fp32; 0 without the spectral step)
+U_OFF = tl.constexpr(11)  # |u|^2 partials of the power pass: N_PC per batch entry
+WQ_OFF = tl.constexpr(12)  # |w|^2 partials: one per SCALE_BLOCK columns and batch entry
+META_COLS = tl.constexpr(13)
 
 MAX_FUSED_N = 16384  # widest row a _sinkgd_rows_kernel program holds in registers
 ROW_TILE = (8, 1024, 4)  # two-pass path, row sums: BM, BN, warps
@@ -293,6 +296,174 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
 
 
 @triton.jit
+def _sinkgd_power_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, p_upart,
+                              BLOCK_N: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr,
+                              EVEN_N: tl.constexpr):
+    """One power-iteration pass over BM whole rows of X = diag(r) G diag(c) (X never formed):
+    u_i = r_i sum_j G_ij (c_j v_j) from the row it holds, then the row's column terms
+    G_ij (r_i u_i) into a per-program column accumulator (one partial per (program, column),
+    the row pass's layout: PC_OFF, N_PC) and sum_i u_i^2 of its rows into one |u|^2 partial
+    (U_OFF). Same tiles and software pipelining as _sinkgd_rows_kernel; r and c are final."""
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
+    m = tl.load(row + M)
+    n = tl.load(row + N)
+    p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
+    p_v = tl.load(row + V_PTR).to(tl.pointer_type(tl.float32))
+    n32 = n.to(tl.int32)
+    if ALIGN > 1:  # hints on values defined here: one passed through a helper loses them
+        n = tl.multiple_of(n, ALIGN)
+        n32 = tl.multiple_of(n32, ALIGN)
+        p_g = tl.multiple_of(p_g, 16)
+        p_v = tl.multiple_of(p_v, 16)
+    tiles_m = tl.cdiv(m, BM)
+    b = local // tiles_m
+    t_m = local % tiles_m
+    r0 = t_m * BM
+    p_g += (b * m + r0) * n
+    p_rb = p_r + tl.load(row + R_OFF) + b * m + r0
+    p_cb = p_c + tl.load(row + C_OFF) + b * n
+    p_vb = p_v + b * n
+    p_pc = p_part + tl.load(row + PC_OFF) + (b * tiles_m + t_m) * n
+    if ALIGN > 1:  # C_OFF and PC_OFF are multiples of 4 floats (the plan pads them)
+        p_cb = tl.multiple_of(p_cb, 16)
+        p_vb = tl.multiple_of(p_vb, 16)
+        p_pc = tl.multiple_of(p_pc, 16)
+    n_rows = tl.minimum(m - r0, BM).to(tl.int32)
+    o_r = tl.arange(0, RB)[:, None]
+    o_n = tl.arange(0, BLOCK_N)[None, :]
+    m_n = o_n < n
+    t_off = o_r * n32 + o_n  # in-trip offsets: BM * n < 2**31
+    m_ld = m_n
+    if EVEN_N:
+        m_ld = o_r >= 0  # a constant-true [RB, 1] mask: no per-element column test
+    cv = tl.load(p_cb + o_n, mask=m_ld, other=0.0) * tl.load(p_vb + o_n, mask=m_ld, other=0.0)
+    acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
+    usq = tl.zeros([RB, 1], dtype=tl.float32)
+    g_next = tl.load(p_g + t_off, mask=(o_r < n_rows) & m_ld, other=0.0)
+    for k in range(0, tl.cdiv(n_rows, RB)):
+        rows = k * RB + o_r
+        m_r = rows < n_rows
+        b_g = g_next
+        g_next = tl.load(p_g + (k + 1) * RB * n + t_off, mask=(rows + RB < n_rows) & m_ld, other=0.0)
+        g = b_g.to(tl.float32)
+        d = tl.sum(g * cv, axis=1, keep_dims=True)
+        r = tl.load(p_rb + rows, mask=m_r, other=0.0)
+        u = r * d  # (X v)_i; r_i (r_i d_i) would overflow for a huge r_i, r_i u_i does not
+        usq += u * u
+        acc += g * (r * u)
+    tl.store(p_pc + o_n, tl.sum(acc, axis=0, keep_dims=True), mask=m_n)
+    tl.store(p_upart + tl.load(row + U_OFF) + b * tiles_m + t_m, tl.sum(usq))
+
+
+@triton.jit
+def _sinkgd_power_tiles_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, p_cpart, p_upart,
+                               AXIS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PART_TILE: tl.constexpr,
+                               ALIGN: tl.constexpr):
+    """The power pass of rows wider than MAX_FUSED_N, over [BM, BN] tiles in two launches.
+    AXIS=0: row partials sum_j G_ij (c_j v_j) of PART_TILE-wide tiles (p_part, the two-pass
+    path's row partial layout). AXIS=1: each program sums its rows' partials in a fixed order
+    into u_i = r_i d_i, writes the tile's column terms G_ij (r_i u_i) as column partials
+    (p_cpart: PC_OFF, N_PC) and, for its first column tile, its rows' |u|^2 partial (U_OFF)."""
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
+    m = tl.load(row + M)
+    n = tl.load(row + N)
+    p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
+    n32 = n.to(tl.int32)
+    if ALIGN > 1:  # hints on values defined here: one passed through a helper loses them
+        n = tl.multiple_of(n, ALIGN)
+        n32 = tl.multiple_of(n32, ALIGN)
+        p_g = tl.multiple_of(p_g, 16)
+    b, t_m, t_n = _tile_coords(local, m, n, BM, BN)
+    tiles_m = tl.cdiv(m, BM)
+    o_m = t_m * BM + tl.arange(0, BM)
+    o_n = t_n * BN + tl.arange(0, BN)
+    m_m = o_m < m
+    m_n = o_n < n
+    t_off = tl.arange(0, BM)[:, None] * n32 + tl.arange(0, BN)[None, :]  # 32-bit: BM * n < 2**31
+    b_g = tl.load(p_g + (b * m + t_m * BM) * n + t_n * BN + t_off,
+                  mask=m_m[:, None] & m_n[None, :], other=0.0).to(tl.float32)
+    p_pr = p_part + tl.load(row + PR_OFF)
+    if AXIS == 0:
+        p_v = tl.load(row + V_PTR).to(tl.pointer_type(tl.float32))
+        cv = (tl.load(p_c + tl.load(row + C_OFF) + b * n + o_n, mask=m_n, other=0.0)
+              * tl.load(p_v + b * n + o_n, mask=m_n, other=0.0))
+        s = tl.sum(b_g * cv[None, :], axis=1)
+        tl.store(p_pr + (b * tl.cdiv(n, BN) + t_n) * m + o_m, s, mask=m_m)
+    else:
+        n_pr = tl.cdiv(n, PART_TILE)
+        d = tl.zeros([BM], dtype=tl.float32)
+        for k in range(0, n_pr):
+            d += tl.load(p_pr + (b * n_pr + k) * m + o_m, mask=m_m, other=0.0)
+        r = tl.load(p_r + tl.load(row + R_OFF) + b * m + o_m, mask=m_m, other=0.0)
+        u = r * d
+        col = tl.sum(b_g * (r * u)[:, None], axis=0)
+        tl.store(p_cpart + tl.load(row + PC_OFF) + (b * tiles_m + t_m) * n + o_n, col, mask=m_n)
+        tl.store(p_upart + tl.load(row + U_OFF) + b * tiles_m + t_m, tl.sum(u * u), mask=t_n == 0)
+
+
+@triton.jit
+def _sinkgd_power_cols_kernel(p_meta, p_first, n_mats, p_c, p_part, p_upart, p_wpart, eps,
+                              BLOCK: tl.constexpr, PARTS: tl.constexpr):
+    """w_j = c_j sum(column partials of j) / max(|u|, eps) for BLOCK columns of one batch entry
+    (|u|^2 from the N_PC |u|^2 partials), written into the warm-start vector v, plus the
+    block's sum of w_j^2 (WQ_OFF). Every sum in a fixed order: deterministic."""
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
+    n = tl.load(row + N)
+    n_parts = tl.load(row + N_PC)
+    blocks = tl.cdiv(n, BLOCK)
+    b = local // blocks
+    blk = local % blocks
+    o = blk * BLOCK + tl.arange(0, BLOCK)
+    msk = o < n
+    o_k = tl.arange(0, PARTS)
+    acc2 = tl.zeros([PARTS, BLOCK], dtype=tl.float32)
+    acc_u = tl.zeros([PARTS], dtype=tl.float32)
+    p_p = p_part + tl.load(row + PC_OFF) + b * n_parts * n
+    p_u = p_upart + tl.load(row + U_OFF) + b * n_parts
+    for k in range(0, n_parts, PARTS):
+        ks = k + o_k
+        acc2 += tl.load(p_p + ks[:, None] * n + o[None, :], mask=(ks < n_parts)[:, None] & msk[None, :], other=0.0)
+        acc_u += tl.load(p_u + ks, mask=ks < n_parts, other=0.0)
+    s = tl.sum(acc2, axis=0)
+    u_norm = tl.maximum(tl.sqrt(tl.sum(acc_u)), eps)
+    c = tl.load(p_c + tl.load(row + C_OFF) + b * n + o, mask=msk, other=0.0)
+    w = c * s / u_norm
+    p_v = tl.load(row + V_PTR).to(tl.pointer_type(tl.float32))
+    tl.store(p_v + b * n + o, w, mask=msk)
+    tl.store(p_wpart + tl.load(row + WQ_OFF) + b * blocks + blk, tl.sum(tl.where(msk, w * w, 0.0)))
+
+
+@triton.jit
+def _sinkgd_power_norm_kernel(p_meta, p_first, n_mats, p_wpart, p_spec, eps,
+                              MUON: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr):
+    """sigma = |w| from the |w|^2 partials of one batch entry (fixed order), v <- w / max(sigma,
+    eps) for BLOCK columns, and (the entry's first block) the spectral scale target /
+    max(sigma, eps) into spec[COEF_OFF + b]; target = 1, or sqrt(m / n) with MUON."""
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
+    m = tl.load(row + M)
+    n = tl.load(row + N)
+    blocks = tl.cdiv(n, BLOCK)
+    b = local // blocks
+    blk = local % blocks
+    o = blk * BLOCK + tl.arange(0, BLOCK)
+    msk = o < n
+    o_k = tl.arange(0, PARTS)
+    acc = tl.zeros([PARTS], dtype=tl.float32)
+    p_w = p_wpart + tl.load(row + WQ_OFF) + b * blocks
+    for k in range(0, blocks, PARTS):
+        ks = k + o_k
+        acc += tl.load(p_w + ks, mask=ks < blocks, other=0.0)
+    sigma = tl.maximum(tl.sqrt(tl.sum(acc)), eps)
+    p_v = tl.load(row + V_PTR).to(tl.pointer_type(tl.float32)) + b * n + o
+    tl.store(p_v, tl.load(p_v, mask=msk, other=0.0) / sigma, mask=msk)
+    if MUON:
+        target = tl.sqrt(m.to(tl.float32) / n.to(tl.float32))
+    else:
+        target = 1.0
+    tl.store(p_spec + tl.load(row + COEF_OFF) + b, target / sigma, mask=blk == 0)
+
+
+@triton.jit
 def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_lr, p_fac, n_coef, p_spec, wd, p_seed,
                           STOCHASTIC: tl.constexpr, HAS_SPEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           ALIGN: tl.constexpr):
@@ -370,6 +541,22 @@ def compile_cases():
             yield (f"sinkgd_scale axis={axis} ones={ones}", _sinkgd_scale_kernel, scale,
                    {"AXIS": axis, "PART_TILE": ROW_TILE[1], "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS,
                     "ONES": ones}, 4)
+    for n in (4096, 14336):
+        block_n, rb, bm, w = rows_config(n)
+        yield (f"sinkgd_power_rows n={n}", _sinkgd_power_rows_kernel, dict(sums, p_upart="*fp32"),
+               {"BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8, "EVEN_N": True}, w)
+    tiles = dict(sums, p_cpart="*fp32", p_upart="*fp32")
+    for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):
+        yield (f"sinkgd_power_tiles axis={axis}", _sinkgd_power_tiles_kernel, tiles,
+               {"AXIS": axis, "BM": bm, "BN": bn, "PART_TILE": ROW_TILE[1], "ALIGN": 8}, w)
+    yield ("sinkgd_power_cols", _sinkgd_power_cols_kernel,
+           {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_c": "*fp32", "p_part": "*fp32",
+            "p_upart": "*fp32", "p_wpart": "*fp32", "eps": "fp32"},
+           {"BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS}, 4)
+    for muon in (False, True):
+        yield (f"sinkgd_power_norm muon={muon}", _sinkgd_power_norm_kernel,
+               {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_wpart": "*fp32", "p_spec": "*fp32",
+                "eps": "fp32"}, {"MUON": muon, "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS}, 4)
     upd = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_gdt": "*fp16", "p_wdt": "*bf16",
            "p_r": "*fp32", "p_c": "*fp32", "p_lr": "*fp32", "p_fac": "*fp32", "n_coef": "i32", "p_spec": "*fp32",
            "wd": "fp32", "p_seed": "*fp32"}

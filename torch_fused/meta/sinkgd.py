@@ -52,6 +52,8 @@ def check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm
             check(tuple(v.shape) == (b, p.shape[-1]) and v.dtype == torch.float32,
                   lambda: f"spectral_vecs[{i}]: expected float32 of shape {(b, p.shape[-1])}, got {v.dtype} "
                           f"{tuple(v.shape)}")
+            check(v.device == p.device,
+                  lambda: f"spectral_vecs[{i}]: device {v.device} differs from its parameter's {p.device}")
 
 
 def sinkgd_step_fake(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters,

@@ -62,7 +62,7 @@ class _Plan:
     kernels' ALIGN (kernels/sinkgd.py): 16 bytes of the narrower dtype where n is a multiple of
     it and G and W are 16-byte aligned, else 1."""
 
-    def __init__(self, ps, gs, lr_scale, base_width, width_exponent):
+    def __init__(self, ps, gs, lr_scale, base_width, width_exponent, vecs=()):
         from ..kernels import sinkgd as K
 
         dev = ps[0].device
@@ -71,17 +71,20 @@ class _Plan:
         ubm, ubn, _ = K.UPD_TILE
         sb = K.SCALE_BLOCK
         rows, shapes, buckets, wide, upd = [], [], {}, [], {}
-        r_off = c_off = pr_off = pc_off = coef_off = 0
+        r_off = c_off = pr_off = pc_off = coef_off = u_off = wq_off = 0
         factors_b, factors_m, self.spans = [], [], []
         self.graphs: dict = {}  # CUDA graphs of this plan's launches, per scalars (_triton_group)
         self.graph_seen: dict = {}
         vec = 16 // min(ps[0].element_size(), gs[0].element_size())
+        v_ptrs = [v.data_ptr() for v in vecs] if vecs else [0] * len(ps)
         # the one-read row pass's launches: one per (row tile, alignment); each launch's rows per
         # program (BM) shrink until it has programs for every SM (K.rows_bm)
         key_of, bucket_rows, bucket_m = [], {}, {}
         for p, g in zip(ps, gs):
             b, m, n = _as3d(p).shape
             align = vec if n % vec == 0 and p.data_ptr() % 16 == 0 and g.data_ptr() % 16 == 0 else 1
+            if v_ptrs[len(key_of)] % 16:
+                align = 1  # the power pass loads v with the same vector width
             key = (K.rows_config(n), align) if n <= K.MAX_FUSED_N else None
             if key is not None and n != key[0][0]:
                 key = key + ("uneven",)  # EVEN_N launches: rows exactly BLOCK_N long
@@ -104,7 +107,8 @@ class _Plan:
                 wide.append((i, align))
                 n_pr, n_pc = cdiv(n, rbn), cdiv(m, cbm)
             # row order = kernels/sinkgd.py's meta columns
-            rows.append([g.data_ptr(), p.data_ptr(), m, n, r_off, c_off, pr_off, pc_off, coef_off, n_pc])
+            rows.append([g.data_ptr(), p.data_ptr(), m, n, r_off, c_off, pr_off, pc_off, coef_off, n_pc, v_ptrs[i],
+                         u_off, wq_off])
             shapes.append((b, m, n))
             self.spans.append((r_off, c_off, b, m, n))
             f = _lr_factor(n, lr_scale, base_width, width_exponent)
@@ -115,6 +119,8 @@ class _Plan:
             pr_off += b * n_pr * m
             pc_off += cdiv(b * n_pc * n, 4) * 4
             coef_off += b
+            u_off += b * n_pc
+            wq_off += b * cdiv(n, sb)
         packed: list[int] = []
 
         def launch(idx, programs):
@@ -136,10 +142,11 @@ class _Plan:
                              (launch(idx, lambda b, m, n: b * cdiv(m, rbm) * cdiv(n, rbn)),
                               launch(idx, lambda b, m, n: b * cdiv(m, sb)),
                               launch(idx, lambda b, m, n: b * cdiv(m, cbm) * cdiv(n, cbn))))
+            # power pass AXIS=0 uses the row sums' launch, AXIS=1 the column sums'
         specs["cscale"] = launch(range(len(ps)), lambda b, m, n: b * cdiv(n, sb))
         specs["update"] = [(align, launch(idx, lambda b, m, n: b * cdiv(m, ubm) * cdiv(n, ubn)))
                            for align, idx in upd.items()]
-        table = torch.tensor(packed, dtype=torch.int64).to(dev)
+        table = _device_tensor(packed, torch.int64, dev)
         cols = int(K.META_COLS)
 
         def views(spec):
@@ -151,15 +158,64 @@ class _Plan:
         self.wide = (specs["wide"][0], tuple(views(sp) for sp in specs["wide"][1])) if wide else None
         self.cscale = views(specs["cscale"])
         self.update = [(align, views(sp)) for align, sp in specs["update"]]
-        self.lens = (r_off, c_off, pr_off, pc_off)
+        self.lens = (r_off, c_off, pr_off, pc_off, u_off, wq_off)
         self.n_coef = coef_off
         # lr factors: one per batch entry (coef_x), then one per matrix (coef_w)
-        self.fac = torch.tensor(factors_b + factors_m, dtype=torch.float32).to(dev)
+        self.fac = _device_tensor(factors_b + factors_m, torch.float32, dev)
 
 
-def _plan_key(ps, gs, lr_scale, base_width, width_exponent) -> tuple:
-    return (lr_scale, base_width, width_exponent,
+def _tile_settings() -> tuple:
+    """The kernels' tile constants a plan is built from (kernels/sinkgd.py): part of every plan
+    key, so that code changing them (a sweep, the interpreter run) never meets a stale plan."""
+    from ..kernels import sinkgd as K
+
+    return (K.MAX_FUSED_N, K.ROW_TILE, K.COL_TILE, K.UPD_TILE, K.SCALE_BLOCK, K.ROWS_ELEMS, K.ROWS_MAX_WARPS,
+            K.ROWS_BM, K.ROWS_MIN_PROGRAMS, K.ROWS_MAX_PARTIALS, K.ROWS_RB)
+
+
+def _plan_key(ps, gs, lr_scale, base_width, width_exponent, vecs=()) -> tuple:
+    return (lr_scale, base_width, width_exponent, _tile_settings(), tuple(v.data_ptr() for v in vecs),
             tuple((p.data_ptr(), g.data_ptr(), p.shape, p.dtype, g.dtype, p.device) for p, g in zip(ps, gs)))
+
+
+# Host tables copied into a CUDA graph under capture. The copy is captured as a memcpy node that
+# reads this host memory at every replay, so it stays allocated (and unchanged) for the process:
+# one entry per distinct table, made only while capturing (once per captured graph).
+_CAPTURED_HOST: dict = {}
+_SIDE_STREAMS: dict = {}
+
+
+def _device_tensor(values, dtype, dev, persistent=True) -> torch.Tensor:
+    """A device tensor of host values (a plan's work table or lr factors).
+
+    - Under CUDA-graph capture (torch.compile's mode="reduce-overhead", or the optimizer's own
+      graph): copied without a host sync from pinned memory kept in _CAPTURED_HOST; the device
+      tensor belongs to the call (the capture's pool) and is never cached.
+    - persistent (a plan a cache keeps), on CUDA: allocated and filled on a side stream, so it
+      never lands in a CUDA-graph memory pool that routes the current stream's allocations
+      (torch.compile's graph warm-up runs in one; a kept tensor there breaks its checks), then
+      marked as used by the current stream.
+    - otherwise an ordinary copy."""
+    host = torch.tensor(values, dtype=dtype)
+    if dev.type != "cuda":
+        return host.to(dev)
+    if torch.cuda.is_current_stream_capturing():
+        key = (dtype, tuple(values))
+        pinned = _CAPTURED_HOST.get(key)
+        if pinned is None:
+            pinned = _CAPTURED_HOST[key] = host.pin_memory()
+        out = torch.empty(len(values), dtype=dtype, device=dev)
+        out.copy_(pinned, non_blocking=True)
+        return out
+    if not persistent:
+        return host.to(dev)
+    side = _SIDE_STREAMS.get(dev)
+    if side is None:
+        side = _SIDE_STREAMS[dev] = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        out = host.to(dev)  # a synchronous copy: done when it returns
+    out.record_stream(torch.cuda.current_stream(dev))
+    return out
 
 
 class SinkGDCache:
@@ -167,18 +223,22 @@ class SinkGDCache:
     seen (the ``max_plans`` most recently used) and, with ``cuda_graphs``, each plan's CUDA
     graphs (see _triton_group). ``torch_fused.optim.SinkGD`` owns one; ``sinkgd_step_eager``
     and ``torch_fused.optim.sinkgd_step`` take one as ``cache``. Dropping the cache (or
-    ``clear()``) frees the graphs and the memory they hold."""
+    ``clear()``) frees the graphs and the memory they hold. A plan built while a CUDA graph is
+    being captured is used for that call only, never kept (its tensors live in the capture's
+    memory pool)."""
 
     def __init__(self, max_plans: int = 16, cuda_graphs: bool = True):
         self.plans: collections.OrderedDict = collections.OrderedDict()
         self.max_plans = max_plans
         self.cuda_graphs = cuda_graphs
 
-    def plan(self, ps, gs, lr_scale, base_width, width_exponent) -> _Plan:
-        key = _plan_key(ps, gs, lr_scale, base_width, width_exponent)
+    def plan(self, ps, gs, lr_scale, base_width, width_exponent, vecs=()) -> _Plan:
+        key = _plan_key(ps, gs, lr_scale, base_width, width_exponent, vecs)
         plan = self.plans.get(key)
         if plan is None:
-            plan = self.plans[key] = _Plan(ps, gs, lr_scale, base_width, width_exponent)
+            if ps[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return _Plan(ps, gs, lr_scale, base_width, width_exponent, vecs)
+            plan = self.plans[key] = _Plan(ps, gs, lr_scale, base_width, width_exponent, vecs)
             if len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
         else:
@@ -186,17 +246,26 @@ class SinkGDCache:
         return plan
 
     def graph_held_bytes(self) -> int:
-        """Device memory the cached CUDA graphs hold between steps: each graph's r, c and partial
-        buffers (fp32), allocated in its private pool at capture and reused by every replay."""
+        """Device memory the cached CUDA graphs hold between steps: each graph's r, c, partial
+        and spectral buffers (fp32), allocated in its private pool at capture and reused by
+        every replay."""
         total = 0
         for plan in self.plans.values():
-            r_len, c_len, pr_len, pc_len = plan.lens
-            total += 4 * (r_len + c_len + max(pr_len, 1) + pc_len) * len(plan.graphs)
+            r_len, c_len, pr_len, pc_len, u_len, wq_len = plan.lens
+            per = r_len + c_len + max(pr_len, 1) + pc_len
+            spec = max(u_len, 1) + max(wq_len, 1) + plan.n_coef
+            total += 4 * sum(per + (spec if key[-1] else 0) for key in plan.graphs)
         return total
 
     def clear(self) -> None:
         self.plans.clear()
 
+
+# The op's own plans (calls without a SinkGDCache: torch.compile'd steps, the keyword function
+# without ``cache``), reused while the same tensors come back; never CUDA graphs of its own (a
+# compiled step may run inside torch.compile's). Plans hold only addresses, shapes and lr
+# factors: a plan found under a key is valid for any tensors with that key.
+_OP_CACHE = SinkGDCache(max_plans=16, cuda_graphs=False)
 
 # Replay a step's launches from a CUDA graph once the same plan and scalars come back
 # (GRAPH_AFTER calls): the step's device work is unchanged, its host work drops from ~17 Triton
@@ -211,31 +280,34 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
                   spectral_iters, base_width, width_exponent, stochastic, seed, cache=None):
     """One SinkGD step for matrices sharing a (param dtype, grad dtype) pair: per iteration one
     row pass per row-width bucket and one column scale launch (plus three launches for rows
-    wider than MAX_FUSED_N), then the update, whatever the number of matrices.
+    wider than MAX_FUSED_N), then, with the spectral step, three launches (plus one for wide
+    rows) per power iteration, then the update, whatever the number of matrices.
 
-    The plan comes from ``cache`` (a SinkGDCache), or is built for this call alone. With a cache
-    whose ``cuda_graphs`` is set (the eager optimizer step; never the op, which may run inside
-    torch.compile's own CUDA graphs), on CUDA, without the spectral scale (PyTorch ops in
-    between) and outside another capture, the launches of a (plan, scalars, lr and seed tensors)
-    seen GRAPH_AFTER times are captured into a CUDA graph kept on the plan, and later steps
-    replay it. The graph reads the tensors at the addresses the plan was built for, exactly like
-    the plan's work tables, and lr and the seed at theirs (their values are read on the device at
-    replay, so a changed lr takes effect); r, c and the partials live in the graph's memory pool
-    for as long as the plan is cached (the step's extra memory, held instead of re-allocated)."""
+    The plan comes from ``cache`` (a SinkGDCache), else from the op's own _OP_CACHE. With a
+    cache whose ``cuda_graphs`` is set (the eager optimizer step; never the op, which may run
+    inside torch.compile's own CUDA graphs), on CUDA and outside another capture, the launches
+    of a (plan, scalars, lr and seed tensors) seen GRAPH_AFTER times are captured into a CUDA
+    graph kept on the plan, and later steps replay it. The graph reads the tensors at the
+    addresses the plan was built for (the spectral vectors too: they are part of the plan's
+    key), exactly like the plan's work tables, and lr and the seed at theirs (their values are
+    read on the device at replay, so a changed lr takes effect); r, c and the partials live in
+    the graph's memory pool for as long as the plan is cached (the step's extra memory, held
+    instead of re-allocated)."""
     gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
-    if cache is None:
-        plan = _Plan(ps, gs, lr_scale, base_width, width_exponent)
-    else:
-        plan = cache.plan(ps, gs, lr_scale, base_width, width_exponent)
-    args = (ps, gs, vecs, lr, weight_decay, eps, iters, spectral_norm, spectral_target, spectral_iters,
+    held = [v if v.is_contiguous() else v.contiguous() for v in vecs]
+    plan = (cache if cache is not None else _OP_CACHE).plan(ps, gs, lr_scale, base_width, width_exponent, held)
+    args = (ps, gs, held, lr, weight_decay, eps, iters, spectral_norm, spectral_target, spectral_iters,
             stochastic, seed)
     dev = ps[0].device
-    if not (cache is not None and cache.cuda_graphs and GRAPHS and dev.type == "cuda" and not spectral_norm
-            and not torch.cuda.is_current_stream_capturing()):
+    if not (cache is not None and cache.cuda_graphs and GRAPHS and dev.type == "cuda"
+            and all(h is v for h, v in zip(held, vecs)) and not torch.cuda.is_current_stream_capturing()):
         _launch_group(plan, *args)
+        for h, v in zip(held, vecs):
+            if h is not v:  # a non-contiguous vector was updated in a contiguous copy
+                v.copy_(h)
         return
     key = (iters, stochastic, float(weight_decay), float(eps), lr.data_ptr(), lr.dtype, lr.device,
-           seed.data_ptr(), seed.dtype, seed.device)
+           seed.data_ptr(), seed.dtype, seed.device, spectral_target, spectral_iters, spectral_norm)
     graph = plan.graphs.get(key)
     if graph is None:
         if len(plan.graph_seen) >= _MAX_SEEN:  # keys that never repeat (an lr re-made every step)
@@ -255,7 +327,8 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
 
 def _launch_group(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
                   spectral_iters, stochastic, seed):
-    """The launches of one step of a matrix group (see _triton_group)."""
+    """The launches of one step of a matrix group (see _triton_group). Every buffer is made
+    here, per call: under a capture they belong to the graph's pool and nothing keeps them."""
     from ..kernels import sinkgd as K
 
     dev = ps[0].device
@@ -263,7 +336,7 @@ def _launch_group(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_nor
     cbm, cbn, cw = K.COL_TILE
     ubm, ubn, uw = K.UPD_TILE
     sb = K.SCALE_BLOCK
-    r_len, c_len, pr_len, pc_len = plan.lens
+    r_len, c_len, pr_len, pc_len, u_len, wq_len = plan.lens
     r = torch.empty(r_len, dtype=torch.float32, device=dev)
     c = torch.empty(c_len, dtype=torch.float32, device=dev)
     part_r = torch.empty(max(pr_len, 1), dtype=torch.float32, device=dev)
@@ -292,13 +365,28 @@ def _launch_group(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_nor
     lr_d = lr.to(dev, torch.float32)
     spec = plan.fac  # a placeholder pointer unless the spectral scale is on
     if spectral_norm:
-        s_all = []
-        for i, (ro, co, b, m, n) in enumerate(plan.spans):
-            target = _spectral_target(spectral_target, m, n)
-            s_all.append(reference.sinkgd_spectral_scale(
-                _as3d(gs[i]), r[ro:ro + b * m].view(b, m), c[co:co + b * n].view(b, n), vecs[i], spectral_iters,
-                target, eps))
-        spec = torch.cat(s_all)
+        # power iteration on X = diag(r) G diag(c), never formed: per iteration one pass over G
+        # (u = X v and the column partials of X^T u), then w = X^T u / |u| into v, then
+        # v = w / |w| and the scale target / |w| (docs/SINKGD.md)
+        part_u = torch.empty(max(u_len, 1), dtype=torch.float32, device=dev)
+        part_w = torch.empty(max(wq_len, 1), dtype=torch.float32, device=dev)
+        spec = torch.empty(plan.n_coef, dtype=torch.float32, device=dev)
+        t_meta, t_first, n_mats, grid = plan.cscale
+        for _ in range(spectral_iters):
+            for (block_n, rb, bm, warps), align, even, (f_meta, f_first, f_mats, f_grid) in plan.fused:
+                K._sinkgd_power_rows_kernel[(f_grid,)](f_meta, f_first, f_mats, gdt, r, c, part_c, part_u,
+                                                       BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align, EVEN_N=even,
+                                                       num_warps=warps)
+            if plan.wide is not None:
+                align, ((m_s, f_s, n_s, g_s), _, (m_c, f_c, n_c, g_c)) = plan.wide
+                K._sinkgd_power_tiles_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, part_c, part_u, AXIS=0,
+                                                     BM=rbm, BN=rbn, PART_TILE=rbn, ALIGN=align, num_warps=rw)
+                K._sinkgd_power_tiles_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_r, part_c, part_u, AXIS=1,
+                                                     BM=cbm, BN=cbn, PART_TILE=rbn, ALIGN=align, num_warps=cw)
+            K._sinkgd_power_cols_kernel[(grid,)](t_meta, t_first, n_mats, c, part_c, part_u, part_w, eps, BLOCK=sb,
+                                                 PARTS=K.SCALE_PARTS)
+            K._sinkgd_power_norm_kernel[(grid,)](t_meta, t_first, n_mats, part_w, spec, eps,
+                                                 MUON=spectral_target == "muon", BLOCK=sb, PARTS=K.SCALE_PARTS)
     seed_d = seed.to(dev)
     for align, (t_meta, t_first, n_mats, grid) in plan.update:
         K._sinkgd_update_kernel[(grid,)](t_meta, t_first, n_mats, gdt, wdt, r, c, lr_d, plan.fac, plan.n_coef, spec,
