@@ -361,12 +361,15 @@ def fits(stepper, cfg, b, device) -> bool:
     return ok
 
 
-def largest_batch(stepper, cfg, device, start, cap, bisect=True):
-    """(largest micro-batch found, tries): doubling from start, then bisection down to an
-    eighth of the lower end (1 for small batches); capped at cap."""
+def largest_batch(stepper, cfg, device, start, cap, bisect=True, deadline=math.inf):
+    """(largest micro-batch found, tries, cut short): doubling from start, then bisection down to
+    an eighth of the lower end (1 for small batches); capped at cap. Past the deadline
+    (time.perf_counter()) no new try starts: the largest batch that fitted so far is returned."""
     tries = []
     lo, hi, b = 0, None, start
     while b <= cap:
+        if time.perf_counter() > deadline and lo:
+            return lo, tries, True
         ok = fits(stepper, cfg, b, device)
         tries.append((b, ok))
         if not ok:
@@ -374,13 +377,15 @@ def largest_batch(stepper, cfg, device, start, cap, bisect=True):
             break
         lo, b = b, b * 2
     if hi is None or not bisect:
-        return lo, tries
+        return lo, tries, False
     while hi - lo > max(1, lo // 8):
+        if time.perf_counter() > deadline and lo:
+            return lo, tries, True
         mid = (lo + hi) // 2
         ok = fits(stepper, cfg, mid, device)
         tries.append((mid, ok))
         lo, hi = (mid, hi) if ok else (lo, mid)
-    return lo, tries
+    return lo, tries, False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,9 +393,11 @@ def largest_batch(stepper, cfg, device, start, cap, bisect=True):
 
 
 def measure(cfg: Config, device, *, modes=("eager", "compiled"), paths=PATHS, warmup=2, reps=5,
-            max_batch=True, max_batch_cap=256, bisect=True, log=print) -> dict:
+            max_batch=True, max_batch_cap=256, bisect=True, budget_s=math.inf, log=print) -> dict:
     """Run every path in every mode at cfg.batch, then the largest-batch search (eager), and
-    return the results as a dict (what step.json holds under extra["step"])."""
+    return the results as a dict (what step.json holds under extra["step"]). The search of each
+    path stops starting new tries once its share of what is left of budget_s (seconds since the
+    start) is spent, and says so."""
     cfg.check()
     device = torch.device(device)
     for m in modes:
@@ -419,7 +426,11 @@ def measure(cfg: Config, device, *, modes=("eager", "compiled"), paths=PATHS, wa
         f"{cfg.dtype}); micro-batch {cfg.batch} x {cfg.seq} tokens")
     compile_state = {}
     if "compiled" in modes:
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        # one compiled block serves every layer (the parameters are graph inputs); room for more
+        # entries anyway, so a guard failure recompiles instead of falling back to eager
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
         compile_state["block"] = torch.compile(_block_call, fullgraph=True, dynamic=False)
     batch = make_batch(cfg, cfg.batch, device)
     tokens = cfg.batch * cfg.seq
@@ -456,18 +467,19 @@ def measure(cfg: Config, device, *, modes=("eager", "compiled"), paths=PATHS, wa
                 model.zero_grad(set_to_none=True)
                 _free(device)
     if max_batch:
-        for path in run_paths:
+        searched = [p for p in run_paths if f"{p} eager" in res["equal_batch"]]
+        for i, path in enumerate(searched):
             key = f"{path} eager"
-            if key not in res["equal_batch"]:
-                continue
             stepper = None
+            left = budget_s - (time.perf_counter() - t_start)
+            deadline = time.perf_counter() + max(left, 0.0) / (len(searched) - i) * 0.6  # 0.4: timing there
             try:
                 stepper = Stepper(path, "eager", model, cfg, heads[path], compile_state)
                 stepper.step(make_batch(cfg, 1, device))  # the optimizer state, before the search
                 model.zero_grad(set_to_none=True)
                 _free(device)
-                b, tries = largest_batch(stepper, cfg, device, cfg.batch, max_batch_cap, bisect)
-                r = dict(batch=b, tries=tries, capped=b >= max_batch_cap)
+                b, tries, cut = largest_batch(stepper, cfg, device, cfg.batch, max_batch_cap, bisect, deadline)
+                r = dict(batch=b, tries=tries, capped=b >= max_batch_cap, cut_short=cut)
                 while b > 0:
                     try:
                         big = make_batch(cfg, b, device)
@@ -483,6 +495,7 @@ def measure(cfg: Config, device, *, modes=("eager", "compiled"), paths=PATHS, wa
                 big = None
                 res["largest_batch"][key] = r
                 log(f"largest micro-batch {key:22s} {r['batch']:4d}" + (" (cap)" if r["capped"] else "") +
+                    (" (search cut short by the time budget)" if cut else "") +
                     (f"  {r['ms']:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s" if "ms" in r else "") +
                     f"  tries {tries}")
             except Exception as e:  # noqa: BLE001
@@ -556,7 +569,7 @@ def run(report, copy_gbps, quick=False):
     from .common import Row
 
     cfg = Config(**asdict(QUICK if quick else FULL))
-    kw = dict(modes=("eager",), reps=3, bisect=False, max_batch_cap=128) if quick else {}
+    kw = dict(modes=("eager",), reps=3, bisect=False, max_batch_cap=128, budget_s=90) if quick else dict(budget_s=300)
     res = measure(cfg, "cuda", **kw, log=lambda s: print(s, flush=True))
     res["quick"] = quick
     report.extra["step"] = res
@@ -590,7 +603,10 @@ def markdown(report) -> str:
         "",
         f"At micro-batch {cfg['batch']} ({cfg['batch'] * cfg['seq']} tokens); peak = max_memory_allocated over one "
         "step; held = parameters + optimizer state between steps. Compiled: every block and the head + loss "
-        "under torch.compile(fullgraph=True); first step = compilation + first run.",
+        "under torch.compile(fullgraph=True); first step = compilation + first run. tokens/s counts every "
+        f"token of the micro-batch. The trl path scores only the {cfg['seq'] - max(cfg['prompt'] - 1, 0) - 1} "
+        f"completion positions of each sequence's {cfg['seq'] - 1} (as TRL's trainers do on a Triton device), "
+        "the others all of them.",
         "",
         "| path | mode | step ms | tokens/s | peak MiB | held MiB | first step s | note |",
         "|---|---|---:|---:|---:|---:|---:|---|",
@@ -612,6 +628,7 @@ def markdown(report) -> str:
                   "| path | largest micro-batch | step ms | tokens/s |", "|---|---:|---:|---:|"]
         for key, r in res["largest_batch"].items():
             cap = " (the search's cap)" if r.get("capped") else ""
+            cap += " (search cut short by the time budget)" if r.get("cut_short") else ""
             ms = f"{r['ms']:.1f}" if "ms" in r else ""
             tps = f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else ""
             lines.append(f"| {key.split()[0]} | {r['batch']}{cap} | {ms} | {tps} |")
@@ -678,6 +695,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-max-batch", action="store_true", help="skip the largest-micro-batch search")
     ap.add_argument("--max-batch-cap", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                    help="parameter dtype (default: bfloat16; float32 with --tiny)")
     ap.add_argument("--out", default=None, metavar="DIR", help="write step.json/.md/.png there")
     for f in ("layers", "hidden", "heads", "intermediate", "seq", "batch", "vocab"):
         ap.add_argument(f"--{f}", type=int, default=None)
@@ -686,6 +705,8 @@ def main(argv=None) -> None:
     for f in ("layers", "hidden", "heads", "intermediate", "seq", "batch", "vocab"):
         if getattr(args, f) is not None:
             setattr(cfg, f, getattr(args, f))
+    if args.dtype is not None:
+        cfg.dtype = args.dtype
     cfg.prompt = min(cfg.prompt, cfg.seq // 4)
     res = measure(cfg, args.device, modes=tuple(m for m in args.modes.split(",") if m),
                   paths=tuple(p for p in args.paths.split(",") if p), reps=args.reps,
