@@ -475,3 +475,87 @@ def test_compiled_step(group):
 
 def test_unsupported_placements_fail_clearly(group):
     _assert_check(group, "unsupported_placements_fail_clearly")
+
+
+# ---------------------------------------------------------------------------------------------
+# Single process: the random bits, the optimizer's state
+# ---------------------------------------------------------------------------------------------
+NEEDS_TRITON = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+
+@NEEDS_TRITON
+@pytest.mark.parametrize("device", list(TRITON_DEVICES) or ["cuda"])
+def test_philox_matches_triton_randint(device):
+    """philox_noise(sr_seed(step, salt), offsets) is tl.randint(int32(step) * 1000003 + salt,
+    offsets) as the update kernel calls it, including seeds that wrap to negative int32."""
+    import triton
+    import triton.language as tl
+
+    from torch_fused.optim.sharded import philox_noise, sr_seed
+
+    @triton.jit
+    def randint_kernel(p_seed, out, n, salt, B: tl.constexpr):
+        o = tl.program_id(0) * B + tl.arange(0, B)
+        seed = tl.load(p_seed).to(tl.int32) * 1000003 + salt
+        tl.store(out + o, tl.randint(seed, o.to(tl.uint32)), mask=o < n)
+
+    n = 200
+    for step, salt in ((0.0, 0), (1.0, 3), (3001.0, 1), (1e6, 7)):
+        st = torch.tensor(step, device=device)
+        out = torch.empty(n, dtype=torch.int32, device=device)
+        randint_kernel[(triton.cdiv(n, 64),)](st, out, n, salt, B=64)
+        want = out.to(torch.int64) & 0xFFFFFFFF
+        got = philox_noise(sr_seed(st, salt), torch.arange(n, dtype=torch.int64, device=device))
+        assert torch.equal(got, want), f"step {step} salt {salt}: {(got != want).sum().item()} of {n} differ"
+
+
+@NEEDS_TRITON
+@pytest.mark.parametrize("device", list(TRITON_DEVICES) or ["cuda"])
+def test_update_rows_match_kernel(device):
+    """The sharded update on row slices of the whole matrices (what each rank runs) against the
+    update kernel on the whole matrices, bf16 with stochastic rounding and no Sinkhorn
+    iteration (r = c = 1: the same fp32 operations): the same bits. Several matrices of two
+    alignment classes, so the matrix salts are the op's."""
+    from torch_fused.optim import sinkgd_step
+    from torch_fused.optim.sharded import ShardInfo, _Mat, _update, sr_seed, update_salts
+
+    g = torch.Generator().manual_seed(2)
+    shapes = [(9, 16), (6, 5), (11, 24), (5, 8)]
+    ws = [torch.randn(s, generator=g).to(torch.bfloat16).to(device) for s in shapes]
+    gs = [torch.randn(s, generator=g).to(torch.bfloat16).to(device) for s in shapes]
+    ref = [w.clone() for w in ws]
+    lr, wd, step = 3.0, 0.1, torch.tensor(7.0, device=device)
+    sinkgd_step(ref, gs, lr=lr, weight_decay=wd, sinkhorn_iters=0, stochastic_round=True, step=step)
+    salts = update_salts(ws, gs)
+    total = mismatched = 0
+    for k, (w, gr) in enumerate(zip(ws, gs)):
+        m, n = shapes[k]
+        for a, e in ((0, 4), (4, m)):  # two "ranks", the second uneven
+            w_loc = w[a:e].clone()
+            info = ShardInfo("rows", None, 1, m, n, 1, e - a, 0, a)
+            mat = _Mat(w_loc.view(1, e - a, n), gr[a:e].view(1, e - a, n), info, None)
+            eta = torch.tensor(lr, dtype=torch.float32, device=device) * 0.05
+            _update(mat, eta.expand(1), eta * wd, sr_seed(step, salts[k]))
+            diff = (w_loc.view(torch.int16) != ref[k][a:e].view(torch.int16))
+            total += diff.numel()
+            mismatched += int(diff.sum())
+    # the interpreter evaluates the kernel's fp32 operations exactly as PyTorch does; a GPU may
+    # contract them into an fma (a last-bit difference that moves 1 in 2^16 results)
+    allowed = 0 if device == "cpu" else max(2, total // 2000)
+    assert mismatched <= allowed, f"{mismatched} of {total} entries differ"
+
+
+def test_state_dict_keeps_warm_start_float32():
+    """load_state_dict casts floating state to the parameter's dtype; the warm-start vectors of
+    bf16 matrices stay float32."""
+    from torch_fused.optim import SinkGD
+
+    p = torch.nn.Parameter(torch.randn(5, 4).to(torch.bfloat16))
+    p.grad = torch.randn(5, 4).to(torch.bfloat16)
+    opt = SinkGD([p], lr=0.1, spectral_norm=True)
+    opt.step()
+    opt2 = SinkGD([p], lr=0.1, spectral_norm=True)
+    opt2.load_state_dict(opt.state_dict())
+    v = opt2.state[p]["spectral_v"]
+    assert v.dtype == torch.float32 and torch.equal(v, opt.state[p]["spectral_v"])
+    opt2.step()

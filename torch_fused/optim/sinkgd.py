@@ -149,13 +149,17 @@ class SinkGD(Optimizer):
         super().__setstate__(state)
         self.plan_cache = SinkGDCache()  # never pickled or copied: plans hold device addresses
 
-    @staticmethod
-    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
-        # load_state_dict casts floating state to the parameter's dtype; the warm-start vectors
-        # stay float32 (the power iteration's precision)
-        if key == "spectral_v":
-            return value.to(dtype=torch.float32, device=param.device)
-        return Optimizer._process_value_according_to_param_policy(param, value, param_id, param_groups, key)
+    def load_state_dict(self, state_dict):
+        # Optimizer.load_state_dict casts floating state to the parameter's dtype; the
+        # warm-start vectors stay float32 (the power iteration's precision)
+        saved = {k: st["spectral_v"] for k, st in state_dict["state"].items()
+                 if isinstance(st, dict) and "spectral_v" in st}
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            if i in saved:
+                self.state[p]["spectral_v"] = saved[i].to(device=p.device, dtype=torch.float32).clone()
 
     def _fallback_step(self, group, params, lr):
         kw = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
