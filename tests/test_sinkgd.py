@@ -636,3 +636,33 @@ def test_spectral_vector_on_another_device_raises():
     v = torch.ones(1, 4, device="meta")
     with pytest.raises(RuntimeError, match=r"spectral_vecs\[0\]: device meta differs from its parameter's cpu"):
         sinkgd_step([w], [torch.randn_like(w)], lr=0.1, spectral_vecs=[v], spectral_norm=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_op_reuses_its_plans_and_keys_them_by_tile_settings(device, monkeypatch):
+    """Calls of the op without a SinkGDCache (a compiled step) reuse the op's own plans for the
+    same tensors; a changed tile constant (a sweep) gets a new plan, never a stale one."""
+    if device == "cpu" and not INTERPRET:
+        pytest.skip("the CPU path is the reference implementation: no plans")
+    from torch_fused.kernels import sinkgd as K
+    from torch_fused.ops import sinkgd as S
+
+    monkeypatch.setattr(S, "_OP_CACHE", SinkGDCache(cuda_graphs=False))
+    gen = torch.Generator().manual_seed(6)
+    shapes = [(9, 20), (2, 5, 12)]
+    ws = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    gs = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    for _ in range(2):
+        sinkgd_step(ws, gs, lr=0.1, sinkhorn_iters=1)
+        plans = list(S._OP_CACHE.plans.values())
+        assert len(plans) == 1
+        if _ == 0:
+            first = plans[0]
+    assert plans[0] is first
+    monkeypatch.setattr(K, "ROWS_BM", K.ROWS_BM * 2)
+    before = [w.clone() for w in ws]
+    sinkgd_step(ws, gs, lr=0.1, sinkhorn_iters=1)
+    assert len(S._OP_CACHE.plans) == 2
+    for w, w0, g in zip(ws, before, gs):
+        ref, _ = ref_sinkgd(w0.cpu(), g.cpu(), 0.1, iters=1)
+        torch.testing.assert_close(w.cpu().double(), ref, rtol=1e-5, atol=1e-6)
