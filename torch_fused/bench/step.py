@@ -563,14 +563,14 @@ def bars(res, modes) -> dict:
     return out
 
 
-def run(report, copy_gbps, quick=False):
+def run(report, copy_gbps, quick=False, device="cuda"):
     """The suite, as python -m torch_fused.bench step runs it. --quick: 2 layers, S = 2048, eager
     only, the largest batch by doubling only; the full suite: the published configuration."""
     from .common import Row
 
     cfg = Config(**asdict(QUICK if quick else FULL))
     kw = dict(modes=("eager",), reps=3, bisect=False, max_batch_cap=128, budget_s=90) if quick else dict(budget_s=300)
-    res = measure(cfg, "cuda", **kw, log=lambda s: print(s, flush=True))
+    res = measure(cfg, device, **kw, log=lambda s: print(s, flush=True))
     res["quick"] = quick
     report.extra["step"] = res
     shape = f"{cfg.layers}L H{cfg.hidden} V{cfg.vocab} S{cfg.seq}"
