@@ -282,12 +282,13 @@ def _row_pass(mat: _Mat, eps: float) -> torch.Tensor:
     target = math.sqrt(info.n)
     part = torch.zeros(info.b_loc, info.n, dtype=torch.float32, device=mat.w.device)
     for a, e in mat.chunks():
-        y = mat.g[:, a:e].float() * mat.c[:, None, :]
+        q = (mat.g[:, a:e].float() * mat.c[:, None, :]).square_()  # (G_ij c_j)^2: one fp32 temporary
         r_old = mat.r[:, a:e]
-        norm = r_old * y.square().sum(2).sqrt()
+        norm = r_old * q.sum(2).sqrt()
         r_new = (r_old * target / norm.clamp_min(eps)).clamp_max(1e30)
         mat.r[:, a:e] = r_new
-        part += (y * r_new[:, :, None]).square().sum(1)
+        # a zero row's r_new = 1e30 meets q = 0: r_new^2 kept finite (as the kernels do)
+        part += torch.einsum("bmn,bm->bn", q, r_new.clamp_max(1.8e19).square())
     return part
 
 
