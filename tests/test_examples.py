@@ -6,8 +6,8 @@ example: a finite loss at every step); these tests call each script's main() wit
 assert on what it returns, and show that its check raises on a wrong result. One test runs a
 script as a program (python examples/x.py), another the 2-rank example under torchrun.
 
-Ops on tiny tensors run one thread here: with two threads on a busy two-core machine, OpenMP's
-waiting makes them ten times slower. Under TRITON_INTERPRET=1 only the fused-head example runs
+Ops on tiny tensors run one thread here: with more threads than free cores, OpenMP's waiting
+makes them up to ten times slower (seen on a two-core CI machine under load). Under TRITON_INTERPRET=1 only the fused-head example runs
 (through the interpreted kernels), in process; the rest is covered by the plain run.
 """
 
