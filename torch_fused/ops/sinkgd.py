@@ -178,35 +178,65 @@ def _plan_key(ps, gs, lr_scale, base_width, width_exponent, vecs=()) -> tuple:
             tuple((p.data_ptr(), g.data_ptr(), p.shape, p.dtype, g.dtype, p.device) for p, g in zip(ps, gs)))
 
 
-# Host tables copied into a CUDA graph under capture. The copy is captured as a memcpy node that
-# reads this host memory at every replay, so it stays allocated (and unchanged) for the process:
-# one entry per distinct table, made only while capturing (once per captured graph).
-_CAPTURED_HOST: dict = {}
+class _HostStaging:
+    """Pinned host memory for the work tables of plans built while a CUDA graph is captured.
+    The capture records each table's copy as a memcpy node that reads this memory again at
+    every replay, so a table's slice is written once and never reused or freed (the arenas live
+    as long as the process; a table captured again reuses its slice). Arenas are allocated
+    outside captures (``reserve``, called whenever a plan is built outside one), since
+    allocating pinned memory inside a capture is not reliably supported."""
+
+    ARENA_BYTES = 1 << 20
+
+    def __init__(self):
+        self.arenas: list[torch.Tensor] = []  # uint8, pinned
+        self.used = 0  # bytes used of the last arena
+        self.slices: dict = {}
+
+    def reserve(self) -> None:
+        if not self.arenas or self.used > self.ARENA_BYTES // 2:
+            self.arenas.append(torch.empty(self.ARENA_BYTES, dtype=torch.uint8, pin_memory=True))
+            self.used = 0
+
+    def table(self, host: torch.Tensor) -> torch.Tensor:
+        key = (host.dtype, tuple(host.tolist()))
+        out = self.slices.get(key)
+        if out is None:
+            nbytes = host.numel() * host.element_size()
+            start = -(-self.used // 16) * 16
+            if not self.arenas or start + nbytes > self.arenas[-1].numel():
+                self.arenas.append(torch.empty(max(self.ARENA_BYTES, nbytes), dtype=torch.uint8, pin_memory=True))
+                start = 0
+            out = self.arenas[-1][start:start + nbytes].view(host.dtype)
+            out.copy_(host)
+            self.used = start + nbytes
+            self.slices[key] = out
+        return out
+
+
+_STAGING = _HostStaging()
 _SIDE_STREAMS: dict = {}
 
 
 def _device_tensor(values, dtype, dev, persistent=True) -> torch.Tensor:
     """A device tensor of host values (a plan's work table or lr factors).
 
-    - Under CUDA-graph capture (torch.compile's mode="reduce-overhead", or the optimizer's own
-      graph): copied without a host sync from pinned memory kept in _CAPTURED_HOST; the device
-      tensor belongs to the call (the capture's pool) and is never cached.
+    - Under CUDA-graph capture (torch.compile's mode="reduce-overhead", or a user's capture):
+      copied without a host sync from pinned memory that stays allocated (_HostStaging); the
+      device tensor belongs to the call (the capture's pool) and is never cached.
     - persistent (a plan a cache keeps), on CUDA: allocated and filled on a side stream, so it
       never lands in a CUDA-graph memory pool that routes the current stream's allocations
-      (torch.compile's graph warm-up runs in one; a kept tensor there breaks its checks), then
-      marked as used by the current stream.
+      (torch.compile's graph warm-up runs in one, and a tensor kept from there breaks its
+      checks), then marked as used by the current stream.
     - otherwise an ordinary copy."""
     host = torch.tensor(values, dtype=dtype)
     if dev.type != "cuda":
         return host.to(dev)
     if torch.cuda.is_current_stream_capturing():
-        key = (dtype, tuple(values))
-        pinned = _CAPTURED_HOST.get(key)
-        if pinned is None:
-            pinned = _CAPTURED_HOST[key] = host.pin_memory()
         out = torch.empty(len(values), dtype=dtype, device=dev)
-        out.copy_(pinned, non_blocking=True)
+        out.copy_(_STAGING.table(host), non_blocking=True)
         return out
+    _STAGING.reserve()
     if not persistent:
         return host.to(dev)
     side = _SIDE_STREAMS.get(dev)
@@ -231,17 +261,23 @@ class SinkGDCache:
         self.plans: collections.OrderedDict = collections.OrderedDict()
         self.max_plans = max_plans
         self.cuda_graphs = cuda_graphs
+        # plans a capture found here: a graph made elsewhere (torch.compile's) reads their
+        # tables at every replay, so they are never evicted (clear() drops them)
+        self.captured: dict = {}
 
     def plan(self, ps, gs, lr_scale, base_width, width_exponent, vecs=()) -> _Plan:
         key = _plan_key(ps, gs, lr_scale, base_width, width_exponent, vecs)
-        plan = self.plans.get(key)
+        capturing = ps[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        plan = self.plans.get(key) or self.captured.get(key)
         if plan is None:
-            if ps[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if capturing:  # its tables belong to the capture's memory pool: used once, not kept
                 return _Plan(ps, gs, lr_scale, base_width, width_exponent, vecs)
             plan = self.plans[key] = _Plan(ps, gs, lr_scale, base_width, width_exponent, vecs)
             if len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
-        else:
+        elif capturing:
+            self.captured[key] = plan
+        elif key in self.plans:
             self.plans.move_to_end(key)
         return plan
 
@@ -259,6 +295,7 @@ class SinkGDCache:
 
     def clear(self) -> None:
         self.plans.clear()
+        self.captured.clear()
 
 
 # The op's own plans (calls without a SinkGDCache: torch.compile'd steps, the keyword function
