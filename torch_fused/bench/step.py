@@ -208,7 +208,7 @@ def head_torch_fused(model, x, ids, adv, mask, clip_eps, entropy_coef):
 
 
 def trl_head():
-    """(the head function, TRL's version) or ImportError with the reason. The backward of
+    """(the head function, TRL's version, its chunk size), or the import's error. The backward of
     TRL's ChunkedLogProbFunction imports trl.trainer.utils (which needs datasets, accelerate,
     pandas): imported here so a missing dependency shows before any timing."""
     import trl
