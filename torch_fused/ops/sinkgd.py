@@ -6,9 +6,11 @@ returns nothing; it has no autograd formula. CPU: the plain-PyTorch reference; C
 kernels that carry only row/column scale vectors (kernels/sinkgd.py).
 
 The Triton path works from a plan (``_Plan``: work tables and lr factors) per matrix group. A
-call of the op builds its plans; a ``SinkGDCache`` passed to ``sinkgd_step_eager`` keeps them
-(and, on CUDA, graphs of repeated steps) between calls. ``torch_fused.optim.SinkGD`` owns one
-cache per optimizer; nothing is cached at module level.
+``SinkGDCache`` passed to ``sinkgd_step_eager`` keeps them (and, on CUDA, graphs of repeated
+steps) between calls; ``torch_fused.optim.SinkGD`` owns one cache per optimizer. Calls without
+one (the op itself, as a compiled step calls it) reuse plans from the module's ``_OP_CACHE``,
+which keeps plans only (no graphs, no step buffers). No plan built during a CUDA-graph capture
+is kept (see ``_device_tensor``).
 """
 
 from __future__ import annotations
@@ -496,7 +498,8 @@ def sinkgd_step_eager(params, grads, spectral_vecs, lr, lr_scale, weight_decay, 
     host work that grows with the number of parameters and showed as the largest self time in
     profiles of many-matrix optimizer steps; the kernels are the same either way. ``cache`` (a
     SinkGDCache) keeps the plans, and on CUDA the step's graphs, for the next call; without
-    one, each call builds its plans. Under torch.compile the optimizer calls the op."""
+    one, plans come from the op's own cache (plans only). Under torch.compile the optimizer
+    calls the op."""
     use_triton = bool(params) and params[0].device.type in TRITON_DEVICES
     _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
           spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, use_triton,
