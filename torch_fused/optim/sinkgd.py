@@ -121,6 +121,13 @@ class SinkGD(Optimizer):
 
     The optimizer owns a ``SinkGDCache`` (``plan_cache``): the kernels' work plans for its
     parameters and, on CUDA, graphs of repeated eager steps. A compiled step calls the op.
+
+    DTensor parameters (``fully_shard`` / FSDP2: ``Shard(0)`` rows, uneven splits included; a
+    ``Shard(0)`` batch of matrices; ``Replicate()``; on a 1-D mesh) get the step of the whole
+    matrices from their local shards (optim/sharded.py), with one all-reduce of O(columns)
+    floats per Sinkhorn iteration and per power iteration; other placements raise ValueError.
+    Under ``torch.compile`` their steps run eagerly (graph breaks). See docs/SINKGD.md,
+    "Sharded parameters".
     """
 
     def __init__(self, params, lr=1e-3, *, sinkhorn_iters=5, lr_scale=0.05, weight_decay=0.0, eps=1e-8,
