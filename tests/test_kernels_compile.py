@@ -22,9 +22,9 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def _cases():
-    from torch_fused.kernels import logprobs, mask_reduce, sinkgd
+    from torch_fused.kernels import lm_head, logprobs, mask_reduce, sinkgd
 
-    for module in (logprobs, mask_reduce, sinkgd):
+    for module in (lm_head, logprobs, mask_reduce, sinkgd):
         yield from module.compile_cases()
 
 

@@ -12,7 +12,10 @@ import torch
 from hypothesis import given, strategies as st
 
 import torch_fused
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from torch_fused._library import INTERPRET
+from torch_fused.kernels import lm_head as KL
 from torch_fused.ops import linear_logprobs as LL
 from _helpers import DEVICES, SMALL, assert_logprob_close, ref_linear
 
@@ -23,12 +26,16 @@ GRAD_REL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 4e-6, torc
 
 @pytest.fixture(autouse=True, scope="module")
 def small_chunks():
-    """Chunk buffers of a few rows / columns, so small shapes take several ragged chunks (token
-    chunks of 1000 // V rows forward, vocabulary chunks of ~1000 // N columns backward)."""
+    """Chunk buffers of a few columns, so small shapes take several ragged chunks (vocabulary
+    chunks of ~1000 // N columns); GEMM tiles of 16 (ragged V, and H = 24 takes a masked K
+    step), and forward launches of 16 rows (PART_BYTES), on the fused-GEMM path."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(LL.CHUNK_BYTES, "cpu", 4 * 1000)
         mp.setitem(LL.CHUNK_BYTES, "cuda", 4 * 1000)
         mp.setattr(LL, "MIN_COLS", {})
+        mp.setattr(LL, "PART_BYTES", 4000)
+        mp.setattr(KL, "CONFIG", {"stats": (16, 16, 16, 2, 1, 2), "dlogits": (16, 16, 16, 2, 1, 2),
+                                  "stats_tma": (16, 16, 16, 2, 1, 2), "dlogits_tma": (16, 16, 16, 2, 1, 2)})
         yield
 
 
@@ -54,9 +61,18 @@ def cases(draw):
     )
 
 
+@pytest.fixture(params=["fused-gemm", "cublas-chunks"], scope="module")
+def gemm_path(request):
+    """Both ways of making the logits on the Triton path: inside the kernels (kernels/lm_head.py)
+    and as fp32 GEMM chunks (ops/linear_logprobs.py, FUSED_GEMM)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LL, "FUSED_GEMM", {"forward", "backward"} if request.param == "fused-gemm" else set())
+        yield request.param
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @given(c=cases())
-def test_matches_materialized_float64(device, c):
+def test_matches_materialized_float64(device, gemm_path, c):
     gen = torch.Generator().manual_seed(c["seed"])
     dtype, v, hdim = c["dtype"], c["v"], c["h"]
     lead = (c["b"], c["l"] + c["shift"])
@@ -129,6 +145,44 @@ def test_one_chunk_equals_many(device, monkeypatch):
         outs.append((lp, ent) + torch.autograd.grad(lp.sum() + ent.sum(), (h, w)))
     for a, b in zip(*outs):  # fp32 sums in another order: d hidden adds the chunks' GEMMs
         assert (a - b).norm().item() <= 2e-6 * b.norm().item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("frozen", ["weight", "hidden"])
+def test_frozen_input_skips_its_gradient(device, frozen, gemm_path):
+    """A frozen head (LoRA) or a detached input: the gradient autograd does not ask for is not
+    computed (the backward op returns an empty tensor in its place), and the other one equals
+    the gradient of the full backward."""
+    gen = torch.Generator().manual_seed(6)
+    dtype = torch.bfloat16 if device == "cuda" or INTERPRET else torch.float32
+    h = torch.randn(2, 6, 16, generator=gen).to(device, dtype)
+    w = torch.randn(300, 16, generator=gen).to(device, dtype)
+    idx = torch.randint(0, 300, (2, 5), generator=gen).to(device)
+    hf, wf = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp, ent = torch_fused.linear_logprobs_and_entropy(hf, wf, idx, shift=True)
+    full = dict(zip(("hidden", "weight"), torch.autograd.grad(lp.sum() + 0.5 * ent.sum(), (hf, wf))))
+    hp, wp = h.clone().requires_grad_(frozen != "hidden"), w.clone().requires_grad_(frozen != "weight")
+    lp, ent = torch_fused.linear_logprobs_and_entropy(hp, wp, idx, shift=True)
+    live = "hidden" if frozen == "weight" else "weight"
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.fused._linear_logprobs_entropy_backward.default:
+                seen.append([t.numel() for t in out[:2]])
+            return out
+
+    with Record():
+        (g,) = torch.autograd.grad(lp.sum() + 0.5 * ent.sum(), hp if live == "hidden" else wp)
+    assert torch.equal(g, full[live])
+    assert len(seen) == 1 and seen[0][0 if frozen == "hidden" else 1] == 0, seen  # its GEMMs were skipped
+    stats = torch.ops.fused._linear_logprobs_entropy_forward(h, w, idx, None, 1.0, -100, True, 1.0, None)[2]
+    outs = torch.ops.fused._linear_logprobs_entropy_backward(
+        torch.ones(2, 5, device=device), None, h, w, idx, None, stats, stats[..., 0], 1.0, -100, True, 1.0, None,
+        frozen != "hidden", frozen != "weight")
+    assert outs[0 if frozen == "hidden" else 1].numel() == 0
+    assert outs[1 if frozen == "hidden" else 0].abs().sum() > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

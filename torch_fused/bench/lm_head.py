@@ -4,8 +4,13 @@ Floor: forward, one GEMM (hidden @ weight.T); forward+backward, the three GEMMs 
 materialized head (logits, d hidden = d logits @ weight, d weight = d logits.T @ hidden),
 bf16 with fp32 accumulation, timed alone. Peak extra memory: above the inputs, not counting the
 returned gradients. Baseline in the same run: the materialized logits with the fused log-prob
-op (shift-free rows). ``python -m torch_fused.bench.lm_head --cpu-memory`` measures the peak RSS
-growth of a CPU forward+backward in a fresh process instead.
+op (shift-free rows), and where installed the peers: TRL's ``trl.kernels.ChunkedLogProbFunction``
+(with entropy, its trainer's chunk of 32768) and cut-cross-entropy's ``linear_cross_entropy``
+(per-token loss, no entropy; exact gradients with ``filter_eps=None``, and its default filtered
+ones). A frozen head (d hidden only) is timed against its two GEMMs. ``--sweep`` times the
+chunk sizes (ops/linear_logprobs.py: CHUNK_BYTES, DLOGITS_BYTES, the minimum columns).
+``python -m torch_fused.bench.lm_head --cpu-memory`` measures the peak RSS growth of a CPU
+forward+backward in a fresh process instead.
 """
 
 from __future__ import annotations
@@ -14,9 +19,37 @@ import torch
 
 import torch_fused
 
+from ..ops import linear_logprobs as LL
 from .common import Row, bench_ms, peak_extra_mb, warm_up
 
 SHAPES = [(8192, 4096, 151936), (16384, 3584, 151936), (32768, 4096, 32000)]  # (N, H, V)
+
+
+def peers(h, w, idx):
+    """{name: forward+backward callable returning (d hidden, d weight)} of the installed peers."""
+    out = {}
+    try:
+        from trl.kernels import ChunkedLogProbFunction
+
+        def trl_chunked():
+            lp, ent = ChunkedLogProbFunction.apply(h, w, None, idx, 1.0, 32768, None, 1.0, ("entropy",))[:2]
+            return torch.autograd.grad(lp.sum() + ent.sum(), (h, w))
+
+        out["TRL ChunkedLogProbFunction (with entropy)"] = trl_chunked
+    except Exception as e:  # not installed, or another API
+        print(f"TRL ChunkedLogProbFunction not timed: {type(e).__name__}: {e}", flush=True)
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        for name, eps in (("exact", None), ("filtered, approximate", "high")):
+            def cce(eps=eps):
+                loss = linear_cross_entropy(h, w, idx, reduction="none", filter_eps=eps)
+                return torch.autograd.grad(loss.sum(), (h, w))
+
+            out[f"cut-cross-entropy {name} (no entropy)"] = cce
+    except Exception as e:
+        print(f"cut-cross-entropy not timed: {type(e).__name__}: {e}", flush=True)
+    return out
 
 
 def run(report, copy_gbps, quick=False):
@@ -30,9 +63,10 @@ def run(report, copy_gbps, quick=False):
         dl = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
         gemm1 = bench_ms(lambda: hb @ wb.t())
         gemm3 = bench_ms(lambda: (hb @ wb.t(), dl @ wb, dl.t() @ hb))
+        gemm2 = bench_ms(lambda: (hb @ wb.t(), dl @ wb))
         del dl
         torch.cuda.empty_cache()
-        report.extra.setdefault("gemm_ms", {})[shape] = {"fwd": gemm1, "fwd+bwd": gemm3}
+        report.extra.setdefault("gemm_ms", {})[shape] = {"fwd": gemm1, "fwd+bwd": gemm3, "fwd+d hidden": gemm2}
         logits_mib = n * v * 2 / 2**20
         grads_bytes = h.numel() * 2 + w.numel() * 2
 
@@ -48,13 +82,25 @@ def run(report, copy_gbps, quick=False):
             lp, ent = torch_fused.logprobs_and_entropy(logits, idx)
             return torch.autograd.grad(lp.sum() + ent.sum(), (h, w))
 
+        def frozen_fwdbwd():  # a frozen head: d hidden only
+            lp, ent = torch_fused.linear_logprobs_and_entropy(h, wb, idx)
+            return torch.autograd.grad(lp.sum() + ent.sum(), (h,))
+
         warm_up(fused_fwd)
-        for group, impl, fn, floor_ms, grads in [
-                ("lm_head fwd", "torch_fused linear_logprobs_and_entropy", fused_fwd, gemm1, 0),
-                ("lm_head fwd+bwd", "torch_fused linear_logprobs_and_entropy", fused_fwdbwd, gemm3, grads_bytes),
-                ("lm_head fwd+bwd", "materialized logits + torch_fused op", materialized_fwdbwd, gemm3, grads_bytes)]:
-            ms = bench_ms(fn, warmup=5, rep=200)
-            pk = peak_extra_mb(fn, grads)
+        cases = [("lm_head fwd", "torch_fused linear_logprobs_and_entropy", fused_fwd, gemm1, 0),
+                 ("lm_head fwd+bwd", "torch_fused linear_logprobs_and_entropy", fused_fwdbwd, gemm3, grads_bytes),
+                 ("lm_head fwd+bwd", "materialized logits + torch_fused op", materialized_fwdbwd, gemm3, grads_bytes)]
+        cases += [("lm_head fwd+bwd", name, fn, gemm3, grads_bytes) for name, fn in peers(h, w, idx).items()]
+        cases.append(("lm_head fwd+bwd, frozen head", "torch_fused linear_logprobs_and_entropy", frozen_fwdbwd,
+                      gemm2, h.numel() * 2))
+        for group, impl, fn, floor_ms, grads in cases:
+            try:
+                ms = bench_ms(fn, warmup=5, rep=200)
+                pk = peak_extra_mb(fn, grads)
+            except Exception as e:  # a peer that fails here is reported, not fatal
+                print(f"{impl} failed at {shape}: {type(e).__name__}: {e}", flush=True)
+                torch.cuda.empty_cache()
+                continue
             row = Row(group, shape, impl, ms, 0, peak_extra_mb=pk,
                       note=f"{ms / floor_ms:.3f}x the bare GEMMs ({floor_ms:.3f} ms); logits {logits_mib:.0f} MiB")
             row.floor_ms = floor_ms
@@ -62,8 +108,80 @@ def run(report, copy_gbps, quick=False):
             report.rows.append(row)
             print(f"{group:16s} {shape:22s} {impl:40s} {ms:8.3f} ms  {ms / floor_ms:.3f}x GEMMs  "
                   f"peak extra {pk:.0f} MiB (logits {logits_mib:.0f} MiB)", flush=True)
+            torch.cuda.empty_cache()
         del h, w, hb, wb, idx
         torch.cuda.empty_cache()
+
+
+# Settings tried by --sweep: (passes with the logits GEMM in the Triton kernels, TMA on, tiles
+# (BM, BN, BK, GROUP_M, warps, stages) of the forward, of the backward)
+_T3, _T4, _T5 = (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3)
+SWEEP = [((), True, _T3, _T3), (("forward",), True, _T3, _T3), (("forward", "backward"), True, _T3, _T3),
+         (("forward", "backward"), True, _T3, _T4), (("forward", "backward"), True, _T3, _T5),
+         (("forward", "backward"), False, _T3, _T3)]
+
+
+def sweep(copy_gbps, shape=None):
+    """Forward and forward+backward times of the fused head for each GEMM tile setting of SWEEP,
+    as multiples of the same run's bare GEMMs, with the peak extra memory."""
+    from ..kernels import lm_head as KL
+
+    res = []
+    shapes = [tuple(shape)] if shape else SHAPES
+    saved = (set(LL.FUSED_GEMM), dict(KL.CONFIG), LL.TMA)
+    try:
+        for n, hd, v in shapes:
+            g = torch.Generator(device="cuda").manual_seed(0)
+            h = torch.randn(n, hd, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
+            w = (torch.randn(v, hd, device="cuda", generator=g) / hd**0.5 * 2).to(torch.bfloat16).requires_grad_(True)
+            idx = torch.randint(0, v, (n,), device="cuda", generator=g)
+            hb, wb = h.detach(), w.detach()
+            dl = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
+            gemm1 = bench_ms(lambda: hb @ wb.t())
+            gemm3 = bench_ms(lambda: (hb @ wb.t(), dl @ wb, dl.t() @ hb))
+            del dl
+            torch.cuda.empty_cache()
+
+            def fwd():
+                return torch_fused.linear_logprobs_and_entropy(hb, wb, idx)
+
+            def fwdbwd():
+                lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx)
+                return torch.autograd.grad(lp.sum() + ent.sum(), (h, w))
+
+            ref = None
+            for passes, tma, t_fwd, t_bwd in SWEEP:
+                LL.FUSED_GEMM = set(passes)
+                LL.TMA = tma
+                KL.CONFIG = {"stats": t_fwd, "dlogits": t_bwd, "stats_tma": t_fwd, "dlogits_tma": t_bwd}
+                cfg = (passes, tma, t_fwd, t_bwd)
+                try:
+                    out = fwdbwd()
+                    lp = fwd()[0]
+                    if ref is None:
+                        ref = (lp, out)
+                    err = max((lp - ref[0]).abs().max().item(),
+                              *((a.float() - b.float()).norm().item() / b.float().norm().item()
+                                for a, b in zip(out, ref[1])))
+                    del out
+                    warm_up(fwd, 100)
+                    f = bench_ms(fwd, warmup=5, rep=150)
+                    warm_up(fwdbwd, 100)
+                    fb = bench_ms(fwdbwd, warmup=5, rep=300)
+                    pk = peak_extra_mb(fwdbwd, h.numel() * 2 + w.numel() * 2)
+                except Exception as e:  # a tile setting that does not compile or fit
+                    print(f"N{n} H{hd} V{v} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                r = dict(shape=f"N{n} H{hd} V{v}", fused=passes, tma=tma, tiles_fwd=t_fwd, tiles_bwd=t_bwd, fwd_ms=f, fwd_x_gemm=f / gemm1, fwdbwd_ms=fb,
+                         fwdbwd_x_gemm=fb / gemm3, peak_extra_mib=pk, max_diff_vs_first=err)
+                res.append(r)
+                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+                      flush=True)
+            del h, w, hb, wb, idx, ref
+            torch.cuda.empty_cache()
+    finally:
+        LL.FUSED_GEMM, KL.CONFIG, LL.TMA = saved
+    return res
 
 
 def cpu_peak_rss_growth_mib(n=4096, hd=64, v=32768) -> float:

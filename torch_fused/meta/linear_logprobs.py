@@ -52,7 +52,8 @@ def linear_forward_fake(hidden, weight, index, bias, temperature, ignore_index, 
 
 
 def linear_backward_fake(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                         ignore_index, shift, logit_scale, softcap):
+                         ignore_index, shift, logit_scale, softcap, hidden_grad=True, weight_grad=True):
     check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, softcap)
     db = hidden.new_empty(bias.shape if bias is not None else (0,))
-    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), db
+    return (hidden.new_empty(hidden.shape if hidden_grad else (0,)),
+            weight.new_empty(weight.shape if weight_grad else (0,)), db)

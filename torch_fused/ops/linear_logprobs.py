@@ -16,7 +16,12 @@ Log-probs at ``index`` and the entropy of ``softmax(z / T)``, z = softcap(logit_
   materialized path rounds them) with the whole rows' statistics, and
   d weight[v0:v1] = d logits^T @ hidden is one GEMM over all tokens, finished in one pass with
   fp32 accumulation inside the GEMM (no fp32 [V, H] accumulator). d hidden += d logits @
-  weight[v0:v1] accumulates in an fp32 [N, H] buffer.
+  weight[v0:v1] accumulates in an fp32 [N, H] buffer. On the Triton path (bf16 / fp16 weight,
+  no softcap) d logits are written over their own fp32 logits chunk. Narrower chunks (fp32
+  logits pieces that stay in L2) were slower: ``python -m torch_fused.bench --sweep --only
+  lm_head``.
+  A gradient autograd does not need (a frozen head's weight, the hidden states
+  of a detached input) is not computed: no d weight GEMM, or no d hidden GEMM.
 - ``logit_scale`` folds into the temperature (T / logit_scale) unless a softcap is set; the
   softcap c tanh(y / c) is applied to the fp32 chunk, and its derivative 1 - tanh^2 to d z.
 
@@ -46,19 +51,25 @@ CHUNK_BYTES = {"cuda": 128 << 20, "cpu": 4 << 20}
 # Narrowest vocabulary chunk on CUDA. Every backward chunk reads and writes the fp32 [N, H] d
 # hidden accumulator once, so narrow chunks cost that traffic many times over (N = 16384,
 # H = 3584: 470 MB a chunk); at very many tokens the chunks grow past the budget instead
-# (N = 32768: 2048 columns, 256 MiB).
+# (N = 32768: 2048 columns, 256 MiB). Narrower forward chunks were slower too.
 MIN_COLS = {"cuda": 2048}
+# The passes ("forward", "backward") whose logits GEMMs run inside the Triton kernels
+# (kernels/lm_head.py) for bf16 / fp16 weights without a softcap; the others: cuBLAS GEMMs
+# into fp32 chunks, then the statistics / d logits kernels.
+FUSED_GEMM = {"forward", "backward"}
+# The forward's GEMM tiles read through TMA on Hopper and later.
+TMA = True
+# Bytes of the forward's per-tile statistics (3 floats per row and column tile) per launch.
+PART_BYTES = 64 << 20
 
 _HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
-def _chunk_budget(device: torch.device) -> int:
-    return CHUNK_BYTES.get(device.type, CHUNK_BYTES["cpu"])
-
-
-def _chunk_cols(device: torch.device, n: int, bytes_per_elem: int) -> int:
-    """Vocabulary columns per chunk for n tokens: the budget's, in multiples of 128."""
-    step = max(1, _chunk_budget(device) // (bytes_per_elem * n), MIN_COLS.get(device.type, 1))
+def _chunk_cols(device: torch.device, n: int, bytes_per_elem: int, budget=None, min_cols: int = 1) -> int:
+    """Vocabulary columns per chunk for n tokens: the budget's (default ``CHUNK_BYTES``), at
+    least min_cols, in multiples of 128."""
+    budget = CHUNK_BYTES if budget is None else budget
+    step = max(1, budget.get(device.type, budget["cpu"]) // (bytes_per_elem * n), min_cols)
     return step - step % 128 if step > 128 else step
 
 
@@ -168,6 +179,120 @@ def _merge_triton(z, idx2, v0, first, run, u, m_own, t_eff, c):
     )
 
 
+def _fused_gemm(fn, w, softcap) -> bool:
+    """Whether the logits GEMMs run inside the Triton kernels (kernels/lm_head.py): on the
+    Triton path, for bf16 / fp16 weights without a softcap (``FUSED_GEMM`` on)."""
+    return ((fn is _merge_triton and "forward" in FUSED_GEMM or fn is _bwd_triton and "backward" in FUSED_GEMM)
+            and softcap is None and w.dtype in (torch.bfloat16, torch.float16))
+
+
+def _use_tma(h2, w) -> bool:
+    """TMA operand loads (kernels/lm_head.py, _lm_head_stats_tma_kernel): on a CUDA device of
+    compute capability 9 or more, rows 16-byte aligned."""
+    return (TMA and h2.is_cuda and torch.cuda.get_device_capability(h2.device)[0] >= 9
+            and (h2.shape[1] * h2.element_size()) % 16 == 0 and h2.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+
+
+def _launch_args(h2, w, kernel):
+    from ..kernels import lm_head as K
+
+    bm, bn, bk, gm, warps, stages = K.CONFIG[kernel]
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    return K, h2, w, dict(BM=bm, BN=bn, BK=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
+
+
+def _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c):
+    """run, u and m_own of the whole rows (as the chunk merges leave them) from the GEMM-tile
+    statistics of kernels/lm_head.py, folded over the column tiles here; rows in launches whose
+    partials stay under PART_BYTES."""
+    tma = _use_tma(h2, w)
+    K, h2, w, cfg = _launch_args(h2, w, "stats_tma" if tma else "stats")
+    n, hd = h2.shape
+    v, k = w.shape[0], ids.shape[1]
+    nt = -(-v // cfg["BN"])
+    rows = max(cfg["BM"], PART_BYTES // (12 * nt) // cfg["BM"] * cfg["BM"])
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        sms = torch.cuda.get_device_properties(h2.device).multi_processor_count
+        d_w = TensorDescriptor.from_tensor(w, [cfg["BN"], cfg["BK"]])
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        part = torch.empty(3, r1 - r0, nt, dtype=torch.float32, device=h2.device)
+        tiles = -(-(r1 - r0) // cfg["BM"]) * nt
+        b_ptr = bias if bias is not None else w
+        if tma:
+            K._lm_head_stats_tma_kernel[(min(sms, tiles),)](
+                TensorDescriptor.from_tensor(h2[r0:r1], [cfg["BM"], cfg["BK"]]), d_w, b_ptr, ids[r0:r1], part,
+                u[r0:r1], m_own[r0:r1], r1 - r0, v, hd, k, nt, 0, c,
+                HAS_BIAS=bias is not None, EXACT_SHIFT=INTERPRET, BLOCK_K=k, NUM_SMS=sms, **cfg)
+        else:
+            K._lm_head_stats_kernel[(tiles,)](
+                h2[r0:r1], w, b_ptr, ids[r0:r1], part, u[r0:r1], m_own[r0:r1],
+                r1 - r0, v, hd, k, h2.stride(0), w.stride(0), nt, 0, c,
+                HAS_BIAS=bias is not None, EXACT_SHIFT=INTERPRET, BLOCK_K=k, **cfg)
+        m_t, s_t, t_t = part.unbind(0)
+        live = s_t > 0
+        m = torch.where(live, m_t, float("-inf")).amax(1)
+        m = torch.where(live.any(1), m, torch.zeros_like(m))  # the placeholder 0 of an all -inf row
+        da = _shift_c(m_t, m[:, None], c, torch.float32)
+        e = torch.where(live, torch.exp2(da), torch.zeros_like(da))
+        run[r0:r1, 0] = m
+        run[r0:r1, 1] = (s_t * e).sum(1)
+        run[r0:r1, 2] = (e * (t_t + da * s_t)).sum(1)
+
+
+def _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total):
+    """Per row (m, log2 s, a, b) as a [4, N] fp32 tensor, and the ids' scaled log-prob
+    gradients [N, K] (None without glp), as _logprobs_entropy_backward_kernel forms them."""
+    n = st2.shape[0]
+    it = 1.0 / t_eff
+    coef = torch.empty(4, n, dtype=torch.float32, device=st2.device)
+    coef[0], coef[1] = st2[:, 0], st2[:, 1]
+    a = torch.zeros(n, dtype=torch.float32, device=st2.device)
+    g = None
+    if glp is not None:
+        ids = idx2.reshape(n, -1)
+        g = glp.reshape(ids.shape).float()
+        g = torch.where(ids == ignore_index, torch.zeros_like(g), g)
+        bad = (ids != ignore_index) & ((ids < 0) | (ids >= v_total))
+        g = torch.where(bad, torch.full_like(g, float("nan")), g)  # an out-of-range id: NaN row
+        a = a + g.sum(1)
+        g = g * it
+    b = torch.zeros_like(a)
+    if gh is not None:
+        a = a + gh.float() * ent2.float()
+        b = gh.float() * LN2
+    coef[2], coef[3] = a * it, b * it
+    return coef, g
+
+
+def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c):
+    """d logits of vocabulary rows w (ids v_off ..) into dz [N, v], from the GEMM tiles."""
+    tma = _use_tma(h2, w)
+    K, h2, w, cfg = _launch_args(h2, w, "dlogits_tma" if tma else "dlogits")
+    n, hd = h2.shape
+    v = w.shape[0]
+    nt = -(-v // cfg["BN"])
+    tiles = -(-n // cfg["BM"]) * nt
+    k = ids.shape[1]
+    args = (bias if bias is not None else w, ids, g if g is not None else coef, coef, dz)
+    flags = dict(HAS_BIAS=bias is not None, HAS_GLP=g is not None, EXACT_SHIFT=INTERPRET, BLOCK_K=k, **cfg)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        sms = torch.cuda.get_device_properties(h2.device).multi_processor_count
+        K._lm_head_dlogits_tma_kernel[(min(sms, tiles),)](
+            TensorDescriptor.from_tensor(h2, [cfg["BM"], cfg["BK"]]), TensorDescriptor.from_tensor(w, [cfg["BN"], cfg["BK"]]),
+            *args, n, v, hd, k, dz.stride(0), nt, v_off, c, NUM_SMS=sms, **flags)
+    else:
+        K._lm_head_dlogits_kernel[(tiles,)](
+            h2, w, *args, n, v, hd, k, h2.stride(0), w.stride(0), dz.stride(0), nt, v_off, c, **flags)
+
+
 def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap, merge_fn):
     meta.check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, softcap)
     dt = acc_dtype(hidden.dtype)
@@ -184,16 +309,19 @@ def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift,
     w, h2 = _gemm_operands(weight, h2, merge_fn is _merge_reference)
     t_eff = _effective_temperature(temperature, logit_scale, softcap)
     c = LOG2E / t_eff
-    step = _chunk_cols(hidden.device, n, 4)
+    step = _chunk_cols(hidden.device, n, 4, min_cols=MIN_COLS.get(hidden.device.type, 1))
     ids = idx2.reshape(n, -1).contiguous()
     run = torch.empty(n, 3, dtype=dt, device=hidden.device)
     u = torch.zeros(ids.shape, dtype=dt, device=hidden.device)
     m_own = torch.zeros(ids.shape, dtype=dt, device=hidden.device)
-    for v0 in range(0, v, step):
-        v1 = min(v, v0 + step)
-        z, _ = _logits_chunk(h2, w[v0:v1], bias[v0:v1] if bias is not None else None, logit_scale, softcap)
-        merge_fn(z, ids, v0, v0 == 0, run, u, m_own, t_eff, c)
-        del z
+    if _fused_gemm(merge_fn, w, softcap) and h2.dtype == w.dtype:
+        _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c)
+    else:
+        for v0 in range(0, v, step):
+            v1 = min(v, v0 + step)
+            z, _ = _logits_chunk(h2, w[v0:v1], bias[v0:v1] if bias is not None else None, logit_scale, softcap)
+            merge_fn(z, ids, v0, v0 == 0, run, u, m_own, t_eff, c)
+            del z
     m, s_run, t_run = run.unbind(1)
     log2s = torch.log2(s_run)
     stats.view(n, 2)[:, 0] = m
@@ -206,26 +334,30 @@ def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift,
 
 
 def _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                   ignore_index, shift, logit_scale, softcap, bwd_fn):
+                   ignore_index, shift, logit_scale, softcap, hidden_grad, weight_grad, bwd_fn):
     meta.check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, softcap)
     dh, dw, db = _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                                  ignore_index, shift, logit_scale, softcap, bwd_fn)
-    return _hidden_grad(dh, hidden, shift), dw, db
+                                  ignore_index, shift, logit_scale, softcap, bwd_fn, hidden_grad=hidden_grad,
+                                  weight_grad=weight_grad)
+    return (_hidden_grad(dh, hidden, shift) if hidden_grad else hidden.new_empty(0)), dw, db
 
 
 def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                     ignore_index, shift, logit_scale, softcap, bwd_fn, *, v_off=0, v_total=None):
+                     ignore_index, shift, logit_scale, softcap, bwd_fn, *, v_off=0, v_total=None,
+                     hidden_grad=True, weight_grad=True):
     """(d hidden rows [N, H] in fp32 (fp64 for fp64), d weight, d bias) from vocabulary chunks.
     The weight's rows may be ids v_off .. of a vocabulary of v_total (the vocabulary-parallel
     head, torch_fused/parallel.py: stats and entropy of the whole rows, index the global ids);
-    d hidden is then this slice's part of the sum."""
-    dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    d hidden is then this slice's part of the sum. Without ``hidden_grad`` (``weight_grad``),
+    d hidden (d weight) is an empty tensor and its GEMMs are skipped."""
+    dw = (torch.empty_like(weight, memory_format=torch.contiguous_format) if weight_grad
+          else weight.new_empty(0))
     db = torch.empty(bias.shape if bias is not None else (0,), dtype=hidden.dtype, device=hidden.device)
     h2, idx2 = _rows(hidden, index, shift)
     n, v = h2.shape[0], weight.shape[0]
     v_total = v if v_total is None else v_total
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    dh = torch.zeros(n, h2.shape[1], dtype=acc, device=hidden.device)
+    dh = torch.zeros(n if hidden_grad else 0, h2.shape[1], dtype=acc, device=hidden.device)
     if n == 0 or v == 0 or (grad_logp is None and grad_entropy is None):
         dw.zero_()
         db.zero_()
@@ -236,26 +368,44 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
     ent2 = entropy.reshape(n)
     glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
     gh = grad_entropy.reshape(n) if grad_entropy is not None else None
+    dev = hidden.device
+    fused = _fused_gemm(bwd_fn, w, softcap) and hm.dtype == w.dtype
+    if fused:  # d logits straight from the GEMM tiles: one w.dtype chunk buffer
+        ids = idx2.reshape(n, -1).contiguous()
+        coef, g_ids = _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total)
+        c = LOG2E / t_eff
+    # Triton path, bf16 / fp16: d logits written over their own fp32 logits chunk
     in_place = bwd_fn is _bwd_triton and softcap is None and w.dtype in (torch.bfloat16, torch.float16)
-    step = _chunk_cols(hidden.device, n, 4 if in_place else 4 + w.element_size())
+    step = _chunk_cols(dev, n, w.element_size() if fused else 4 if in_place else 4 + w.element_size(),
+                       min_cols=MIN_COLS.get(dev.type, 1))
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
         b_c = bias[v0:v1] if bias is not None else None
-        z, th = _logits_chunk(hm, w[v0:v1], b_c, logit_scale, softcap)
-        if in_place:
-            # d logits written over the logits chunk: row r's w.dtype values in the first bytes
-            # of row r's fp32 values (no second chunk-sized buffer)
+        if fused:
+            dz = torch.empty(n, v1 - v0, dtype=w.dtype, device=dev)
+            _dlogits_fused_gemm(hm, w[v0:v1], b_c, ids, g_ids, coef, dz, v_off + v0, c)
+            th = None
+        else:
+            z, th = _logits_chunk(hm, w[v0:v1], b_c, logit_scale, softcap)
+        if fused:
+            pass
+        elif in_place:
+            # row r's w.dtype values in the first bytes of row r's fp32 values (no second
+            # chunk-sized buffer)
             dz = z.view(w.dtype)[:, :v1 - v0]
             bwd_fn(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v_off + v0, v_total=v_total, out=dz)
         else:
             dz, _ = bwd_fn(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v_off + v0, v_total=v_total,
                            out_dtype=z.dtype if th is not None else w.dtype)
-        del z
+        if not fused:
+            del z
         if th is not None:  # d y = d z * s (1 - tanh^2), in fp32, then to the GEMMs' dtype
             dz = (dz.mul_(th.square_().neg_().add_(1.0)).mul_(logit_scale)).to(w.dtype)
             del th
-        torch.mm(dz.t(), hm, out=dw[v0:v1]) if dw.dtype == dz.dtype else dw[v0:v1].copy_(dz.t() @ hm)
-        _addmm_f32_(dh, dz, w[v0:v1])
+        if weight_grad:
+            torch.mm(dz.t(), hm, out=dw[v0:v1]) if dw.dtype == dz.dtype else dw[v0:v1].copy_(dz.t() @ hm)
+        if hidden_grad:
+            _addmm_f32_(dh, dz, w[v0:v1])
         if bias is not None:
             db[v0:v1] = dz.sum(0, dtype=acc).to(db.dtype)
         del dz  # (on CUDA it holds the chunk's memory: free it before the next chunk's GEMM)
@@ -293,9 +443,10 @@ def linear_forward(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tens
 def linear_backward(grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None, hidden: torch.Tensor,
                     weight: torch.Tensor, index: torch.Tensor, bias: torch.Tensor | None, stats: torch.Tensor,
                     entropy: torch.Tensor, temperature: float, ignore_index: int, shift: bool,
-                    logit_scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    logit_scale: float, softcap: float | None, hidden_grad: bool = True,
+                    weight_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                          ignore_index, shift, logit_scale, softcap, _bwd_reference)
+                          ignore_index, shift, logit_scale, softcap, hidden_grad, weight_grad, _bwd_reference)
 
 
 linear_forward.register_fake(meta.linear_forward_fake)
@@ -309,9 +460,9 @@ if TRITON_DEVICES:
 
     @linear_backward.register_kernel(TRITON_DEVICES)
     def _linear_backward_triton(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                                ignore_index, shift, logit_scale, softcap):
+                                ignore_index, shift, logit_scale, softcap, hidden_grad=True, weight_grad=True):
         return _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                              ignore_index, shift, logit_scale, softcap, _bwd_triton)
+                              ignore_index, shift, logit_scale, softcap, hidden_grad, weight_grad, _bwd_triton)
 
 
 def _setup_context(ctx, inputs, output):
@@ -330,7 +481,7 @@ def _backward(ctx, g_logp, g_ent, _g_stats):
     if not (need_h or need_w or need_b):
         return (None, None, None, None) + rest
     dh, dw, db = torch.ops.fused._linear_logprobs_entropy_backward(
-        g_logp, g_ent, hidden, weight, index, bias, stats, ent, *ctx.args)
+        g_logp, g_ent, hidden, weight, index, bias, stats, ent, *ctx.args, bool(need_h), bool(need_w))
     return (dh if need_h else None, dw if need_w else None, None,
             db if (need_b and bias is not None) else None) + rest
 

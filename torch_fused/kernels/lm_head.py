@@ -1,0 +1,244 @@
+"""Triton kernels of the fused lm_head (ops/linear_logprobs.py): one GEMM tile of the logits,
+z = hidden[rows] @ weight[cols]^T accumulated in fp32, consumed in the kernel's epilogue, so that
+the logits never reach memory.
+
+- ``_lm_head_stats_kernel`` (forward): the tile's row statistics in the base-2 units of
+  kernels/logprobs.py: max m, s = sum 2^d and t = sum 2^d d with d = z c - m c, and for the
+  ids inside the tile their d against the tile's shift. Stored per (row, column tile); the
+  caller folds the tiles (few numbers per row) as _chunk_merge_kernel folds chunks.
+- ``_lm_head_dlogits_kernel`` (backward): the tile's d logits from the whole rows' statistics,
+  d z_j = scatter_j - p_j (a + b log2 p_j) (a, b per row, as _logprobs_entropy_backward_kernel
+  folds them), rounded once to the output's dtype and stored: the d weight and d hidden GEMMs
+  read it.
+
+Tiles are visited in groups of GROUP_M row tiles per column sweep, so a group's hidden rows and
+a column tile's weight rows stay in L2 while they are reused.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .logprobs import D_MIN, _shifted
+
+
+@triton.jit
+def _tile_of(pid, n_m, n_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program pid, in groups of GROUP_M row tiles."""
+    per_group = GROUP_M * n_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n,
+                 HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr):
+    """(z [BM, BN] fp32, row offsets, column offsets): the logits of rows pid_m * BM .. against
+    weight rows pid_n * BN .., columns past V at -inf. UPCAST: operands to fp32 before the dot
+    (Triton's interpreter, whose dot has no bf16)."""
+    o_m = pid_m * BM + tl.arange(0, BM)
+    o_n = pid_n * BN + tl.arange(0, BN)
+    o_k = tl.arange(0, BK)
+    # rows past the ends read row 0 (in bounds; their results are masked out), so that the
+    # inner loop needs no row mask
+    r_m = tl.where(o_m < N, o_m, 0).to(tl.int64)
+    r_n = tl.where(o_n < V, o_n, 0).to(tl.int64)
+    p_a = p_h + r_m[:, None] * stride_h + o_k[None, :]
+    p_bw = p_w + r_n[:, None] * stride_w + o_k[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BK)):
+        k_left = H - k * BK
+        b_a = tl.load(p_a, mask=o_k[None, :] < k_left, other=0.0)
+        b_w = tl.load(p_bw, mask=o_k[None, :] < k_left, other=0.0)
+        if UPCAST:
+            b_a = b_a.to(tl.float32)
+            b_w = b_w.to(tl.float32)
+        acc = tl.dot(b_a, tl.trans(b_w), acc)
+        p_a += BK
+        p_bw += BK
+    if HAS_BIAS:
+        acc += tl.load(p_b + o_n, mask=o_n < V, other=0.0).to(tl.float32)[None, :]
+    z = tl.where((o_n < V)[None, :], acc, float("-inf"))
+    return z, o_m, o_n
+
+
+@triton.jit
+def _stats_epilogue(z, o_m, o_n, pid_n, p_idx, p_part, p_u, p_mo, N, V, K, n_tiles_n, v_off, scale,
+                    EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr, BN: tl.constexpr):
+    c = scale
+    m = tl.max(z, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    d = _shifted(z, m[:, None], c, EXACT_SHIFT)
+    e = tl.exp2(d)
+    s = tl.sum(e, axis=1)
+    t = tl.sum(e * tl.maximum(d, D_MIN), axis=1)
+    live = o_m < N
+    rows = o_m.to(tl.int64)
+    plane = N * n_tiles_n  # (< 2^31: the launcher bounds the partials' size)
+    p_row = p_part + rows * n_tiles_n + pid_n
+    tl.store(p_row, m, mask=live)
+    tl.store(p_row + plane, s, mask=live)
+    tl.store(p_row + 2 * plane, t, mask=live)
+    n0 = pid_n * BN
+    for k in tl.static_range(BLOCK_K):
+        if k < K:
+            i_k = tl.load(p_idx + rows * K + k, mask=live, other=-1).to(tl.int64) - v_off
+            inside = live & (i_k >= n0) & (i_k < n0 + BN) & (i_k < V)
+            u_k = tl.sum(tl.where(o_n[None, :] == i_k[:, None], d, 0.0), axis=1)
+            tl.store(p_u + rows * K + k, u_k, mask=inside)
+            tl.store(p_mo + rows * K + k, m, mask=inside)
+
+
+@triton.jit
+def _lm_head_stats_kernel(
+    p_h, p_w, p_b, p_idx, p_part, p_u, p_mo,
+    N, V, H, K, stride_h, stride_w, n_tiles_n, v_off,
+    scale,  # c = log2(e) / T
+    HAS_BIAS: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,  # EXACT_SHIFT: the interpreter
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Rows 0 .. N-1 of hidden against weight rows 0 .. V-1 (vocabulary ids v_off ..). Stores
+    p_part[3, N, n_tiles_n] = (m, s, t) of each (row, column tile); a tile row of only -inf
+    logits has s = 0 and the placeholder m = 0. For each of a row's K ids inside the tile,
+    stores u = z c - m c (against the tile's m) in p_u and the tile's m in p_mo."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(N, BM)
+    pid_m, pid_n = _tile_of(pid, n_m, n_tiles_n, GROUP_M)
+    z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, EXACT_SHIFT, BM, BN, BK)
+    _stats_epilogue(z, o_m, o_n, pid_n, p_idx, p_part, p_u, p_mo, N, V, K, n_tiles_n, v_off, scale,
+                    EXACT_SHIFT, BLOCK_K, BN)
+
+
+@triton.jit
+def _lm_head_stats_tma_kernel(
+    d_h, d_w, p_b, p_idx, p_part, p_u, p_mo,
+    N, V, H, K, n_tiles_n, v_off,
+    scale,  # c = log2(e) / T
+    HAS_BIAS: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+):
+    """_lm_head_stats_kernel with the operands read by TMA (tensor descriptors d_h [N, H] and
+    d_w [V, H], blocks [BM, BK] and [BN, BK]; out-of-range rows read as zeros), one persistent
+    program per multiprocessor looping over the tiles."""
+    n_m = tl.cdiv(N, BM)
+    k_tiles = tl.cdiv(H, BK)
+    for tile in tl.range(tl.program_id(0), n_m * n_tiles_n, NUM_SMS):
+        pid_m, pid_n = _tile_of(tile, n_m, n_tiles_n, GROUP_M)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k in range(k_tiles):
+            b_a = d_h.load([pid_m * BM, k * BK])
+            b_w = d_w.load([pid_n * BN, k * BK])
+            acc = tl.dot(b_a, b_w.T, acc)
+        o_m = pid_m * BM + tl.arange(0, BM)
+        o_n = pid_n * BN + tl.arange(0, BN)
+        if HAS_BIAS:
+            acc += tl.load(p_b + o_n, mask=o_n < V, other=0.0).to(tl.float32)[None, :]
+        z = tl.where((o_n < V)[None, :], acc, float("-inf"))
+        _stats_epilogue(z, o_m, o_n, pid_n, p_idx, p_part, p_u, p_mo, N, V, K, n_tiles_n, v_off, scale,
+                        EXACT_SHIFT, BLOCK_K, BN)
+
+
+@triton.jit
+def _lm_head_dlogits_kernel(
+    p_h, p_w, p_b, p_idx, p_g, p_coef, p_dz,
+    N, V, H, K, stride_h, stride_w, stride_dz, n_tiles_n, v_off,
+    scale,  # c = log2(e) / T
+    HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """d z of rows 0 .. N-1 against weight rows 0 .. V-1 (ids v_off ..): stored in p_dz [N, V]
+    (row stride stride_dz, the output's dtype). p_coef[4, N] = (m, log2 s, a, b) per row:
+    d z_j = -p_j (a + b max(d_j, D_MIN)) + g_k at the row's ids, with d_j = z_j c - m c - log2 s
+    (log2 p_j). p_g [N, K]: the ids' log-prob gradients, already zero at ignore_index and
+    scaled by 1 / T."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(N, BM)
+    pid_m, pid_n = _tile_of(pid, n_m, n_tiles_n, GROUP_M)
+    z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, EXACT_SHIFT, BM, BN, BK)
+    _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz, v_off, scale,
+                      HAS_GLP, EXACT_SHIFT, BLOCK_K)
+
+
+@triton.jit
+def _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz, v_off, scale,
+                      HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr):
+    live = o_m < N
+    rows = tl.where(live, o_m, 0).to(tl.int64)
+    m = tl.load(p_coef + rows)
+    log2s = tl.load(p_coef + N + rows)
+    a = tl.load(p_coef + 2 * N + rows)
+    b = tl.load(p_coef + 3 * N + rows)
+    d = _shifted(z, m[:, None], scale, EXACT_SHIFT) - log2s[:, None]
+    dz = -tl.exp2(d) * (a[:, None] + b[:, None] * tl.maximum(d, D_MIN))
+    if HAS_GLP:
+        for k in tl.static_range(BLOCK_K):
+            if k < K:
+                i_k = tl.load(p_idx + rows * K + k).to(tl.int64) - v_off
+                g_k = tl.load(p_g + rows * K + k)
+                dz += tl.where(o_n[None, :] == i_k[:, None], g_k[:, None], 0.0)
+    p_out = p_dz + rows[:, None] * stride_dz + o_n[None, :]
+    tl.store(p_out, dz.to(p_dz.dtype.element_ty), mask=live[:, None] & (o_n < V)[None, :])
+
+
+@triton.jit
+def _lm_head_dlogits_tma_kernel(
+    d_h, d_w, p_b, p_idx, p_g, p_coef, p_dz,
+    N, V, H, K, stride_dz, n_tiles_n, v_off,
+    scale,  # c = log2(e) / T
+    HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+):
+    """_lm_head_dlogits_kernel with the operands read by TMA, persistent (as
+    _lm_head_stats_tma_kernel)."""
+    n_m = tl.cdiv(N, BM)
+    k_tiles = tl.cdiv(H, BK)
+    for tile in tl.range(tl.program_id(0), n_m * n_tiles_n, NUM_SMS):
+        pid_m, pid_n = _tile_of(tile, n_m, n_tiles_n, GROUP_M)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k in range(k_tiles):
+            b_a = d_h.load([pid_m * BM, k * BK])
+            b_w = d_w.load([pid_n * BN, k * BK])
+            acc = tl.dot(b_a, b_w.T, acc)
+        o_m = pid_m * BM + tl.arange(0, BM)
+        o_n = pid_n * BN + tl.arange(0, BN)
+        if HAS_BIAS:
+            acc += tl.load(p_b + o_n, mask=o_n < V, other=0.0).to(tl.float32)[None, :]
+        z = tl.where((o_n < V)[None, :], acc, float("-inf"))
+        _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz, v_off, scale,
+                          HAS_GLP, EXACT_SHIFT, BLOCK_K)
+
+
+# (BM, BN, BK, GROUP_M, num_warps, num_stages) per kernel, on CUDA
+CONFIG = {"stats": (128, 256, 64, 8, 8, 3), "dlogits": (128, 256, 64, 8, 8, 3),
+          "stats_tma": (128, 256, 64, 8, 8, 3), "dlogits_tma": (128, 256, 64, 8, 8, 3)}
+
+
+def compile_cases():
+    """(name, kernel, signature, constexprs, num_warps) for tests/test_kernels_compile.py: each
+    kernel compiled for a CUDA target without a GPU."""
+    stats = {"p_h": "*bf16", "p_w": "*bf16", "p_b": "*bf16", "p_idx": "*i64", "p_part": "*fp32", "p_u": "*fp32",
+             "p_mo": "*fp32", "N": "i32", "V": "i32", "H": "i32", "K": "i32", "stride_h": "i32", "stride_w": "i32",
+             "n_tiles_n": "i32", "v_off": "i32", "scale": "fp32"}
+    bm, bn, bk, gm, warps, _ = CONFIG["stats"]
+    yield ("lm_head_stats", _lm_head_stats_kernel, stats,
+           {"HAS_BIAS": True, "EXACT_SHIFT": False, "BLOCK_K": 2, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": gm}, warps)
+    dl = {"p_h": "*bf16", "p_w": "*bf16", "p_b": "*bf16", "p_idx": "*i64", "p_g": "*fp32", "p_coef": "*fp32",
+          "p_dz": "*bf16", "N": "i32", "V": "i32", "H": "i32", "K": "i32", "stride_h": "i32", "stride_w": "i32",
+          "stride_dz": "i32", "n_tiles_n": "i32", "v_off": "i32", "scale": "fp32"}
+    bm, bn, bk, gm, warps, _ = CONFIG["dlogits"]
+    yield ("lm_head_dlogits", _lm_head_dlogits_kernel, dl,
+           {"HAS_BIAS": False, "HAS_GLP": True, "EXACT_SHIFT": False, "BLOCK_K": 1, "BM": bm, "BN": bn, "BK": bk,
+            "GROUP_M": gm}, warps)
+    for name, kernel, sig, flags in (("lm_head_stats_tma", _lm_head_stats_tma_kernel, stats, {}),
+                                     ("lm_head_dlogits_tma", _lm_head_dlogits_tma_kernel, dl, {"HAS_GLP": True})):
+        bm, bn, bk, gm, warps, _ = CONFIG[name[:-4].replace("lm_head_", "") + "_tma"]
+        sig = {k: t for k, t in sig.items() if k not in ("p_h", "p_w", "stride_h", "stride_w")}
+        sig = {"d_h": f"tensordesc<bf16[{bm},{bk}]>", "d_w": f"tensordesc<bf16[{bn},{bk}]>", **sig}
+        yield (name, kernel, sig, {"HAS_BIAS": True, "EXACT_SHIFT": False, "BLOCK_K": 2, "BM": bm, "BN": bn, "BK": bk,
+                                   "GROUP_M": gm, "NUM_SMS": 132, **flags}, warps)
