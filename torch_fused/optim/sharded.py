@@ -35,6 +35,7 @@ element gets the noise it gets in the unsharded step (``philox_noise``, ``update
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -279,16 +280,12 @@ def _row_pass(mat: _Mat, eps: float) -> torch.Tensor:
     """Row step on the local rows (r updated in place); returns the column partials [b_loc, n]
     sum_i (r_i G_ij c_j)^2 over the local rows."""
     info = mat.info
-    target = math.sqrt(info.n)
+    fn = _chunk_fn(_row_values, mat.w.device)
     part = torch.zeros(info.b_loc, info.n, dtype=torch.float32, device=mat.w.device)
     for a, e in mat.chunks():
-        q = (mat.g[:, a:e].float() * mat.c[:, None, :]).square_()  # (G_ij c_j)^2: one fp32 temporary
-        r_old = mat.r[:, a:e]
-        norm = r_old * q.sum(2).sqrt()
-        r_new = (r_old * target / norm.clamp_min(eps)).clamp_max(1e30)
+        r_new, p = fn(mat.g[:, a:e], mat.c, mat.r[:, a:e], eps)
         mat.r[:, a:e] = r_new
-        # a zero row's r_new = 1e30 meets q = 0: r_new^2 kept finite (as the kernels do)
-        part += torch.einsum("bmn,bm->bn", q, r_new.clamp_max(1.8e19).square())
+        part += p
     return part
 
 
@@ -308,24 +305,56 @@ def _mv_t(mat: _Mat, y: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _update_values(w, g, r, c, coef_x, coef_w, seed, rows, cols):
+    """The new values of a chunk of rows w [b, s, n] (in w's dtype): the update kernel's fp32
+    operations in its order, then its stochastic rounding where ``seed`` is given (``rows``
+    [b, s] and ``cols`` [n]: the elements' rows and columns in the whole parameter)."""
+    wf = w.float()
+    x = g.float() * r[:, :, None] * c[:, None, :]
+    new = wf - coef_x[:, None, None] * x - coef_w * wf
+    if seed is not None:
+        new = stochastic_round_bf16(new, seed, rows[:, :, None] * cols.shape[0] + cols)
+    return new.to(w.dtype)
+
+
+def _row_values(g, c, r_old, eps: float):
+    """Row step of a chunk of rows g [b, s, n]: (new r [b, s], column partials [b, n])."""
+    target = math.sqrt(g.shape[-1])  # from the shape: one compiled graph for every n
+    q = (g.float() * c[:, None, :]).square_()  # (G_ij c_j)^2: one fp32 temporary
+    norm = r_old * q.sum(2).sqrt()
+    r_new = (r_old * target / norm.clamp_min(eps)).clamp_max(1e30)
+    # a zero row's r_new = 1e30 meets q = 0: r_new^2 kept finite (as the kernels do)
+    return r_new, torch.einsum("bmn,bm->bn", q, r_new.clamp_max(1.8e19).square())
+
+
+# On CUDA the chunk functions run compiled (torch.compile, dynamic shapes): each becomes a few
+# fused kernels instead of a dozen PyTorch passes over the chunk (the Philox rounds alone are
+# ~200 elementwise int64 ops). TORCH_FUSED_SINKGD_SHARDED_COMPILE=0 keeps them eager.
+COMPILE_CHUNKS = os.environ.get("TORCH_FUSED_SINKGD_SHARDED_COMPILE", "1") != "0"
+_COMPILED: dict = {}
+
+
+def _chunk_fn(fn, dev: torch.device):
+    if not (COMPILE_CHUNKS and dev.type == "cuda"):
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
 def _update(mat: _Mat, coef_x: torch.Tensor, coef_w: torch.Tensor, seed) -> None:
     """W <- W - coef_x[b] (r_i G_ij c_j) - coef_w W on the local rows, fp32 math, stored in W's
     dtype (stochastically rounded to bf16 where ``seed`` is given), in the update kernel's
     operation order."""
     info = mat.info
     dev = mat.w.device
-    if seed is not None:
-        cols = torch.arange(info.n, dtype=torch.int64, device=dev)
-        bs = torch.arange(info.b_loc, dtype=torch.int64, device=dev)[:, None]
+    fn = _chunk_fn(_update_values, dev)
+    cols = torch.arange(info.n, dtype=torch.int64, device=dev)
+    bs = torch.arange(info.b_loc, dtype=torch.int64, device=dev)[:, None]
     for a, e in mat.chunks():
+        rows = (bs + info.b_off) * info.m + info.row_off + torch.arange(a, e, dtype=torch.int64, device=dev)
         w = mat.w[:, a:e]
-        wf = w.float()
-        x = mat.g[:, a:e].float() * mat.r[:, a:e, None] * mat.c[:, None, :]
-        new = wf - coef_x[:, None, None] * x - coef_w * wf
-        if seed is not None:
-            rows = (bs + info.b_off) * info.m + info.row_off + torch.arange(a, e, dtype=torch.int64, device=dev)
-            new = stochastic_round_bf16(new, seed, rows[:, :, None] * info.n + cols)
-        w.copy_(new.to(w.dtype))
+        w.copy_(fn(w, mat.g[:, a:e], mat.r[:, a:e], mat.c, coef_x, coef_w, seed, rows, cols))
 
 
 def check_sharded_vecs(params, vecs) -> None:
@@ -350,6 +379,7 @@ def check_sharded_vecs(params, vecs) -> None:
 
 
 @torch.compiler.disable(recursive=True)
+@torch.no_grad()
 def sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05, weight_decay=0.0, eps=1e-8,
                         sinkhorn_iters=5, spectral_norm=False, spectral_target="unit", spectral_iters=1,
                         base_width=None, width_exponent=1.0, stochastic_round=False, step=None,
