@@ -132,6 +132,7 @@ MATS = [
     ("b3x4x6", (3, 4, 6), 0, torch.float32),  # a batch of whole matrices: no collective
     ("b2x7x3", (2, 7, 3), 1, torch.float32),  # a batch whose rows are split
     ("w9x8", (9, 8), 0, torch.float32),
+    ("r5x4", (5, 4), None, torch.float32),  # Replicate(): stepped locally, no collective
 ]
 STEP_CASES = [
     dict(sinkhorn_iters=5),
@@ -155,20 +156,25 @@ def _full_mats(seed):
     return out
 
 
+def _dist(t, mesh, d):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    return distribute_tensor(t, mesh, [Replicate() if d is None else Shard(d)])
+
+
 @check()
 def step_values_and_collectives(ctx):
     """Every STEP_CASES step on all MATS at once (one call) equals the single-device step on the
     whole matrices, the warm-start vectors too; the collectives are one all-reduce per
     Sinkhorn iteration and per power iteration, of exactly the row-split matrices' column
     partials (and [B] scalars per power iteration)."""
-    from torch.distributed.tensor import Shard, distribute_tensor
     from torch_fused.optim import sinkgd_step
     from torch_fused.optim.sharded import sinkgd_step_sharded
 
     for ci, case in enumerate(STEP_CASES):
         mats = _full_mats(10 + ci)
-        ps = [distribute_tensor(w.clone(), ctx.mesh, [Shard(d)]) for _, w, _, d in mats]
-        gs = [distribute_tensor(g, ctx.mesh, [Shard(d)]) for _, _, g, d in mats]
+        ps = [_dist(w.clone(), ctx.mesh, d) for _, w, _, d in mats]
+        gs = [_dist(g, ctx.mesh, d) for _, _, g, d in mats]
         ref_ps = [w.clone() for _, w, _, _ in mats]
         vecs = ref_vecs = None
         if case.get("spectral_norm"):
@@ -194,7 +200,7 @@ def step_values_and_collectives(ctx):
                     e = _rel(v.reshape(ref_vecs[k].shape), ref_vecs[k])
                     assert e < 2e-5, f"{label}: warm-start vector differs, relative error {e:.2e}"
         with ctx.soft(f"case {ci} collectives"):
-            rows = [(shape, d) for _, shape, d, _ in MATS if d == len(shape) - 2]
+            rows = [(shape, d) for _, shape, d, _ in MATS if d is not None and d == len(shape) - 2]
             cols = sum(math.prod(shape[:-2]) * shape[-1] for shape, _ in rows)
             scal = sum(math.prod(shape[:-2]) for shape, _ in rows)
             L = case["sinkhorn_iters"]
@@ -254,8 +260,8 @@ def fully_shard_mlp_training(ctx):
     """fully_shard on every Linear and the root: SinkGD (spectral "muon" with weight decay on
     the weights, AdamW on the biases as DTensors) trained 4 steps on the same batches as an
     unsharded replica: the same parameters. Then the optimizer's state_dict (warm-start
-    vectors, AdamW moments, step counts) loads into a new optimizer that continues exactly
-    like the original, and the step's collectives are the Sinkhorn and power iterations'
+    vectors, AdamW moments, step counts) loads into a new optimizer whose next step again
+    matches the replica's, and the step's collectives are the Sinkhorn and power iterations'
     all-reduces alone."""
     from torch.distributed.fsdp import fully_shard
     from torch_fused.optim import SinkGD
@@ -315,6 +321,53 @@ def fully_shard_mlp_training(ctx):
     ctx.done()
 
 
+class _TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 6)
+        self.body = torch.nn.Linear(6, 9)
+        self.lm_head = torch.nn.Linear(9, 10, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(torch.tanh(self.body(self.emb(ids))))
+
+
+@check()
+def fully_shard_param_groups(ctx):
+    """sinkgd_param_groups on a fully_shard model: the embedding and the head (2-D DTensors)
+    and the bias go to AdamW, the body's weight to SinkGD; 3 steps equal the unsharded
+    replica's, and only the body's weight makes collectives."""
+    from torch.distributed.fsdp import fully_shard
+    from torch_fused.optim import SinkGD, sinkgd_param_groups
+
+    torch.manual_seed(0)
+    model = _TinyLM()
+    replica = copy.deepcopy(model)
+    fully_shard(model.body, mesh=ctx.mesh)
+    fully_shard(model, mesh=ctx.mesh)
+    opt = SinkGD(sinkgd_param_groups(model, lr=1e-2), lr=0.5, sinkhorn_iters=2)
+    ref_opt = SinkGD(sinkgd_param_groups(replica, lr=1e-2), lr=0.5, sinkhorn_iters=2)
+    with ctx.soft("groups"):
+        assert [len(gr["params"]) for gr in opt.param_groups] == [1, 3], [len(gr["params"]) for gr in opt.param_groups]
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        ids = torch.randint(0, 10, (4, 5), generator=g)
+        tgt = torch.randint(0, 10, (4, 5), generator=g)
+        for m, o in ((model, opt), (replica, ref_opt)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), tgt.flatten()).backward()
+            with CollectiveCounter() as calls:
+                o.step()
+            if m is model:
+                with ctx.soft("collectives"):
+                    assert calls == [("all_reduce", 6)] * 2, calls
+    for (name, p), q in zip(model.named_parameters(), replica.parameters()):
+        with ctx.soft(name):
+            e = _rel(p.full_tensor(), q)
+            assert e < 1e-5, f"{name}: relative error {e:.2e}"
+    ctx.done()
+
+
 @check()
 def compiled_step(ctx):
     """torch.compile(opt.step) on sharded parameters (matrices and a 1-D AdamW parameter, uneven
@@ -326,9 +379,9 @@ def compiled_step(ctx):
     mats = _full_mats(3)
     results = []
     for compiled in (False, True):
-        ps = [torch.nn.Parameter(distribute_tensor(w.clone(), ctx.mesh, [Shard(d)])) for _, w, _, d in mats]
+        ps = [torch.nn.Parameter(_dist(w.clone(), ctx.mesh, d)) for _, w, _, d in mats]
         for p, (_, _, gr, d) in zip(ps, mats):
-            p.grad = distribute_tensor(gr, ctx.mesh, [Shard(d)])
+            p.grad = _dist(gr, ctx.mesh, d)
         bias = torch.nn.Parameter(distribute_tensor(torch.linspace(-1, 1, 7), ctx.mesh, [Shard(0)]))
         bias.grad = distribute_tensor(torch.linspace(2, -1, 7), ctx.mesh, [Shard(0)])
         ps.append(bias)  # AdamW on a DTensor
@@ -470,6 +523,10 @@ def test_stochastic_rounding_bits(group):
 
 def test_fully_shard_mlp_training(group):
     _assert_check(group, "fully_shard_mlp_training")
+
+
+def test_fully_shard_param_groups(group):
+    _assert_check(group, "fully_shard_param_groups")
 
 
 def test_compiled_step(group):

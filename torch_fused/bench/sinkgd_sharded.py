@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import time
@@ -168,11 +167,16 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
                   torch=torch.__version__, layers=layers, world=world, rank=0, params=n_params,
                   shapes=[list(s) for s in shapes], tiny=tiny, check={}, rows=[])
 
+    from torch_fused.optim import sharded
+
+    modes = ["compiled", "eager"] if dev.type == "cuda" else ["eager"]  # the chunk functions (sharded.py)
+
     # --- the sharded path at world 1 (whole matrices) against the fused step, one layer
     _init_fake_group(1)
     mesh = init_device_mesh(dev.type, (1,))
     k = len(LLAMA3_8B_LAYER)
-    for name in configs:
+    for mode, name in [(mo, na) for mo in modes for na in configs]:
+        sharded.COMPILE_CHUNKS = mode == "compiled"
         cfg = CONFIGS[name]
         a = [w.clone() for w in ws[:k]]
         b = [_shard(w, mesh, 0, 1) for w in ws[:k]]
@@ -184,7 +188,7 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
         sinkgd_step_sharded(b, bg, lr=lr, spectral_vecs=vb, step=step, **cfg)
         diff = sum(int((x.view(torch.int16) != y.to_local().view(torch.int16)).sum()) for x, y in zip(a, b))
         total = sum(x.numel() for x in a)
-        report["check"][name] = dict(bf16_entries_differing=diff, fraction=diff / total,
+        report["check"][f"{name}, {mode}"] = dict(bf16_entries_differing=diff, fraction=diff / total,
                                      max_ulps=max(_ulps_bf16(x, y.to_local()) for x, y in zip(a, b)))
         del a, b, bg
 
@@ -207,14 +211,19 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
         def shard():
             sinkgd_step_sharded(sp, sg, lr=lr, spectral_vecs=vs, step=step, **cfg)
 
+        sharded.COMPILE_CHUNKS = True
         with _Counter() as calls:
             shard()
         row = dict(config=name, **{k_: v for k_, v in cfg.items()})
         row["fused_full_ms"] = _time(fused, dev, warmup, reps)
         row["fused_full_kernel_ms"] = _kernel_ms(fused, dev)
-        row["shard_ms"] = _time(shard, dev, warmup, reps)
-        row["shard_kernel_ms"] = _kernel_ms(shard, dev)
-        row["shard_peak_extra_mb"] = _peak_extra_mb(shard, dev)
+        for mode in modes:
+            sharded.COMPILE_CHUNKS = mode == "compiled"
+            sfx = "" if mode == modes[0] else f"_{mode}"
+            row[f"shard{sfx}_ms"] = _time(shard, dev, warmup, reps)
+            row[f"shard{sfx}_kernel_ms"] = _kernel_ms(shard, dev)
+            row[f"shard{sfx}_peak_extra_mb"] = _peak_extra_mb(shard, dev)
+        sharded.COMPILE_CHUNKS = True
         row["fused_full_peak_extra_mb"] = _peak_extra_mb(fused, dev)
         row["collectives"] = len(calls)
         row["collective_ops"] = sorted({c for c, _ in calls})
@@ -223,6 +232,7 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
         row["shard_vs_fused_full"] = row["shard_ms"] / row["fused_full_ms"]
         row["shard_vs_fused_share"] = row["shard_ms"] / (row["fused_full_ms"] * local_params / n_params)
         report["rows"].append(row)
+    report["shard_modes"] = modes
     report["local_params"] = local_params
     report["columns"] = sum(n for _, _, n in shapes)
 
@@ -246,15 +256,18 @@ def markdown(r: dict) -> str:
              f"rank 0 holds {r['local_params'] / 1e6:.0f}M; sum of columns {r['columns']}.",
              "",
              "| config | fused, whole layers (ms) | kernels (ms) | sharded, rank 0 (ms) | kernels (ms) | "
-             "shard / fused | shard / fused's share | all-reduces | elements | peak extra MiB shard / fused |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "shard / fused | shard / fused's share | all-reduces | elements | peak extra MiB shard / fused "
+             "| sharded, eager chunks (ms) | kernels (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         lines.append(
             f"| {row['config']} | {f(row['fused_full_ms'])} | {f(row['fused_full_kernel_ms'])} | {f(row['shard_ms'])} "
             f"| {f(row['shard_kernel_ms'])} | {f(row['shard_vs_fused_full'])} | {f(row['shard_vs_fused_share'])} "
             f"| {row['collectives']} | {row['collective_elements']} | {f(row['shard_peak_extra_mb'], '{:.0f}')} / "
-            f"{f(row['fused_full_peak_extra_mb'], '{:.0f}')} |")
-    lines += ["", "\"fused's share\": the fused step's time times the rank's fraction of the parameters. "
+            f"{f(row['fused_full_peak_extra_mb'], '{:.0f}')} | {f(row.get('shard_eager_ms'))} "
+            f"| {f(row.get('shard_eager_kernel_ms'))} |")
+    lines += ["", f"Sharded step's chunk functions: {' and '.join(r['shard_modes'])} (first: the main columns). "
+              "\"fused's share\": the fused step's time times the rank's fraction of the parameters. "
               "Collectives are counted on rank 0 with the fake backend (each returns at once).", "",
               "Check, world 1 (whole matrices through the sharded path) against the fused step, one layer:", "",
               "| config | bf16 entries differing | fraction | max ulps |", "|---|---|---|---|"]
