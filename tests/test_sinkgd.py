@@ -666,3 +666,39 @@ def test_op_reuses_its_plans_and_keys_them_by_tile_settings(device, monkeypatch)
     for w, w0, g in zip(ws, before, gs):
         ref, _ = ref_sinkgd(w0.cpu(), g.cpu(), 0.1, iters=1)
         torch.testing.assert_close(w.cpu().double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_spectral_step_launches_do_not_grow_with_matrices(device, monkeypatch):
+    """The spectral step is multi-tensor like the rest: per power iteration one power row pass
+    per row-length class, one column and one normalization launch, whatever the number of
+    matrices (here 2, then 6, of the same two classes; the interpreter run also has wide ones)."""
+    if device == "cpu" and not INTERPRET:
+        pytest.skip("the CPU path is the reference implementation, not the kernels")
+    from torch_fused.kernels import sinkgd as K
+
+    counts: dict = {}
+
+    class Counting:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            counts[self.name] = counts.get(self.name, 0) + 1
+            return self.kernel[grid]
+
+    for name in ("_sinkgd_power_rows_kernel", "_sinkgd_power_tiles_kernel", "_sinkgd_power_cols_kernel",
+                 "_sinkgd_power_norm_kernel"):
+        monkeypatch.setattr(K, name, Counting(name, getattr(K, name)))
+    gen = torch.Generator().manual_seed(8)
+    per_size = []
+    for k in (1, 3):
+        shapes = [(7, 16), (5, 100)] * k
+        ws = [torch.randn(s, generator=gen).to(device) for s in shapes]
+        vs = [torch.nn.functional.normalize(torch.randn(1, s[-1], generator=gen), dim=1).to(device) for s in shapes]
+        counts.clear()
+        sinkgd_step(ws, [torch.randn(s, generator=gen).to(device) for s in shapes], lr=0.1, spectral_vecs=vs,
+                    sinkhorn_iters=1, spectral_norm=True, spectral_iters=2)
+        per_size.append(dict(counts))
+    assert per_size[0] == per_size[1]
+    assert per_size[0]["_sinkgd_power_cols_kernel"] == 2 and per_size[0]["_sinkgd_power_norm_kernel"] == 2
