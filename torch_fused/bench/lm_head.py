@@ -7,8 +7,9 @@ returned gradients. Baseline in the same run: the materialized logits with the f
 op (shift-free rows), and where installed the peers: TRL's ``trl.kernels.ChunkedLogProbFunction``
 (with entropy, its trainer's chunk of 32768) and cut-cross-entropy's ``linear_cross_entropy``
 (per-token loss, no entropy; exact gradients with ``filter_eps=None``, and its default filtered
-ones). A frozen head (d hidden only) is timed against its two GEMMs. ``--sweep`` times the
-chunk sizes (ops/linear_logprobs.py: CHUNK_BYTES, DLOGITS_BYTES, the minimum columns).
+ones; the filter skips little on these random logits of spread ~2). A frozen head (d hidden
+only) is timed against its two GEMMs. ``--sweep`` times the ways of making the logits
+(ops/linear_logprobs.py, FUSED_GEMM and TMA; the GEMM tiles of kernels/lm_head.py).
 ``python -m torch_fused.bench.lm_head --cpu-memory`` measures the peak RSS growth of a CPU
 forward+backward in a fresh process instead.
 """

@@ -3,31 +3,41 @@
 Log-probs at ``index`` and the entropy of ``softmax(z / T)``, z = softcap(logit_scale *
 (hidden @ weight.T + bias)), without ever holding the [N, V] logits:
 
-- Forward: vocabulary chunks over all N tokens (a token chunk would re-read the whole weight
-  per chunk: at N = 8192, V = 151936 that made the forward memory-bound on the weight, 2.1x
-  one GEMM). Each chunk's logits [N, v] come from one GEMM with fp32 output (cuBLAS
-  accumulates bf16/fp16 products in fp32; ``torch.mm(..., out_dtype=torch.float32)``) and go
-  through one kernel (kernels/logprobs.py, _chunk_merge_kernel) that folds the chunk's row
-  statistics (max, sum of exponentials, entropy sum, the indexed logit) into running ones, as
-  the log-prob kernels fold their tile rows. Saved for the
-  backward: the row max and log2 of the sum (the kernels' stats) and the entropy, O(N).
-- Backward: vocabulary chunks over all N tokens. A chunk's logits [N, v] are recomputed, the
-  log-prob backward kernel turns them into d logits (rounded once to the weight's dtype, as a
-  materialized path rounds them) with the whole rows' statistics, and
-  d weight[v0:v1] = d logits^T @ hidden is one GEMM over all tokens, finished in one pass with
-  fp32 accumulation inside the GEMM (no fp32 [V, H] accumulator). d hidden += d logits @
-  weight[v0:v1] accumulates in an fp32 [N, H] buffer. On the Triton path (bf16 / fp16 weight,
-  no softcap) d logits are written over their own fp32 logits chunk. Narrower chunks (fp32
-  logits pieces that stay in L2) were slower: ``python -m torch_fused.bench --sweep --only
-  lm_head``.
-  A gradient autograd does not need (a frozen head's weight, the hidden states
-  of a detached input) is not computed: no d weight GEMM, or no d hidden GEMM.
+- Triton path, bf16 / fp16 weights without a softcap (``FUSED_GEMM``): the logits never reach
+  memory. Each GEMM tile z = hidden[rows] @ weight[cols]^T (fp32 accumulation; operands read
+  by TMA on Hopper and later, one persistent program per multiprocessor) is consumed in its
+  kernel's epilogue (kernels/lm_head.py). Forward: the tile's row statistics (max, sum of
+  exponentials, entropy sum, the indexed logits), folded over the column tiles here.
+  Backward: the tile's d logits from the whole rows' statistics, stored once in the weight's
+  dtype into a vocabulary chunk [N, v] (``CHUNK_BYTES`` of fp32, so v is twice as wide in
+  bf16) that the d weight and d hidden GEMMs (cuBLAS) read. On an H200 this is 1.03-1.08x one
+  GEMM forward and 1.42-1.45x the three GEMMs forward+backward, where cuBLAS GEMMs into fp32
+  chunks and the statistics kernels take 1.09-1.17x and 1.50-1.54x (``python -m
+  torch_fused.bench --sweep --only lm_head``).
+- Otherwise, forward: vocabulary chunks over all N tokens (a token chunk would re-read the
+  whole weight per chunk: at N = 8192, V = 151936 that made the forward memory-bound on the
+  weight, 2.1x one GEMM). Each chunk's logits [N, v] come from one GEMM with fp32 output
+  (``torch.mm(..., out_dtype=torch.float32)`` on CUDA) and go through one kernel
+  (kernels/logprobs.py, _chunk_merge_kernel) that folds the chunk's row statistics (max, sum
+  of exponentials, entropy sum, the indexed logit) into running ones, as the log-prob kernels
+  fold their tile rows. Saved for the backward: the row max and log2 of the sum (the
+  kernels' stats) and the entropy, O(N).
+- Otherwise, backward: vocabulary chunks over all N tokens. A chunk's logits [N, v] are
+  recomputed and the log-prob backward kernel turns them into d logits (rounded once to the
+  weight's dtype, as a materialized path rounds them; on the Triton path written over their
+  own fp32 chunk) with the whole rows' statistics.
+- Both: d weight[v0:v1] = d logits^T @ hidden is one GEMM over all tokens, finished in one
+  pass with fp32 accumulation inside the GEMM (no fp32 [V, H] accumulator); d hidden +=
+  d logits @ weight[v0:v1] accumulates in an fp32 [N, H] buffer. A gradient autograd does not
+  need (a frozen head's weight, the hidden states of a detached input) is not computed: no
+  d weight GEMM, or no d hidden GEMM.
 - ``logit_scale`` folds into the temperature (T / logit_scale) unless a softcap is set; the
   softcap c tanh(y / c) is applied to the fp32 chunk, and its derivative 1 - tanh^2 to d z.
 
-Extra memory is the chunk buffers (``CHUNK_BYTES``) plus the fp32 d hidden accumulator. The
-same driver runs the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1) and the
-plain-PyTorch reference (every other device).
+Extra memory is the chunk buffer (``CHUNK_BYTES``) plus the fp32 d hidden accumulator, and on
+the fused path the forward's tile statistics (``PART_BYTES`` at most). The same driver runs the
+Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1) and the plain-PyTorch reference (every
+other device).
 """
 
 from __future__ import annotations
