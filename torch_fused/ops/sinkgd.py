@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import threading
 
 import torch
 
@@ -217,19 +218,17 @@ class _HostStaging:
 
 
 _STAGING = _HostStaging()
-_SIDE_STREAMS: dict = {}
-
-
 def _device_tensor(values, dtype, dev, persistent=True) -> torch.Tensor:
     """A device tensor of host values (a plan's work table or lr factors).
 
     - Under CUDA-graph capture (torch.compile's mode="reduce-overhead", or a user's capture):
       copied without a host sync from pinned memory that stays allocated (_HostStaging); the
       device tensor belongs to the call (the capture's pool) and is never cached.
-    - persistent (a plan a cache keeps), on CUDA: allocated and filled on a side stream, so it
-      never lands in a CUDA-graph memory pool that routes the current stream's allocations
-      (torch.compile's graph warm-up runs in one, and a tensor kept from there breaks its
-      checks), then marked as used by the current stream.
+    - persistent (a plan a cache keeps), on CUDA: allocated and filled by a helper thread.
+      torch.compile's CUDA-graph warm-up runs the step with every allocation of the calling
+      thread routed into the graphs' memory pool, and a tensor kept from there breaks its
+      checks; another thread's allocations go to the ordinary pool. The tensor is then marked
+      as used by the calling thread's current stream.
     - otherwise an ordinary copy."""
     host = torch.tensor(values, dtype=dtype)
     if dev.type != "cuda":
@@ -241,11 +240,21 @@ def _device_tensor(values, dtype, dev, persistent=True) -> torch.Tensor:
     _STAGING.reserve()
     if not persistent:
         return host.to(dev)
-    side = _SIDE_STREAMS.get(dev)
-    if side is None:
-        side = _SIDE_STREAMS[dev] = torch.cuda.Stream(dev)
-    with torch.cuda.stream(side):
-        out = host.to(dev)  # a synchronous copy: done when it returns
+    made: list = []
+
+    def copy():
+        try:
+            with torch.cuda.device(dev):
+                made.append(host.to(dev))  # a synchronous copy: done when it returns
+        except BaseException as e:  # raised again in the calling thread
+            made.append(e)
+
+    worker = threading.Thread(target=copy)
+    worker.start()
+    worker.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    out = made[0]
     out.record_stream(torch.cuda.current_stream(dev))
     return out
 
