@@ -67,7 +67,7 @@ def run(report, copy_gbps, quick=False):
         adam.step()  # initialize the state outside the timing
         adam_ms = bench_ms(adam.step)
         rows = [("torch AdamW fused", adam_ms, peak_extra_mb(adam.step), None)]
-        del adam  # its moments: room for the 4-layer set's SinkGD runs
+        del adam  # its moments are not needed past this point
         torch.cuda.empty_cache()
         for label, kw, bar in CONFIGS:
             opt = SinkGD(params, lr=torch.tensor(1e-3, device="cuda"), **kw)
