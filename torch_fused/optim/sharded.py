@@ -413,12 +413,9 @@ def sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05,
             raise ValueError(f"spectral_vecs: expected one vector per parameter ({len(params)}), got {len(vecs)}")
         if spectral_iters < 1:
             raise ValueError(f"spectral_iters: expected >= 1, got {spectral_iters}")
-        check_sharded_vecs(params, vecs)
     if not params:
         return
-    if salts is None:
-        salts = update_salts(params, grads)
-    mats = []
+    infos = []
     for i, (p, g) in enumerate(zip(params, grads)):
         if not is_dtensor(p):
             raise ValueError(f"params[{i}]: expected a DTensor, got a {type(p).__name__}")
@@ -426,7 +423,13 @@ def sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05,
             raise ValueError(f"params[{i}]: SinkGD needs a matrix [..., m, n], got shape {tuple(p.shape)}")
         if p.dtype not in PARAM_DTYPES:
             raise ValueError(f"params[{i}]: expected a floating dtype, got {p.dtype}")
-        info = shard_info(p, g, i)
+        infos.append(shard_info(p, g, i))
+    if spectral_norm:
+        check_sharded_vecs(params, vecs)
+    if salts is None:
+        salts = update_salts(params, grads)
+    mats = []
+    for i, (p, g, info) in enumerate(zip(params, grads, infos)):
         if p.numel() == 0:
             continue
         w = p.to_local()
