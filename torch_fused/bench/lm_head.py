@@ -9,7 +9,8 @@ op (shift-free rows), and where installed the peers: TRL's ``trl.kernels.Chunked
 (per-token loss, no entropy; exact gradients with ``filter_eps=None``, and its default filtered
 ones; the filter skips little on these random logits of spread ~2). A frozen head (d hidden
 only) is timed against its two GEMMs. ``--sweep`` times the ways of making the logits
-(ops/linear_logprobs.py, FUSED_GEMM and TMA; the GEMM tiles of kernels/lm_head.py).
+(ops/linear_logprobs.py, FUSED_GEMM and TMA; the GEMM tiles of kernels/lm_head.py) and the
+chunk sizes.
 ``python -m torch_fused.bench.lm_head --cpu-memory`` measures the peak RSS growth of a CPU
 forward+backward in a fresh process instead.
 """
@@ -115,11 +116,12 @@ def run(report, copy_gbps, quick=False):
 
 
 # Settings tried by --sweep: (passes with the logits GEMM in the Triton kernels, TMA on, tiles
-# (BM, BN, BK, GROUP_M, warps, stages) of the forward, of the backward)
-_T3, _T4, _T5 = (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3)
-SWEEP = [((), True, _T3, _T3), (("forward",), True, _T3, _T3), (("forward", "backward"), True, _T3, _T3),
-         (("forward", "backward"), True, _T3, _T4), (("forward", "backward"), True, _T3, _T5),
-         (("forward", "backward"), False, _T3, _T3)]
+# (BM, BN, BK, GROUP_M, warps, stages) of the forward, of the backward, CHUNK_BYTES in MiB,
+# MIN_COLS)
+_T3, _T5 = (128, 256, 64, 8, 8, 3), (256, 128, 64, 8, 8, 3)
+_BOTH = ("forward", "backward")
+SWEEP = [((), True, _T3, _T3, 128, 2048), (_BOTH, True, _T3, _T3, 128, 2048), (_BOTH, True, _T3, _T3, 160, 2048),
+         (_BOTH, True, _T3, _T3, 128, 4096), (_BOTH, True, _T3, _T3, 128, 8192), (_BOTH, True, _T3, _T5, 128, 2048)]
 
 
 def sweep(copy_gbps, shape=None):
@@ -129,7 +131,7 @@ def sweep(copy_gbps, shape=None):
 
     res = []
     shapes = [tuple(shape)] if shape else SHAPES
-    saved = (set(LL.FUSED_GEMM), dict(KL.CONFIG), LL.TMA)
+    saved = (set(LL.FUSED_GEMM), dict(KL.CONFIG), LL.TMA, dict(LL.CHUNK_BYTES), dict(LL.MIN_COLS))
     try:
         for n, hd, v in shapes:
             g = torch.Generator(device="cuda").manual_seed(0)
@@ -151,11 +153,13 @@ def sweep(copy_gbps, shape=None):
                 return torch.autograd.grad(lp.sum() + ent.sum(), (h, w))
 
             ref = None
-            for passes, tma, t_fwd, t_bwd in SWEEP:
+            for passes, tma, t_fwd, t_bwd, chunk_mib, min_cols in SWEEP:
                 LL.FUSED_GEMM = set(passes)
                 LL.TMA = tma
                 KL.CONFIG = {"stats": t_fwd, "dlogits": t_bwd, "stats_tma": t_fwd, "dlogits_tma": t_bwd}
-                cfg = (passes, tma, t_fwd, t_bwd)
+                LL.CHUNK_BYTES["cuda"] = chunk_mib << 20
+                LL.MIN_COLS["cuda"] = min_cols
+                cfg = (passes, tma, t_fwd, t_bwd, chunk_mib, min_cols)
                 try:
                     out = fwdbwd()
                     lp = fwd()[0]
@@ -173,7 +177,8 @@ def sweep(copy_gbps, shape=None):
                 except Exception as e:  # a tile setting that does not compile or fit
                     print(f"N{n} H{hd} V{v} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     continue
-                r = dict(shape=f"N{n} H{hd} V{v}", fused=passes, tma=tma, tiles_fwd=t_fwd, tiles_bwd=t_bwd, fwd_ms=f, fwd_x_gemm=f / gemm1, fwdbwd_ms=fb,
+                r = dict(shape=f"N{n} H{hd} V{v}", fused=passes, tma=tma, tiles_fwd=t_fwd, tiles_bwd=t_bwd,
+                         chunk_mib=chunk_mib, min_cols=min_cols, fwd_ms=f, fwd_x_gemm=f / gemm1, fwdbwd_ms=fb,
                          fwdbwd_x_gemm=fb / gemm3, peak_extra_mib=pk, max_diff_vs_first=err)
                 res.append(r)
                 print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
@@ -181,7 +186,10 @@ def sweep(copy_gbps, shape=None):
             del h, w, hb, wb, idx, ref
             torch.cuda.empty_cache()
     finally:
-        LL.FUSED_GEMM, KL.CONFIG, LL.TMA = saved
+        LL.FUSED_GEMM, KL.CONFIG, LL.TMA = saved[:3]
+        for d, old in zip((LL.CHUNK_BYTES, LL.MIN_COLS), saved[3:]):
+            d.clear()
+            d.update(old)
     return res
 
 

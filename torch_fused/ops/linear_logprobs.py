@@ -93,10 +93,18 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, acc fp32 (or fp64): on CUDA one GEMM that adds into acc in place."""
+def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool = False) -> None:
+    """acc += a @ b (first: acc = a @ b, acc never read), acc fp32 (or fp64): on CUDA one GEMM
+    that writes or adds into acc in place."""
     if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _HAS_MM_OUT_DTYPE:
-        torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
+        if first and hasattr(torch.ops.aten.mm, "dtype_out"):
+            torch.ops.aten.mm.dtype_out(a, b, torch.float32, out=acc)
+        elif first:
+            acc.copy_(torch.mm(a, b, out_dtype=torch.float32))
+        else:
+            torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
+    elif first:
+        acc.copy_(_mm_f32(a, b))
     else:
         acc += _mm_f32(a, b)
 
@@ -367,8 +375,9 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
     n, v = h2.shape[0], weight.shape[0]
     v_total = v if v_total is None else v_total
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    dh = torch.zeros(n if hidden_grad else 0, h2.shape[1], dtype=acc, device=hidden.device)
+    dh = torch.empty(n if hidden_grad else 0, h2.shape[1], dtype=acc, device=hidden.device)
     if n == 0 or v == 0 or (grad_logp is None and grad_entropy is None):
+        dh.zero_()
         dw.zero_()
         db.zero_()
         return dh, dw, db
@@ -415,7 +424,7 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
         if weight_grad:
             torch.mm(dz.t(), hm, out=dw[v0:v1]) if dw.dtype == dz.dtype else dw[v0:v1].copy_(dz.t() @ hm)
         if hidden_grad:
-            _addmm_f32_(dh, dz, w[v0:v1])
+            _addmm_f32_(dh, dz, w[v0:v1], first=v0 == 0)
         if bias is not None:
             db[v0:v1] = dz.sum(0, dtype=acc).to(db.dtype)
         del dz  # (on CUDA it holds the chunk's memory: free it before the next chunk's GEMM)
