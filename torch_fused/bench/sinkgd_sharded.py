@@ -27,6 +27,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps: int = 5, warmup: int = 2,
-        configs=tuple(CONFIGS)) -> dict:
+        configs=tuple(CONFIGS), modes=None) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from torch_fused.optim import SinkGDCache, sinkgd_step
@@ -169,7 +170,8 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
 
     from torch_fused.optim import sharded
 
-    modes = ["compiled", "eager"] if dev.type == "cuda" else ["eager"]  # the chunk functions (sharded.py)
+    if modes is None:  # the chunk functions (sharded.py): compiled on CUDA only
+        modes = ["compiled", "eager"] if dev.type == "cuda" else ["eager"]
 
     # --- the sharded path at world 1 (whole matrices) against the fused step, one layer
     _init_fake_group(1)
@@ -185,11 +187,17 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
         vb = [_warm_start(w) for w in a] if cfg.get("spectral_norm") else None
         step = torch.tensor(1.0, device=dev)
         sinkgd_step(a, gs[:k], lr=lr, spectral_vecs=va, step=step, **cfg)
-        sinkgd_step_sharded(b, bg, lr=lr, spectral_vecs=vb, step=step, **cfg)
+        try:
+            sinkgd_step_sharded(b, bg, lr=lr, spectral_vecs=vb, step=step, **cfg)
+        except Exception as e:  # recorded: the timing below still runs
+            report["check"][f"{name}, {mode}"] = dict(error=f"{type(e).__name__}: {e}"[:2000])
+            continue
         diff = sum(int((x.view(torch.int16) != y.to_local().view(torch.int16)).sum()) for x, y in zip(a, b))
         total = sum(x.numel() for x in a)
         report["check"][f"{name}, {mode}"] = dict(bf16_entries_differing=diff, fraction=diff / total,
-                                     max_ulps=max(_ulps_bf16(x, y.to_local()) for x, y in zip(a, b)))
+                                                  max_ulps=max(_ulps_bf16(x, y.to_local()) for x, y in zip(a, b)))
+        print(f"[sinkgd_sharded] check {name} {mode}: {report['check'][f'{name}, {mode}']}", file=sys.stderr,
+              flush=True)
         del a, b, bg
 
     # --- rank 0 of `world`: its row shards; collectives are the fake backend's no-ops
@@ -220,17 +228,26 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
         for mode in modes:
             sharded.COMPILE_CHUNKS = mode == "compiled"
             sfx = "" if mode == modes[0] else f"_{mode}"
-            row[f"shard{sfx}_ms"] = _time(shard, dev, warmup, reps)
-            row[f"shard{sfx}_kernel_ms"] = _kernel_ms(shard, dev)
-            row[f"shard{sfx}_peak_extra_mb"] = _peak_extra_mb(shard, dev)
+            try:
+                row[f"shard{sfx}_ms"] = _time(shard, dev, warmup, reps)
+                row[f"shard{sfx}_kernel_ms"] = _kernel_ms(shard, dev)
+                row[f"shard{sfx}_peak_extra_mb"] = _peak_extra_mb(shard, dev)
+            except Exception as e:  # recorded: the other rows still come out
+                row[f"shard{sfx}_error"] = f"{type(e).__name__}: {e}"[:2000]
+                row.setdefault(f"shard{sfx}_ms", None)
+                row.setdefault(f"shard{sfx}_kernel_ms", None)
+                row.setdefault(f"shard{sfx}_peak_extra_mb", None)
+            print(f"[sinkgd_sharded] {name} {mode}: {row.get(f'shard{sfx}_ms')} ms", file=sys.stderr, flush=True)
         sharded.COMPILE_CHUNKS = True
         row["fused_full_peak_extra_mb"] = _peak_extra_mb(fused, dev)
         row["collectives"] = len(calls)
         row["collective_ops"] = sorted({c for c, _ in calls})
         row["collective_elements"] = sum(n for _, n in calls)
         row["collective_elements_per_call"] = [n for _, n in calls]
-        row["shard_vs_fused_full"] = row["shard_ms"] / row["fused_full_ms"]
-        row["shard_vs_fused_share"] = row["shard_ms"] / (row["fused_full_ms"] * local_params / n_params)
+        ok = row["shard_ms"] is not None
+        row["shard_vs_fused_full"] = row["shard_ms"] / row["fused_full_ms"] if ok else None
+        row["shard_vs_fused_share"] = (row["shard_ms"] / (row["fused_full_ms"] * local_params / n_params)
+                                       if ok else None)
         report["rows"].append(row)
     report["shard_modes"] = modes
     report["local_params"] = local_params
@@ -272,7 +289,13 @@ def markdown(r: dict) -> str:
               "Check, world 1 (whole matrices through the sharded path) against the fused step, one layer:", "",
               "| config | bf16 entries differing | fraction | max ulps |", "|---|---|---|---|"]
     for name, c in r["check"].items():
-        lines.append(f"| {name} | {c['bf16_entries_differing']} | {c['fraction']:.2e} | {c['max_ulps']} |")
+        if "error" in c:
+            lines.append(f"| {name} | error: {c['error'][:200]} | | |")
+        else:
+            lines.append(f"| {name} | {c['bf16_entries_differing']} | {c['fraction']:.2e} | {c['max_ulps']} |")
+    errors = [(row["config"], k_, v) for row in r["rows"] for k_, v in row.items() if k_.endswith("_error")]
+    if errors:
+        lines += ["", "Errors:", ""] + [f"- {c} {k_}: {v[:300]}" for c, k_, v in errors]
     return "\n".join(lines) + "\n"
 
 
