@@ -631,11 +631,19 @@ def test_spectral_step_with_non_contiguous_vector(device):
     torch.testing.assert_close(v.cpu().double(), ref_v, rtol=1e-4, atol=1e-5)
 
 
-def test_spectral_vector_on_another_device_raises():
-    w = torch.randn(4, 4)
-    v = torch.ones(1, 4, device="meta")
-    with pytest.raises(RuntimeError, match=r"spectral_vecs\[0\]: device meta differs from its parameter's cpu"):
-        sinkgd_step([w], [torch.randn_like(w)], lr=0.1, spectral_vecs=[v], spectral_norm=True)
+def test_bad_spectral_vectors_raise():
+    """A vector of the wrong shape, dtype or device is named, not read out of bounds."""
+    w = [torch.randn(4, 4), torch.randn(2, 3, 5)]
+    g = [torch.randn_like(x) for x in w]
+    good = [torch.ones(1, 4) / 2, torch.ones(2, 5)]
+    for i, bad, what in [(0, torch.ones(1, 4, device="meta"), r"device meta differs from its parameter's cpu"),
+                         (1, torch.ones(1, 5), r"expected float32 of shape \(2, 5\), got torch.float32 \(1, 5\)"),
+                         (1, torch.ones(2, 4), r"expected float32 of shape \(2, 5\)"),
+                         (0, torch.ones(1, 4, dtype=torch.float64), r"expected float32 of shape \(1, 4\), got torch.float64")]:
+        vecs = list(good)
+        vecs[i] = bad
+        with pytest.raises(RuntimeError, match=rf"spectral_vecs\[{i}\]: {what}"):
+            sinkgd_step(w, g, lr=0.1, spectral_vecs=vecs, spectral_norm=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

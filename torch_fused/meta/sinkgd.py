@@ -19,6 +19,14 @@ def _all_valid(params, grads) -> bool:
                for p, g in zip(params, grads))
 
 
+def _vecs_valid(params, spectral_vecs) -> bool:
+    """Whether every spectral vector is float32 [B, n] on its parameter's device (one pass)."""
+    f32 = torch.float32
+    return all(v.dtype == f32 and v.dim() == 2 and v.shape[1] == p.shape[-1] and v.device == p.device
+               and v.shape[0] * p.shape[-2] * p.shape[-1] == p.numel()
+               for p, v in zip(params, spectral_vecs))
+
+
 def check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
                  spectral_iters, eps, seed) -> None:
     check(len(params) == len(grads),
@@ -33,7 +41,7 @@ def check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm
         check(len(spectral_vecs) == len(params),
               lambda: f"spectral_vecs: expected one vector per parameter ({len(params)}), got {len(spectral_vecs)}")
         check(spectral_iters >= 1, lambda: f"spectral_iters: expected >= 1, got {spectral_iters}")
-    if not spectral_norm and _all_valid(params, grads):
+    if _all_valid(params, grads) and (not spectral_norm or _vecs_valid(params, spectral_vecs)):
         return  # the common case, checked in one pass; the loop below names what is wrong
     for i, (p, g) in enumerate(zip(params, grads)):
         check(p.dim() >= 2, lambda: f"params[{i}]: SinkGD needs a matrix [..., m, n], got shape {tuple(p.shape)}")
