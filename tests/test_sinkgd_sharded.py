@@ -8,17 +8,20 @@ reported as its own test. Every rank compares with the single-device step on the
 matrices (computed in the same process):
 
 - values: plain and spectral ("unit", "muon") steps, fp32 (to ~1e-5) and bf16 (to rounding),
-  a Shard(0) batch [B, m, n] and a Shard(1) row split of [B, m, n];
+  a Shard(0) batch [B, m, n], a Shard(1) row split of [B, m, n], a Replicate() matrix, a zero
+  row and column; bf16 with stochastic rounding against the interpreted update kernel;
 - what the collectives carry, counted by a TorchDispatchMode over the c10d functional ops:
   one all-reduce per Sinkhorn iteration and per power iteration, of exactly the column
   partials (and the spectral scalars);
 - a fully_shard MLP (3 Linear layers with biases) trained against an unsharded replica,
-  the optimizer's state_dict round trip, torch.compile of the step;
+  the optimizer's state_dict round trip; sinkgd_param_groups on a fully_shard model (2-D
+  DTensors through AdamW); torch.compile of the step;
 - clear errors for placements the sharded step does not take.
 
 Single-process tests (no group): the update kernel's random bits reproduced by the sharded
-path's PyTorch Philox, checked against the Triton kernel where it runs (the interpreter run on
-CPU, and CUDA).
+path's PyTorch Philox, and its update of row slices, checked against the Triton kernels where
+they run (the interpreter run on CPU, and CUDA); load_state_dict keeps the warm-start vectors
+float32.
 """
 
 from __future__ import annotations
