@@ -186,8 +186,8 @@ class _HostStaging:
     The capture records each table's copy as a memcpy node that reads this memory again at
     every replay, so a table's slice is written once and never reused or freed (the arenas live
     as long as the process; a table captured again reuses its slice). Arenas are allocated
-    outside captures (``reserve``, called whenever a plan is built outside one), since
-    allocating pinned memory inside a capture is not reliably supported."""
+    outside captures (``reserve``, called whenever a plan is built outside one), so that a
+    capture normally allocates no pinned memory."""
 
     ARENA_BYTES = 1 << 20
 
@@ -218,18 +218,19 @@ class _HostStaging:
 
 
 _STAGING = _HostStaging()
-def _device_tensor(values, dtype, dev, persistent=True) -> torch.Tensor:
+
+
+def _device_tensor(values, dtype, dev) -> torch.Tensor:
     """A device tensor of host values (a plan's work table or lr factors).
 
     - Under CUDA-graph capture (torch.compile's mode="reduce-overhead", or a user's capture):
       copied without a host sync from pinned memory that stays allocated (_HostStaging); the
       device tensor belongs to the call (the capture's pool) and is never cached.
-    - persistent (a plan a cache keeps), on CUDA: allocated and filled by a helper thread.
+    - otherwise, on CUDA (a plan a cache keeps): allocated and filled by a helper thread.
       torch.compile's CUDA-graph warm-up runs the step with every allocation of the calling
       thread routed into the graphs' memory pool, and a tensor kept from there breaks its
       checks; another thread's allocations go to the ordinary pool. The tensor is then marked
-      as used by the calling thread's current stream.
-    - otherwise an ordinary copy."""
+      as used by the calling thread's current stream."""
     host = torch.tensor(values, dtype=dtype)
     if dev.type != "cuda":
         return host.to(dev)
@@ -238,8 +239,6 @@ def _device_tensor(values, dtype, dev, persistent=True) -> torch.Tensor:
         out.copy_(_STAGING.table(host), non_blocking=True)
         return out
     _STAGING.reserve()
-    if not persistent:
-        return host.to(dev)
     made: list = []
 
     def copy():
