@@ -23,6 +23,18 @@ column partials that the same column scale launch finishes.
 - ``_sinkgd_update_kernel``: W <- W - coef_x[b] * r_i c_j G_ij - coef_w * W in fp32, stored in
   W's dtype, optionally with stochastic rounding to bf16.
 
+The spectral step (power iteration on X with the final r and c, warm-started from v) adds per
+power iteration one more pass over G and two small launches:
+
+- ``_sinkgd_power_rows_kernel`` (the row pass's programs and tiles): u_i = r_i sum_j G_ij c_j v_j
+  from the rows a program holds, then G_ij (r_i u_i) into per-program column partials and
+  sum u_i^2 into one |u|^2 partial per program. Wider matrices: ``_sinkgd_power_tiles_kernel``,
+  AXIS=0 row partials of G (c v), AXIS=1 u and the column partials.
+- ``_sinkgd_power_cols_kernel``: w_j = c_j sum(partials of j) / max(|u|, eps) = (X^T u)_j with
+  u normalized, written into v, and per-block partials of |w|^2.
+- ``_sinkgd_power_norm_kernel``: sigma = |w|, v <- w / max(sigma, eps), and the scale
+  target / max(sigma, eps) that the update kernel applies (HAS_SPEC).
+
 Vector loads. The row length n and the matrix addresses come from the work table at run time,
 so the compiler cannot see that rows start 16-byte aligned and would load G one element at a
 time. Where every matrix of a launch has n a multiple of ALIGN (16 bytes' worth of the narrowest
@@ -30,9 +42,9 @@ G/W element) and 16-byte aligned G and W, the launcher passes ALIGN and the kern
 and the base pointers with tl.multiple_of, which gives 16-byte loads (else ALIGN = 1: no claim).
 The hints sit in the kernel bodies: a value returned from a @triton.jit helper loses them.
 
-Work lists: an int64 table ``meta`` [n_mats, META_COLS] holds each matrix's addresses, sizes and
-offsets into the concatenated r / c / partials buffers; ``first`` [n_mats + 1] holds the first
-program id of each matrix in one launch. A program finds its matrix by binary search over
+Work lists: an int64 table ``meta`` [n_mats, META_COLS] holds each matrix's addresses (its
+spectral vector's too), sizes and offsets into the concatenated r / c / partials buffers;
+``first`` [n_mats + 1] holds the first program id of each matrix in one launch. A program finds its matrix by binary search over
 ``first`` and its tile from the remainder. Every launch gets its own (meta, first) pair over
 the matrices it covers (ops/sinkgd.py::_Plan builds them once per set of parameters).
 """
