@@ -193,6 +193,36 @@ class SinkGD(Optimizer):
             capturable=on_cuda and compiling,  # step counts stay on the device: no sync in a graph
             differentiable=False, has_complex=False)
 
+    def _init_group(self, group, mats, grads, vecs, small, steps):
+        """Sorts the group's parameters that have a gradient into mats, grads and vecs (SinkGD;
+        steps: the group's step count) and small (AdamW), creating the state they lack. Under
+        torch.compile this runs eagerly (as torch.optim's own ``_init_group``), so the state
+        tensors are ordinary allocations with static addresses, not outputs of a compiled
+        graph, which inductor's CUDA graphs would keep in their memory pool."""
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            st = self.state[p]
+            if p.dim() < 2 or group["use_fallback"]:
+                small.append(p)
+                if "exp_avg" not in st:
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                continue
+            mats.append(p)
+            grads.append(p.grad)
+            if group["spectral_norm"]:
+                if "spectral_v" not in st:
+                    st["spectral_v"] = _warm_start(p)
+                vecs.append(st["spectral_v"])
+        if mats:
+            st0 = self.state[mats[0]]
+            if "step" not in st0:  # drives the stochastic-rounding seed; float32 like torch's
+                st0["step"] = torch.zeros((), dtype=torch.float32, device=mats[0].device)
+            steps.append(st0["step"])
+        return False
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -201,30 +231,15 @@ class SinkGD(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr = group["lr"]
-            mats, grads, vecs, small = [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.dim() < 2 or group["use_fallback"]:
-                    small.append(p)
-                    continue
-                mats.append(p)
-                grads.append(p.grad)
-                if group["spectral_norm"]:
-                    st = self.state[p]
-                    if "spectral_v" not in st:
-                        st["spectral_v"] = _warm_start(p)
-                    vecs.append(self.state[p]["spectral_v"])
+            mats, grads, vecs, small, steps = [], [], [], [], []
+            self._init_group(group, mats, grads, vecs, small, steps)
             if mats:
-                st0 = self.state[mats[0]]
-                if "step" not in st0:  # drives the stochastic-rounding seed; float32 like torch's
-                    st0["step"] = torch.zeros((), dtype=torch.float32, device=mats[0].device)
-                st0["step"].add_(1)
+                steps[0].add_(1)
                 kw = dict(lr=lr, lr_scale=group["lr_scale"], weight_decay=group["weight_decay"], eps=group["eps"],
                           sinkhorn_iters=group["sinkhorn_iters"], spectral_norm=group["spectral_norm"],
                           spectral_target=group["spectral_target"], spectral_iters=group["spectral_iters"],
                           base_width=group["base_width"], width_exponent=group["width_exponent"],
-                          stochastic_round=group["stochastic_round"], step=st0["step"])
+                          stochastic_round=group["stochastic_round"], step=steps[0])
                 dt = [is_dtensor(p) for p in mats]
                 if any(dt):  # sharded matrices (FSDP2, DTensor): optim/sharded.py, a few small all-reduces
                     salts = sharded.update_salts(mats, grads)  # the seeds' salts the whole group would get
