@@ -34,9 +34,12 @@ def test_triton_matches_cpu_reference_large(spectral):
     vg = [v.cuda() for v in vs]
     sinkgd_step(wg, [g.cuda() if i != 1 else g.cuda().bfloat16() for i, g in enumerate(gs)], spectral_vecs=vg, **kw)
     for w, a, b, va, vb in zip(ws, wc, wg, vc, vg):
+        # the CPU path rounds the float64 result once: every GPU entry within one float32 ulp of
+        # it (the storage rounding, large next to an update of ~1e-3 |W|) plus 1e-5 of its update
         d_ref = a.double() - w.double()
-        d = b.cpu().double() - w.double()
-        assert ((d - d_ref).norm() / d_ref.norm()).item() < 1e-5
+        err = (b.cpu().double() - a.double()).abs()
+        bound = torch.finfo(torch.float32).eps * a.double().abs() + 1e-5 * d_ref.abs() + 1e-12
+        assert bool((err <= bound).all()), (err / bound).max().item()
         if spectral:
             assert ((vb.cpu() - va).norm() / va.norm()).item() < 1e-5
 
