@@ -35,8 +35,8 @@ def sinkgd_step(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05, weight_
     - ``step``: a 0-dim tensor, the step count that seeds stochastic rounding (None: 0).
     - ``cache``: a ``SinkGDCache`` that keeps the kernels' work plans (and on CUDA graphs of
       repeated steps) for the next call with the same tensors; ``SinkGD`` passes its own. Used
-      in eager calls only: without it, or under torch.compile, this calls the op, which builds
-      its plans each call.
+      in eager calls only: without it, or under torch.compile, this calls the op, which reuses
+      plans from a cache of its own (never CUDA graphs of its own).
 
     Returns None; ``params`` (and ``spectral_vecs``) are updated in place.
     """
