@@ -58,6 +58,7 @@ PYTEST_ARGS = ["-q", "-rfE", "-p", "no:cacheprovider", "-m", "not cuda", "--dese
 LOGPROBS_TESTS = ["tests/test_logprobs.py"]
 MASK_TESTS = ["tests/test_mask_reduce.py", "tests/test_masked.py"]
 SINKGD_TESTS = ["tests/test_sinkgd.py"]
+LM_HEAD_TESTS = ["tests/test_linear_logprobs.py"]
 
 
 @dataclasses.dataclass
@@ -239,6 +240,21 @@ MUTANTS: list[Mutant] = [
         "sinkgd-no-spectral-triton", "8 SinkGD spectral scale not applied", "torch_fused/kernels/sinkgd.py", TRITON,
         [("    if HAS_SPEC:\n        coef_x = coef_x * tl.load(p_spec + i_coef)\n", "")],
         SINKGD_TESTS,
+    ),
+    # 9. fused lm_head GEMM epilogues (kernels/lm_head.py): the bias left out of the logits tile
+    #    (forward and backward alike), and the entropy term of d logits with its sign flipped
+    Mutant(
+        "lm-head-no-bias-triton", "9 fused lm_head epilogue", "torch_fused/kernels/lm_head.py", TRITON,
+        [("    if HAS_BIAS:\n        acc += tl.load(p_b + o_n, mask=o_n < V, other=0.0).to(tl.float32)[None, :]\n"
+          "    z = tl.where((o_n < V)[None, :], acc, float(\"-inf\"))\n    return z, o_m, o_n\n",
+          "    z = tl.where((o_n < V)[None, :], acc, float(\"-inf\"))  # MUTANT: no bias\n    return z, o_m, o_n\n")],
+        LM_HEAD_TESTS,
+    ),
+    Mutant(
+        "lm-head-dlogits-entropy-sign-triton", "9 fused lm_head epilogue", "torch_fused/kernels/lm_head.py", TRITON,
+        [("    dz = -tl.exp2(d) * (a[:, None] + b[:, None] * tl.maximum(d, D_MIN))\n",
+          "    dz = -tl.exp2(d) * (a[:, None] - b[:, None] * tl.maximum(d, D_MIN))  # MUTANT\n")],
+        LM_HEAD_TESTS,
     ),
 ]
 
