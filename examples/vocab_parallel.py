@@ -74,7 +74,7 @@ def main() -> None:
     torch.testing.assert_close(lm_head.weight.grad.full_tensor(), single.weight.grad, **tol)
     if rank == 0:
         local_v = lm_head.weight.to_local().shape[0]
-        print(f"{world} ranks on {device}: each holds {local_v} of {v} vocabulary rows; logp {tuple(logp.shape)} "
+        print(f"{world} ranks on {device}: rank 0 holds {local_v} of {v} vocabulary rows; logp {tuple(logp.shape)} "
               f"{logp.placements}, d weight {lm_head.weight.grad.placements}; mean logp {logp.to_local().mean():.4f}, "
               f"mean entropy {ent.to_local().mean():.4f}: equal to the single-device ops")
     dist.destroy_process_group()
