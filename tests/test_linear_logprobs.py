@@ -61,12 +61,15 @@ def cases(draw):
     )
 
 
-@pytest.fixture(params=["fused-gemm", "cublas-chunks"], scope="module")
+@pytest.fixture(params=["fused-gemm", "cublas-chunks"] + (["fused-gemm-pointer-loads"] if torch.cuda.is_available() else []),
+                scope="module")
 def gemm_path(request):
-    """Both ways of making the logits on the Triton path: inside the kernels (kernels/lm_head.py)
-    and as fp32 GEMM chunks (ops/linear_logprobs.py, FUSED_GEMM)."""
+    """Each way of making the logits on the Triton path: inside the kernels (kernels/lm_head.py;
+    on a GPU with TMA, also their pointer-load versions) and as fp32 GEMM chunks
+    (ops/linear_logprobs.py, FUSED_GEMM)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(LL, "FUSED_GEMM", {"forward", "backward"} if request.param == "fused-gemm" else set())
+        mp.setattr(LL, "FUSED_GEMM", set() if request.param == "cublas-chunks" else {"forward", "backward"})
+        mp.setattr(LL, "TMA", request.param != "fused-gemm-pointer-loads")
         yield request.param
 
 

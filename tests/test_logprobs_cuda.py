@@ -81,12 +81,15 @@ def test_compiled_pg_step_shift_cuda():
         assert rel_err(dh, rdh) < 1e-2 and rel_err(dw, rdw) < 1e-2
 
 
-def test_linear_logprobs_default_chunks_cuda():
-    """The fused lm_head at a size with several chunks of the shipped budget, against the
-    materialized float64 path."""
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer-loads"])
+def test_linear_logprobs_default_chunks_cuda(tma, monkeypatch):
+    """The fused lm_head with the shipped tiles and chunk budget (several chunks), rows, columns
+    and H all ragged against the tiles, TMA and pointer-load kernels, against the materialized
+    float64 path."""
     from torch_fused.ops import linear_logprobs as LL
 
-    n, hd, v = 3000, 256, 50000
+    monkeypatch.setattr(LL, "TMA", tma)
+    n, hd, v = 3000, 264, 50000
     assert n * v * 4 > LL.CHUNK_BYTES["cuda"]  # several token chunks forward, vocabulary chunks backward
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(n, hd, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)

@@ -395,9 +395,9 @@ def compiled_step(ctx):
         results.append([p.full_tensor() for p in ps])
     for k, (a, b) in enumerate(zip(*results)):
         with ctx.soft(f"matrix {k}"):
-            # (the warm-start vectors are made inside the compiled graph: cos rounds differently)
-            e = _rel(a, b)
-            assert e < 1e-6, f"matrix {k}: compiled step differs, relative error {e:.2e}"
+            # the state (warm-start vectors included) is made eagerly (SinkGD._init_group) and
+            # DTensor steps run outside the graph: the same bits
+            assert torch.equal(a, b), f"matrix {k}: compiled step differs, relative error {_rel(a, b):.2e}"
     ctx.done()
 
 

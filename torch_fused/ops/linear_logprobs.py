@@ -10,10 +10,10 @@ Log-probs at ``index`` and the entropy of ``softmax(z / T)``, z = softcap(logit_
   exponentials, entropy sum, the indexed logits), folded over the column tiles here.
   Backward: the tile's d logits from the whole rows' statistics, stored once in the weight's
   dtype into a vocabulary chunk [N, v] (``CHUNK_BYTES`` of fp32, so v is twice as wide in
-  bf16) that the d weight and d hidden GEMMs (cuBLAS) read. On an H200 this is 1.03-1.08x one
-  GEMM forward and 1.42-1.45x the three GEMMs forward+backward, where cuBLAS GEMMs into fp32
-  chunks and the statistics kernels take 1.09-1.17x and 1.50-1.54x (``python -m
-  torch_fused.bench --sweep --only lm_head``).
+  bf16) that the d weight and d hidden GEMMs (cuBLAS) read. On an H200 this is 1.02-1.07x one
+  GEMM forward and 1.35-1.44x the three GEMMs forward+backward, where cuBLAS GEMMs into fp32
+  chunks and the statistics kernels take 1.11-1.15x and 1.45-1.53x in the same run (``python
+  -m torch_fused.bench --sweep --only lm_head``; docs/BENCHMARKS.md).
 - Otherwise, forward: vocabulary chunks over all N tokens (a token chunk would re-read the
   whole weight per chunk: at N = 8192, V = 151936 that made the forward memory-bound on the
   weight, 2.1x one GEMM). Each chunk's logits [N, v] come from one GEMM with fp32 output
@@ -67,7 +67,7 @@ MIN_COLS = {"cuda": 2048}
 # (kernels/lm_head.py) for bf16 / fp16 weights without a softcap; the others: cuBLAS GEMMs
 # into fp32 chunks, then the statistics / d logits kernels.
 FUSED_GEMM = {"forward", "backward"}
-# The forward's GEMM tiles read through TMA on Hopper and later.
+# The fused GEMMs' operands read through TMA on Hopper and later (see _use_tma).
 TMA = True
 # Bytes of the forward's per-tile statistics (3 floats per row and column tile) per launch.
 PART_BYTES = 64 << 20
@@ -204,11 +204,30 @@ def _fused_gemm(fn, w, softcap) -> bool:
             and softcap is None and w.dtype in (torch.bfloat16, torch.float16))
 
 
+def _has_tensor_descriptors() -> bool:
+    global _TENSOR_DESCRIPTORS
+    if _TENSOR_DESCRIPTORS is None:
+        try:
+            from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+
+            _TENSOR_DESCRIPTORS = True
+        except ImportError:  # an older Triton: the pointer-load kernels
+            _TENSOR_DESCRIPTORS = False
+    return _TENSOR_DESCRIPTORS
+
+
+_TENSOR_DESCRIPTORS = None
+
+
 def _use_tma(h2, w) -> bool:
-    """TMA operand loads (kernels/lm_head.py, _lm_head_stats_tma_kernel): on a CUDA device of
-    compute capability 9 or more, rows 16-byte aligned."""
-    return (TMA and h2.is_cuda and torch.cuda.get_device_capability(h2.device)[0] >= 9
-            and (h2.shape[1] * h2.element_size()) % 16 == 0 and h2.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+    """TMA operand loads (kernels/lm_head.py, the *_tma kernels): on a CUDA device of compute
+    capability 9 or more (not under the interpreter), with a Triton that has tensor
+    descriptors, unit last strides and 16-byte aligned rows and bases."""
+    es = h2.element_size()
+    return (TMA and h2.is_cuda and not INTERPRET and torch.cuda.get_device_capability(h2.device)[0] >= 9
+            and h2.stride(-1) == 1 and w.stride(-1) == 1
+            and (h2.stride(0) * es) % 16 == 0 and (w.stride(0) * es) % 16 == 0 and (h2.shape[1] * es) % 16 == 0
+            and h2.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and _has_tensor_descriptors())
 
 
 def _launch_args(h2, w, kernel):
@@ -241,7 +260,7 @@ def _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c):
         r1 = min(n, r0 + rows)
         part = torch.empty(3, r1 - r0, nt, dtype=torch.float32, device=h2.device)
         tiles = -(-(r1 - r0) // cfg["BM"]) * nt
-        b_ptr = bias if bias is not None else w
+        b_ptr = bias.contiguous() if bias is not None else w  # the kernels read it at unit stride
         if tma:
             K._lm_head_stats_tma_kernel[(min(sms, tiles),)](
                 TensorDescriptor.from_tensor(h2[r0:r1], [cfg["BM"], cfg["BK"]]), d_w, b_ptr, ids[r0:r1], part,
@@ -297,7 +316,7 @@ def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c):
     nt = -(-v // cfg["BN"])
     tiles = -(-n // cfg["BM"]) * nt
     k = ids.shape[1]
-    args = (bias if bias is not None else w, ids, g if g is not None else coef, coef, dz)
+    args = (bias.contiguous() if bias is not None else w, ids, g if g is not None else coef, coef, dz)
     flags = dict(HAS_BIAS=bias is not None, HAS_GLP=g is not None, EXACT_SHIFT=INTERPRET, BLOCK_K=k, **cfg)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
