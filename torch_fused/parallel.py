@@ -329,13 +329,16 @@ def linear_partials(hidden, weight, index, bias, temperature, shift, logit_scale
 
 
 def linear_backward(g_logp, g_ent, hidden, weight, index, bias, stats, ent, temperature, ignore_index, shift,
-                    logit_scale, softcap, v_off: int, v_total: int):
+                    logit_scale, softcap, v_off: int, v_total: int, hidden_grad: bool = True,
+                    weight_grad: bool = True):
     """(partial d hidden rows [n, H] in fp32 (fp64), d weight [V_local, H], d bias) of the slice:
     the fused head's backward chunks with the whole rows' stats; d hidden still to be summed
-    over the ranks."""
+    over the ranks. Without hidden_grad (weight_grad) that gradient is an empty tensor and its
+    GEMMs are skipped (a frozen head)."""
     bwd = LL._bwd_triton if _triton_path(hidden) else LL._bwd_reference
     return LL._backward_chunks(g_logp, g_ent, hidden, weight, index, bias, stats, ent, temperature, ignore_index,
-                               shift, logit_scale, softcap, bwd, v_off=v_off, v_total=v_total)
+                               shift, logit_scale, softcap, bwd, v_off=v_off, v_total=v_total,
+                               hidden_grad=hidden_grad, weight_grad=weight_grad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +407,8 @@ class _VocabParallelLinear(torch.autograd.Function):
         if not (need_h or need_w or need_b):
             return (None,) * 10
         dh, dw, db = linear_backward(g_logp, g_ent, hidden, weight, index, bias, stats, ent, temperature,
-                                     ignore_index, shift, logit_scale, softcap, layout.v_off, layout.v)
+                                     ignore_index, shift, logit_scale, softcap, layout.v_off, layout.v,
+                                     hidden_grad=bool(need_h), weight_grad=bool(need_w))
         if need_h:  # the one collective of the backward: the ranks' partial d hidden, summed in fp32
             dh = LL._hidden_grad(_all_reduce_sum(dh, layout) if dh.numel() else dh, hidden, shift)
         return (dh if need_h else None, dw if need_w else None, None,
