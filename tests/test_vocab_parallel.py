@@ -351,6 +351,32 @@ def head_vocab_sharded_weight(ctx):
                 assert err <= 2 * HEAD_GRAD_REL[dtype] * rg.norm().item() + 2 * floor, (name, "vs single-device", err)
             if shift:
                 assert bool((dh[:, -1] == 0).all())
+    # a frozen head (weight.requires_grad False, as with LoRA): the rank-local backward skips the
+    # d weight GEMMs, and d hidden is the trainable head's
+    seen = []
+    orig = LL._backward_chunks
+
+    def record(*args, **kwargs):
+        seen.append((kwargs.get("hidden_grad"), kwargs.get("weight_grad")))
+        return orig(*args, **kwargs)
+
+    g = torch.Generator().manual_seed(300)
+    hf, wf = torch.randn(2, 6, 8, generator=g), torch.randn(37, 8, generator=g)
+    idx = torch.randint(0, 37, (2, 5), generator=g)
+    grads = []
+    LL._backward_chunks = record
+    try:
+        for trainable in (False, True):
+            h = hf.clone().requires_grad_(True)
+            w = distribute_tensor(wf, ctx.mesh, [Shard(0)]).requires_grad_(trainable)
+            lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx, shift=True)
+            (lp.to_local().sum() + 0.5 * ent.to_local().sum()).backward()
+            grads.append(h.grad)
+    finally:
+        LL._backward_chunks = orig
+    with ctx.soft("frozen head"):
+        assert seen == [(True, False), (True, True)], seen
+        assert torch.equal(grads[0], grads[1])
     ctx.done()
 
 
