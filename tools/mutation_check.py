@@ -246,8 +246,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "lm-head-no-bias-triton", "9 fused lm_head epilogue", "torch_fused/kernels/lm_head.py", TRITON,
         [("    if HAS_BIAS:\n        acc += tl.load(p_b + o_n, mask=o_n < V, other=0.0).to(tl.float32)[None, :]\n"
-          "    z = tl.where((o_n < V)[None, :], acc, float(\"-inf\"))\n    return z, o_m, o_n\n",
-          "    z = tl.where((o_n < V)[None, :], acc, float(\"-inf\"))  # MUTANT: no bias\n    return z, o_m, o_n\n")],
+          "    return tl.where(",
+          "    return tl.where(  # MUTANT: no bias\n")],
         LM_HEAD_TESTS,
     ),
     Mutant(

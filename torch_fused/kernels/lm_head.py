@@ -62,10 +62,30 @@ def _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n,
         acc = tl.dot(b_a, tl.trans(b_w), acc)
         p_a += BK
         p_bw += BK
+    return _finish_tile(acc, p_b, o_n, V, HAS_BIAS), o_m, o_n
+
+
+@triton.jit
+def _finish_tile(acc, p_b, o_n, V, HAS_BIAS: tl.constexpr):
+    """The logits of an accumulated tile: plus the bias, columns past V at -inf."""
     if HAS_BIAS:
         acc += tl.load(p_b + o_n, mask=o_n < V, other=0.0).to(tl.float32)[None, :]
-    z = tl.where((o_n < V)[None, :], acc, float("-inf"))
-    return z, o_m, o_n
+    return tl.where((o_n < V)[None, :], acc, float("-inf"))
+
+
+@triton.jit
+def _logits_tile_tma(d_h, d_w, p_b, V, H, pid_m, pid_n,
+                     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """_logits_tile with the operands read through the tensor descriptors d_h [N, H] and d_w
+    [V, H] (blocks [BM, BK] and [BN, BK]; out-of-range rows and columns read as zeros)."""
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in range(tl.cdiv(H, BK)):
+        b_a = d_h.load([pid_m * BM, k * BK])
+        b_w = d_w.load([pid_n * BN, k * BK])
+        acc = tl.dot(b_a, b_w.T, acc)
+    o_m = pid_m * BM + tl.arange(0, BM)
+    o_n = pid_n * BN + tl.arange(0, BN)
+    return _finish_tile(acc, p_b, o_n, V, HAS_BIAS), o_m, o_n
 
 
 @triton.jit
@@ -123,23 +143,12 @@ def _lm_head_stats_tma_kernel(
     HAS_BIAS: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):
-    """_lm_head_stats_kernel with the operands read by TMA (tensor descriptors d_h [N, H] and
-    d_w [V, H], blocks [BM, BK] and [BN, BK]; out-of-range rows read as zeros), one persistent
+    """_lm_head_stats_kernel with the operands read by TMA (_logits_tile_tma), one persistent
     program per multiprocessor looping over the tiles."""
     n_m = tl.cdiv(N, BM)
-    k_tiles = tl.cdiv(H, BK)
     for tile in tl.range(tl.program_id(0), n_m * n_tiles_n, NUM_SMS):
         pid_m, pid_n = _tile_of(tile, n_m, n_tiles_n, GROUP_M)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k in range(k_tiles):
-            b_a = d_h.load([pid_m * BM, k * BK])
-            b_w = d_w.load([pid_n * BN, k * BK])
-            acc = tl.dot(b_a, b_w.T, acc)
-        o_m = pid_m * BM + tl.arange(0, BM)
-        o_n = pid_n * BN + tl.arange(0, BN)
-        if HAS_BIAS:
-            acc += tl.load(p_b + o_n, mask=o_n < V, other=0.0).to(tl.float32)[None, :]
-        z = tl.where((o_n < V)[None, :], acc, float("-inf"))
+        z, o_m, o_n = _logits_tile_tma(d_h, d_w, p_b, V, H, pid_m, pid_n, HAS_BIAS, BM, BN, BK)
         _stats_epilogue(z, o_m, o_n, pid_n, p_idx, p_part, p_u, p_mo, N, V, K, n_tiles_n, v_off, scale,
                         EXACT_SHIFT, BLOCK_K, BN)
 
@@ -197,19 +206,9 @@ def _lm_head_dlogits_tma_kernel(
     """_lm_head_dlogits_kernel with the operands read by TMA, persistent (as
     _lm_head_stats_tma_kernel)."""
     n_m = tl.cdiv(N, BM)
-    k_tiles = tl.cdiv(H, BK)
     for tile in tl.range(tl.program_id(0), n_m * n_tiles_n, NUM_SMS):
         pid_m, pid_n = _tile_of(tile, n_m, n_tiles_n, GROUP_M)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k in range(k_tiles):
-            b_a = d_h.load([pid_m * BM, k * BK])
-            b_w = d_w.load([pid_n * BN, k * BK])
-            acc = tl.dot(b_a, b_w.T, acc)
-        o_m = pid_m * BM + tl.arange(0, BM)
-        o_n = pid_n * BN + tl.arange(0, BN)
-        if HAS_BIAS:
-            acc += tl.load(p_b + o_n, mask=o_n < V, other=0.0).to(tl.float32)[None, :]
-        z = tl.where((o_n < V)[None, :], acc, float("-inf"))
+        z, o_m, o_n = _logits_tile_tma(d_h, d_w, p_b, V, H, pid_m, pid_n, HAS_BIAS, BM, BN, BK)
         _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz, v_off, scale,
                           HAS_GLP, EXACT_SHIFT, BLOCK_K)
 
