@@ -26,15 +26,9 @@ float32.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import io
-import json
 import math
-import time
-import traceback
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +36,7 @@ import torch.distributed as dist
 
 import torch_fused  # noqa: F401
 from torch_fused._library import HAS_TRITON, INTERPRET, TRITON_DEVICES
+from _distributed import Checks, CollectiveCounter
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
@@ -52,61 +47,10 @@ pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 WORLDS = [2, pytest.param(3, marks=pytest.mark.skipif(
     INTERPRET, reason="the plain CPU run covers world size 3; the interpreter run checks the kernels' bits"))]
 GROUP_TIMEOUT_S = 240
-PLAIN_ONLY = "distributed logic only: the plain CPU run covers it"
-
-CHECKS = {}
-
-
-def check(interpret=False, worlds=(2, 3)):
-    def register(fn):
-        if interpret or not INTERPRET:
-            CHECKS[fn.__name__] = (fn, worlds)
-        return fn
-
-    return register
-
-
-class Ctx:
-    def __init__(self, rank, world, mesh):
-        self.rank, self.world, self.mesh = rank, world, mesh
-        self.failures = []
-
-    @contextlib.contextmanager
-    def soft(self, label):
-        """Record an assertion failure and go on: every rank keeps making the same collectives."""
-        try:
-            yield
-        except AssertionError as e:
-            self.failures.append(f"[{label}] {e}")
-
-    def done(self):
-        assert not self.failures, "\n".join(self.failures)
-
-
-class CollectiveCounter:
-    """``with CollectiveCounter() as calls``: (op name, elements) of every c10d collective
-    dispatched inside the block (wait_tensor excepted), as a TorchDispatchMode sees them."""
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-
-        calls = []
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if func.namespace in ("_c10d_functional", "c10d", "c10d_functional") and "wait" not in func.__name__:
-                    n = sum(t.numel() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-                    calls.append((func.__name__.split(".")[0], n))
-                return func(*args, **kwargs)
-
-        self.mode = Mode()
-        self.mode.__enter__()
-        return calls
-
-    def __exit__(self, *exc):
-        return self.mode.__exit__(*exc)
+CHECKS = Checks(__name__, interpret=False, preload=["torch.distributed.fsdp", "torch_fused.optim.sharded",
+                                                   "torch._dynamo"],
+                 timeout_s=GROUP_TIMEOUT_S, plain_only="distributed logic only: the plain CPU run covers it")
+check = CHECKS.check
 
 
 def _rel(a, b):
@@ -455,65 +399,13 @@ def unsupported_placements_fail_clearly(ctx):
 # ---------------------------------------------------------------------------------------------
 # The group
 # ---------------------------------------------------------------------------------------------
-def _worker(rank, world, store_path, out_dir, names):
-    torch.set_num_threads(1)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch_fused import _library
-
-    _library.POISON = True  # as the suite's conftest
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    results = {}
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        for name in names:
-            t0 = time.perf_counter()
-            try:
-                CHECKS[name][0](Ctx(rank, world, mesh))
-                err = None
-            except Exception:
-                err = traceback.format_exc()
-            results[name] = {"error": err, "s": round(time.perf_counter() - t0, 2)}
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
-
-
-def _run_group(world, tmp):
-    import multiprocessing
-
-    import torch.multiprocessing as tmp_mp
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "torch_fused",
-                                "torch_fused.optim.sharded", "torch._dynamo", __name__])
-    names = [name for name, (_, worlds) in CHECKS.items() if world in worlds]
-    pc = tmp_mp.start_processes(_worker, args=(world, str(tmp / "store"), str(tmp), names), nprocs=world,
-                                join=False, start_method="forkserver")
-    deadline = time.monotonic() + GROUP_TIMEOUT_S
-    while not pc.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in pc.processes:
-                p.kill()
-            pytest.fail(f"world {world}: the process group did not finish in {GROUP_TIMEOUT_S} s")
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
-
-
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
 def group(request, tmp_path_factory):
     world = request.param
-    return world, _run_group(world, tmp_path_factory.mktemp(f"sinkgd_sharded_w{world}"))
+    return world, CHECKS.run_group(world, tmp_path_factory.mktemp(f"sinkgd_sharded_w{world}"))
 
 
-def _assert_check(group, name):
-    if name not in CHECKS:
-        pytest.skip(PLAIN_ONLY)
-    world, results = group
-    if world not in CHECKS[name][1]:
-        pytest.skip(f"runs at world sizes {CHECKS[name][1]}")
-    errors = [f"--- rank {r} of {world}:\n{res[name]['error']}" for r, res in enumerate(results)
-              if res[name]["error"]]
-    assert not errors, "\n".join(errors)
+_assert_check = CHECKS.assert_check
 
 
 def test_step_values_and_collectives(group):

@@ -23,20 +23,14 @@ fewer cases.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import os
-import time
-import traceback
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from torch_fused._library import INTERPRET
+from _distributed import Checks, CollectiveCounter
 from _helpers import DEVICES, FWD_RTOL, assert_grad_close, assert_logprob_close, ref_linear, ref_logprobs_entropy
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
@@ -57,74 +51,18 @@ HEAD_GRAD_REL = {torch.bfloat16: 8e-3, torch.float32: 4e-6, torch.float64: 1e-10
 # ---------------------------------------------------------------------------------------------
 # Checks: run inside every rank of the group
 # ---------------------------------------------------------------------------------------------
-CHECKS = {}  # name -> (check, world sizes it runs at)
-PLAIN_ONLY = "distributed logic only (placements, meshes, errors, tracing): the plain CPU run covers it; the " \
-    "interpreter run keeps to the checks that drive the Triton kernels"
-
-
-def check(interpret=True, worlds=(2, 3)):
-    def register(fn):
-        if interpret or not INTERPRET:
-            CHECKS[fn.__name__] = (fn, worlds)
-        return fn
-
-    return register
-
-
-class Ctx:
-    def __init__(self, rank, world, mesh):
-        self.rank, self.world, self.mesh = rank, world, mesh
-        self.failures = []
-
-    @contextlib.contextmanager
-    def soft(self, label):
-        """Record an assertion failure and go on, so that every rank makes the same collectives
-        whatever fails (a failed rank leaving early would stall the others)."""
-        try:
-            yield
-        except AssertionError as e:
-            self.failures.append(f"[{label}] {e}")
-
-    def done(self):
-        assert not self.failures, "\n".join(self.failures)
+CHECKS = Checks(__name__, interpret=True, preload=["torch_fused.parallel", "torch._dynamo",
+                                                  "torch._functorch.aot_autograd"],
+                 timeout_s=GROUP_TIMEOUT_S,
+                 plain_only="distributed logic only (placements, meshes, errors, tracing): the plain CPU run covers "
+                            "it; the interpreter run keeps to the checks that drive the Triton kernels")
+check = CHECKS.check
 
 
 def _split(v, world):
     """torch.chunk's split, written here independently of torch_fused.parallel."""
     step = -(-v // world)
     return [(min(r * step, v), min(v, (r + 1) * step)) for r in range(world)]
-
-
-class CollectiveCounter:
-    """``with CollectiveCounter() as calls``: calls lists (op name, elements of its tensor
-    arguments) of every c10d collective dispatched inside the block (wait_tensor excepted), as a
-    TorchDispatchMode sees them on the local tensors, and ("lift_fresh", n) for every tensor made
-    from host data (torch.tensor(...)): on a GPU that is a host-to-device copy, which waits for
-    the stream and leaves every launch after it exposed."""
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-
-        calls = []
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if func.namespace in ("_c10d_functional", "c10d", "c10d_functional", "_c10d_functional_autograd") \
-                        and "wait" not in func.__name__:
-                    n = sum(t.numel() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-                    calls.append((func.__name__.split(".")[0], n))
-                elif func is torch.ops.aten.lift_fresh.default:
-                    calls.append(("lift_fresh", args[0].numel()))
-                return func(*args, **kwargs)
-
-        self.mode = Mode()
-        self.mode.__enter__()
-        return calls
-
-    def __exit__(self, *exc):
-        return self.mode.__exit__(*exc)
 
 
 LOGIT_CASES = [
@@ -187,14 +125,14 @@ def _logits_case(ctx, i, case):
                                                      shift=shift), None
         return None, torch_fused.entropy_from_logits(logits, temperature=t, shift=shift)
 
-    with CollectiveCounter() as fwd_calls:
+    with CollectiveCounter(host_copies=True) as fwd_calls:
         lp, ent = call(x, index)
     slp, sent = call(ref_x, idx)  # the single-device op, same process
     rlp, rent = ref_logprobs_entropy(full[:, :-1] if shift else full, idx if want_lp else None, t, ignore_index)
     g1 = torch.randn(ishape, generator=g, dtype=torch.float64)
     g2 = torch.randn(b, l, generator=g, dtype=torch.float64)
     outs = [(o, gg) for o, gg in ((lp, g1), (ent, g2)) if o is not None]
-    with CollectiveCounter() as bwd_calls:
+    with CollectiveCounter(host_copies=True) as bwd_calls:
         sum((o.to_local().double() * gg).nan_to_num(0.0, 0.0, 0.0).sum() for o, gg in outs).backward()
     sum((o.double() * gg).nan_to_num(0.0, 0.0, 0.0).sum() for o, gg in zip((slp, sent), (g1, g2))
         if o is not None).backward()
@@ -302,14 +240,14 @@ def head_vocab_sharded_weight(ctx):
         bias = distribute_tensor(bf, ctx.mesh, [Shard(0)]).requires_grad_(True) if has_bias else None
         h = (distribute_tensor(hf, ctx.mesh, [Replicate()]) if h_dtensor else hf.clone()).requires_grad_(True)
         kw = dict(temperature=t, shift=shift, softcap=softcap)
-        with CollectiveCounter() as fwd_calls:
+        with CollectiveCounter(host_copies=True) as fwd_calls:
             lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx, bias=bias, **kw)
         sh, sw = hf.clone().requires_grad_(True), wf.clone().requires_grad_(True)
         sb = bf.clone().requires_grad_(True) if has_bias else None
         slp, sent = torch_fused.linear_logprobs_and_entropy(sh, sw, idx, bias=sb, **kw)
         g1 = torch.randn(ishape, generator=g, dtype=torch.float64)
         g2 = torch.randn(b, l, generator=g, dtype=torch.float64)
-        with CollectiveCounter() as bwd_calls:
+        with CollectiveCounter(host_copies=True) as bwd_calls:
             ((lp.to_local().double() * g1).sum() + (ent.to_local().double() * g2).sum()).backward()
         ((slp.double() * g1).sum() + (sent.double() * g2).sum()).backward()
         with ctx.soft(label + " placements and collectives"):
@@ -527,66 +465,13 @@ def compiled_fullgraph(ctx):
 # ---------------------------------------------------------------------------------------------
 # The group
 # ---------------------------------------------------------------------------------------------
-def _worker(rank, world, store_path, out_dir, names):
-    torch.set_num_threads(1)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch_fused import _library
-
-    _library.POISON = True  # as the suite's conftest: fresh op outputs start as NaN
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    results = {}
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        for name in names:
-            t0 = time.perf_counter()
-            try:
-                CHECKS[name][0](Ctx(rank, world, mesh))
-                err = None
-            except Exception:
-                err = traceback.format_exc()
-            results[name] = {"error": err, "s": round(time.perf_counter() - t0, 2)}
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
-
-
-def _run_group(world, tmp):
-    import multiprocessing
-
-    import torch.multiprocessing as tmp_mp
-
-    ctx = multiprocessing.get_context("forkserver")
-    # the fork server imports these once; every rank forks from it instead of importing torch
-    ctx.set_forkserver_preload(["torch", "torch.distributed.tensor", "torch_fused", "torch_fused.parallel",
-                                "torch._dynamo", "torch._functorch.aot_autograd", __name__])
-    names = [name for name, (_, worlds) in CHECKS.items() if world in worlds]
-    pc = tmp_mp.start_processes(_worker, args=(world, str(tmp / "store"), str(tmp), names), nprocs=world,
-                                join=False, start_method="forkserver")
-    deadline = time.monotonic() + GROUP_TIMEOUT_S
-    while not pc.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in pc.processes:
-                p.kill()
-            pytest.fail(f"world {world}: the process group did not finish in {GROUP_TIMEOUT_S} s")
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
-
-
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
 def group(request, tmp_path_factory):
     world = request.param
-    return world, _run_group(world, tmp_path_factory.mktemp(f"vocab_parallel_w{world}"))
+    return world, CHECKS.run_group(world, tmp_path_factory.mktemp(f"vocab_parallel_w{world}"))
 
 
-def _assert_check(group, name):
-    if name not in CHECKS:
-        pytest.skip(PLAIN_ONLY)
-    world, results = group
-    if world not in CHECKS[name][1]:
-        pytest.skip(f"runs at world sizes {CHECKS[name][1]} (see its docstring)")
-    errors = [f"--- rank {r} of {world}:\n{res[name]['error']}" for r, res in enumerate(results)
-              if res[name]["error"]]
-    assert not errors, "\n".join(errors)
+_assert_check = CHECKS.assert_check
 
 
 def test_logits_values_gradients_and_collectives(group):
