@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 import torch_fused  # noqa: F401
 from torch_fused._library import HAS_TRITON, INTERPRET, TRITON_DEVICES
-from _distributed import Checks, CollectiveCounter
+from torch_fused.bench.common import CollectiveCounter
+from _distributed import Checks
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from torch_fused._library import INTERPRET
-from _distributed import Checks, CollectiveCounter
+from torch_fused.bench.common import CollectiveCounter
+from _distributed import Checks
 from _helpers import DEVICES, FWD_RTOL, assert_grad_close, assert_logprob_close, ref_linear, ref_logprobs_entropy
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from .common import CollectiveCounter
+
 LLAMA3_8B_LAYER = [("q", 4096, 4096), ("k", 1024, 4096), ("v", 1024, 4096), ("o", 4096, 4096),
                    ("gate", 14336, 4096), ("up", 14336, 4096), ("down", 4096, 14336)]
 CONFIGS = {
@@ -65,31 +67,6 @@ def _shard(full: torch.Tensor, mesh, rank: int, world: int):
     lo, hi = min(rank * step, m), min(m, (rank + 1) * step)
     return DTensor.from_local(full[lo:hi].clone(), mesh, [Shard(0)], run_check=False, shape=full.shape,
                               stride=full.stride())
-
-
-class _Counter:
-    """(op, elements) of the c10d functional collectives dispatched inside the block."""
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-
-        calls = self.calls = []
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if func.namespace in ("_c10d_functional", "c10d") and "wait" not in func.__name__:
-                    n = sum(t.numel() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-                    calls.append((func.__name__.split(".")[0], n))
-                return func(*args, **kwargs)
-
-        self.mode = Mode()
-        self.mode.__enter__()
-        return calls
-
-    def __exit__(self, *exc):
-        return self.mode.__exit__(*exc)
 
 
 def _time(fn, dev, warmup: int, reps: int) -> float:
@@ -220,7 +197,7 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
             sinkgd_step_sharded(sp, sg, lr=lr, spectral_vecs=vs, step=step, **cfg)
 
         sharded.COMPILE_CHUNKS = True
-        with _Counter() as calls:
+        with CollectiveCounter() as calls:
             shard()
         row = dict(config=name, **{k_: v for k_, v in cfg.items()})
         row["fused_full_ms"] = _time(fused, dev, warmup, reps)
