@@ -77,6 +77,9 @@ def main() -> None:
         print(f"{world} ranks on {device}: rank 0 holds {local_v} of {v} vocabulary rows; logp {tuple(logp.shape)} "
               f"{logp.placements}, d weight {lm_head.weight.grad.placements}; mean logp {logp.to_local().mean():.4f}, "
               f"mean entropy {ent.to_local().mean():.4f}: equal to the single-device ops")
+    # every rank reaches this point before any tears its group down: a rank that exits while a
+    # peer still works on the group can abort that peer's gloo threads at exit
+    dist.barrier()
     dist.destroy_process_group()
 
 

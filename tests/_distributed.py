@@ -114,4 +114,8 @@ def _worker(rank, world, store_path, out_dir, module, names):
             results[name] = {"error": err, "s": round(time.perf_counter() - t0, 2)}
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        try:  # no rank tears the group down while a peer still uses it (gloo can abort at exit)
+            dist.barrier()
+        except Exception:  # a broken group: its checks have already reported the failure
+            pass
         dist.destroy_process_group()
