@@ -579,7 +579,7 @@ def test_compile_cases_cover_every_kernel():
     names = {fn.__name__ for _, fn, *_ in K.compile_cases()}
     assert names == {"_sinkgd_rows_kernel", "_sinkgd_sums_kernel", "_sinkgd_scale_kernel", "_sinkgd_update_kernel",
                      "_sinkgd_power_rows_kernel", "_sinkgd_power_tiles_kernel", "_sinkgd_power_cols_kernel",
-                     "_sinkgd_power_norm_kernel"}
+                     "_sinkgd_power_norm_kernel", "_sinkgd_colsum_kernel"}
 
 
 SPECTRAL_SHAPES = [(37, 50), (2, 9, 130), (70, 3), (6, 20)]  # (6, 20): its gradient is all zeros

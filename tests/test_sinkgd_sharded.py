@@ -2,7 +2,9 @@
 torch.distributed.fsdp.fully_shard models.
 
 Gloo on CPU, world sizes 2 and 3 (uneven row splits: m = 7 over 2 and 3 ranks, m = 2 over 3
-leaves a rank no rows), spawned with torch.multiprocessing. Each world size is ONE process
+leaves a rank no rows), spawned with torch.multiprocessing. The plain CPU run takes the sharded
+step's PyTorch-op path; the interpreter run (CPU as a Triton device) its fused-kernel path, for
+the value, stochastic-rounding and fully_shard training checks. Each world size is ONE process
 group that runs every check (a fork server preloads torch and torch_fused once); each check is
 reported as its own test. Every rank compares with the single-device step on the whole
 matrices (computed in the same process):
@@ -42,11 +44,11 @@ from _distributed import Checks
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
 
-# The distributed logic is the same PyTorch code in the plain and the interpreter run; the
-# interpreter run keeps world size 2 and only the check whose reference drives the Triton
-# kernels (stochastic rounding against the interpreted update kernel).
-WORLDS = [2, pytest.param(3, marks=pytest.mark.skipif(
-    INTERPRET, reason="the plain CPU run covers world size 3; the interpreter run checks the kernels' bits"))]
+# The interpreter run (CPU as a Triton device) takes the sharded step through the fused kernels
+# (optim/sharded.py::_fused_step), the plain CPU run through its PyTorch ops: both run the value
+# check at world sizes 2 and 3 (a rank with no rows of a matrix); the rest of the distributed
+# logic is the same code in both and runs in the plain run only.
+WORLDS = [2, 3]
 GROUP_TIMEOUT_S = 240
 CHECKS = Checks(__name__, interpret=False, preload=["torch.distributed.fsdp", "torch_fused.optim.sharded",
                                                    "torch._dynamo"],
@@ -110,7 +112,7 @@ def _dist(t, mesh, d):
     return distribute_tensor(t, mesh, [Replicate() if d is None else Shard(d)])
 
 
-@check()
+@check(interpret=True)
 def step_values_and_collectives(ctx):
     """Every STEP_CASES step on all MATS at once (one call) equals the single-device step on the
     whole matrices, the warm-start vectors too; the collectives are one all-reduce per
@@ -203,7 +205,7 @@ def _mlp(seed):
                                torch.nn.Linear(7, 5))
 
 
-@check()
+@check(interpret=True)
 def fully_shard_mlp_training(ctx):
     """fully_shard on every Linear and the root: SinkGD (spectral "muon" with weight decay on
     the weights, AdamW on the biases as DTensors) trained 4 steps on the same batches as an

@@ -12,8 +12,11 @@ rounding, spectral "muon"; 5 Sinkhorn iterations):
   backend (every collective returns at once, leaving its input as it is), so the time is the
   rank's local work, and the collectives it makes are counted with their payloads.
 
-Times are CUDA-event medians of whole calls (host work included: the sharded step is eager
-PyTorch) and the sum of the device kernels' times of one call (torch.profiler). Before the
+The sharded step runs in each of ``modes``: ``fused`` (its default on a GPU: the fused
+step's kernels on the local rows, the all-reduces between their launches), ``compiled`` and
+``eager`` (its PyTorch-op path, ``sharded.FUSED = False``, with the chunk functions compiled or
+eager). Times are CUDA-event medians of whole calls (host work included: the sharded step is
+eager) and the sum of the device kernels' times of one call (torch.profiler). Before the
 timing, a world of 1 (the whole matrices through the sharded path) is compared with the fused
 step on one layer: bf16 entries that differ and by how many ulps.
 
@@ -147,15 +150,19 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
 
     from torch_fused.optim import sharded
 
-    if modes is None:  # the chunk functions (sharded.py): compiled on CUDA only
-        modes = ["compiled", "eager"] if dev.type == "cuda" else ["eager"]
+    if modes is None:  # the fused kernels and the compiled chunk functions: on CUDA only
+        modes = ["fused", "compiled"] if dev.type == "cuda" else ["eager"]
+
+    def set_mode(mode):
+        sharded.FUSED = mode == "fused"
+        sharded.COMPILE_CHUNKS = mode == "compiled"
 
     # --- the sharded path at world 1 (whole matrices) against the fused step, one layer
     _init_fake_group(1)
     mesh = init_device_mesh(dev.type, (1,))
     k = len(LLAMA3_8B_LAYER)
     for mode, name in [(mo, na) for mo in modes for na in configs]:
-        sharded.COMPILE_CHUNKS = mode == "compiled"
+        set_mode(mode)
         cfg = CONFIGS[name]
         a = [w.clone() for w in ws[:k]]
         b = [_shard(w, mesh, 0, 1) for w in ws[:k]]
@@ -196,14 +203,14 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
         def shard():
             sinkgd_step_sharded(sp, sg, lr=lr, spectral_vecs=vs, step=step, **cfg)
 
-        sharded.COMPILE_CHUNKS = True
+        set_mode(modes[0])
         with CollectiveCounter() as calls:
             shard()
         row = dict(config=name, **{k_: v for k_, v in cfg.items()})
         row["fused_full_ms"] = _time(fused, dev, warmup, reps)
         row["fused_full_kernel_ms"] = _kernel_ms(fused, dev)
         for mode in modes:
-            sharded.COMPILE_CHUNKS = mode == "compiled"
+            set_mode(mode)
             sfx = "" if mode == modes[0] else f"_{mode}"
             try:
                 row[f"shard{sfx}_ms"] = _time(shard, dev, warmup, reps)
@@ -215,7 +222,7 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
                 row.setdefault(f"shard{sfx}_kernel_ms", None)
                 row.setdefault(f"shard{sfx}_peak_extra_mb", None)
             print(f"[sinkgd_sharded] {name} {mode}: {row.get(f'shard{sfx}_ms')} ms", file=sys.stderr, flush=True)
-        sharded.COMPILE_CHUNKS = True
+        set_mode(modes[0])
         row["fused_full_peak_extra_mb"] = _peak_extra_mb(fused, dev)
         row["collectives"] = len(calls)
         row["collective_ops"] = sorted({c for c, _ in calls})
@@ -226,6 +233,8 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
         row["shard_vs_fused_share"] = (row["shard_ms"] / (row["fused_full_ms"] * local_params / n_params)
                                        if ok else None)
         report["rows"].append(row)
+    set_mode("fused")
+    sharded.COMPILE_CHUNKS = True
     report["shard_modes"] = modes
     report["local_params"] = local_params
     report["columns"] = sum(n for _, _, n in shapes)
@@ -251,16 +260,19 @@ def markdown(r: dict) -> str:
              "",
              "| config | fused, whole layers (ms) | kernels (ms) | sharded, rank 0 (ms) | kernels (ms) | "
              "shard / fused | shard / fused's share | all-reduces | elements | peak extra MiB shard / fused "
-             "| sharded, eager chunks (ms) | kernels (ms) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             + "".join(f"| sharded, {mo} (ms) | kernels (ms) " for mo in r["shard_modes"][1:]) + "|",
+             "|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(r["shard_modes"][1:])]
     for row in r["rows"]:
         lines.append(
             f"| {row['config']} | {f(row['fused_full_ms'])} | {f(row['fused_full_kernel_ms'])} | {f(row['shard_ms'])} "
             f"| {f(row['shard_kernel_ms'])} | {f(row['shard_vs_fused_full'])} | {f(row['shard_vs_fused_share'])} "
             f"| {row['collectives']} | {row['collective_elements']} | {f(row['shard_peak_extra_mb'], '{:.0f}')} / "
-            f"{f(row['fused_full_peak_extra_mb'], '{:.0f}')} | {f(row.get('shard_eager_ms'))} "
-            f"| {f(row.get('shard_eager_kernel_ms'))} |")
-    lines += ["", f"Sharded step's chunk functions: {' and '.join(r['shard_modes'])} (first: the main columns). "
+            f"{f(row['fused_full_peak_extra_mb'], '{:.0f}')} "
+            + "".join(f"| {f(row.get(f'shard_{mo}_ms'))} | {f(row.get(f'shard_{mo}_kernel_ms'))} "
+                      for mo in r["shard_modes"][1:]) + "|")
+    lines += ["", f"Sharded step's modes: {' and '.join(r['shard_modes'])} (first: the main columns; fused: the "
+              "fused step's kernels on the local rows; compiled / eager: its PyTorch ops, chunk functions "
+              "compiled or not). "
               "\"fused's share\": the fused step's time times the rank's fraction of the parameters. "
               "Collectives are counted on rank 0 with the fake backend (each returns at once).", "",
               "Check, world 1 (whole matrices through the sharded path) against the fused step, one layer:", "",
@@ -285,11 +297,14 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--tiny", action="store_true", help="small shapes on the CPU (checks the script)")
+    ap.add_argument("--modes", nargs="+", choices=["fused", "compiled", "eager"],
+                    help="sharded-step paths, the first one the main columns (default: fused compiled on CUDA, "
+                         "eager on the CPU)")
     a = ap.parse_args(argv)
     if a.layers < 1 or a.world < 1 or a.reps < 1:
         ap.error("--layers, --world and --reps: expected >= 1")
     r = run(a.out, layers=a.layers, world=a.world, tiny=a.tiny, reps=a.reps, warmup=a.warmup,
-            configs=tuple(a.configs))
+            configs=tuple(a.configs), modes=a.modes)
     print(markdown(r))
 
 

@@ -35,6 +35,13 @@ power iteration one more pass over G and two small launches:
 - ``_sinkgd_power_norm_kernel``: sigma = |w|, v <- w / max(sigma, eps), and the scale
   target / max(sigma, eps) that the update kernel applies (HAS_SPEC).
 
+Sharded rows (optim/sharded.py: each rank holds some rows of a matrix): the column sums need an
+all-reduce between the row pass and the column scale. ``_sinkgd_colsum_kernel`` finishes a
+rank's sums of its column partials (and |u|^2 partials) into a sums buffer (S_OFF, SU_OFF);
+after the all-reduce the column scale and ``_sinkgd_power_cols_kernel`` read those sums
+(SUMMED) instead of the partials. MG, EOFF and SALT place the local rows in the whole matrix
+for the column scale's m, the spectral target's and the update's random bits.
+
 Vector loads. The row length n and the matrix addresses come from the work table at run time,
 so the compiler cannot see that rows start 16-byte aligned and would load G one element at a
 time. Where every matrix of a launch has n a multiple of ALIGN (16 bytes' worth of the narrowest
@@ -69,7 +76,14 @@ N_PC = tl.constexpr(9)  # column partials per batch entry (row blocks of the pas
 V_PTR = tl.constexpr(10)  # the spectral warm-start vectors [B, n] (fp32; 0 without the spectral step)
 U_OFF = tl.constexpr(11)  # |u|^2 partials of the power pass: N_PC per batch entry
 WQ_OFF = tl.constexpr(12)  # |w|^2 partials: one per SCALE_BLOCK columns and batch entry
-META_COLS = tl.constexpr(13)
+# sharded parameters (optim/sharded.py: a rank's rows of each matrix); a whole matrix has
+# MG = M and EOFF = 0, and SALT is its index in its update launch
+MG = tl.constexpr(13)  # the whole matrix's row count: the column scale's and the spectral target's m
+EOFF = tl.constexpr(14)  # index in the whole parameter of the local block's first element
+SALT = tl.constexpr(15)  # the matrix's stochastic-rounding salt (seed = step * 1000003 + SALT)
+S_OFF = tl.constexpr(16)  # the finished column sums [B, n] in the sums buffer (_sinkgd_colsum_kernel)
+SU_OFF = tl.constexpr(17)  # and the finished |u|^2 sums [B]
+META_COLS = tl.constexpr(18)
 
 MAX_FUSED_N = 16384  # widest row a _sinkgd_rows_kernel program holds in registers
 ROW_TILE = (8, 1024, 4)  # two-pass path, row sums: BM, BN, warps
@@ -264,13 +278,14 @@ def _sinkgd_sums_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
 @triton.jit
 def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
                          AXIS: tl.constexpr, PART_TILE: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
-                         ONES: tl.constexpr):
+                         ONES: tl.constexpr, SUMMED: tl.constexpr):
     """AXIS=0: r <- r sqrt(n) / max(row norm, eps), from row partials of PART_TILE-wide tiles;
     AXIS=1: c <- c sqrt(m) / max(col norm, eps), from the N_PC column partials the meta row
     names. ONES: the vector is still all ones (first iteration): written, not read. A program
     finishes BLOCK entries, reading their partials PARTS at a time (a [PARTS, BLOCK] tile per
     trip: few dependent trips even for a tall matrix's hundreds of partials), summed in a
-    fixed order: deterministic."""
+    fixed order: deterministic. SUMMED (AXIS=1, sharded rows): p_part is the sums buffer, one
+    finished (all-reduced) sum per column at S_OFF; m is the whole matrix's (MG)."""
     mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + M)
     n = tl.load(row + N)
@@ -282,10 +297,14 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
         target = tl.sqrt(n.to(tl.float32))
     else:
         length = n
-        n_parts = tl.load(row + N_PC)
+        if SUMMED:
+            n_parts = 1
+            poff = tl.load(row + S_OFF)
+        else:
+            n_parts = tl.load(row + N_PC)
+            poff = tl.load(row + PC_OFF)
         off = tl.load(row + C_OFF)
-        poff = tl.load(row + PC_OFF)
-        target = tl.sqrt(m.to(tl.float32))
+        target = tl.sqrt(tl.load(row + MG).to(tl.float32))
     blocks = tl.cdiv(length, BLOCK)
     b = local // blocks
     o = (local % blocks) * BLOCK + tl.arange(0, BLOCK)
@@ -414,11 +433,13 @@ def _sinkgd_power_tiles_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
 
 
 @triton.jit
-def _sinkgd_power_cols_kernel(p_meta, p_first, n_mats, p_c, p_part, p_upart, p_wpart, eps,
-                              BLOCK: tl.constexpr, PARTS: tl.constexpr):
-    """w_j = c_j sum(column partials of j) / max(|u|, eps) for BLOCK columns of one batch entry
-    (|u|^2 from the N_PC |u|^2 partials), written into the warm-start vector v, plus the
-    block's sum of w_j^2 (WQ_OFF). Every sum in a fixed order: deterministic."""
+def _sinkgd_colsum_kernel(p_meta, p_first, n_mats, p_part, p_upart, p_sums,
+                          WITH_U: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr):
+    """Sharded rows (optim/sharded.py): a rank's column sums, finished over its N_PC column
+    partials in a fixed order, into the sums buffer at S_OFF [B, n] (and with WITH_U, the
+    block-0 program's |u|^2 sum of the N_PC |u|^2 partials at SU_OFF [B]), for the all-reduce
+    that the column scale (SUMMED) or _sinkgd_power_cols_kernel (SUMMED) then reads. A rank
+    with no rows of a matrix (N_PC = 0) writes zeros."""
     mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     n = tl.load(row + N)
     n_parts = tl.load(row + N_PC)
@@ -432,6 +453,44 @@ def _sinkgd_power_cols_kernel(p_meta, p_first, n_mats, p_c, p_part, p_upart, p_w
     acc_u = tl.zeros([PARTS], dtype=tl.float32)
     p_p = p_part + tl.load(row + PC_OFF) + b * n_parts * n
     p_u = p_upart + tl.load(row + U_OFF) + b * n_parts
+    for k in range(0, n_parts, PARTS):
+        ks = k + o_k
+        acc2 += tl.load(p_p + ks[:, None] * n + o[None, :], mask=(ks < n_parts)[:, None] & msk[None, :], other=0.0)
+        if WITH_U:
+            acc_u += tl.load(p_u + ks, mask=ks < n_parts, other=0.0)
+    tl.store(p_sums + tl.load(row + S_OFF) + b * n + o, tl.sum(acc2, axis=0), mask=msk)
+    if WITH_U:
+        tl.store(p_sums + tl.load(row + SU_OFF) + b, tl.sum(acc_u), mask=blk == 0)
+
+
+@triton.jit
+def _sinkgd_power_cols_kernel(p_meta, p_first, n_mats, p_c, p_part, p_upart, p_wpart, eps,
+                              BLOCK: tl.constexpr, PARTS: tl.constexpr, SUMMED: tl.constexpr):
+    """w_j = c_j sum(column partials of j) / max(|u|, eps) for BLOCK columns of one batch entry
+    (|u|^2 from the N_PC |u|^2 partials), written into the warm-start vector v, plus the
+    block's sum of w_j^2 (WQ_OFF). Every sum in a fixed order: deterministic. SUMMED (sharded
+    rows): p_part and p_upart are the sums buffer, one finished sum per column at S_OFF and
+    one |u|^2 at SU_OFF."""
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
+    n = tl.load(row + N)
+    if SUMMED:
+        n_parts = 1
+    else:
+        n_parts = tl.load(row + N_PC)
+    blocks = tl.cdiv(n, BLOCK)
+    b = local // blocks
+    blk = local % blocks
+    o = blk * BLOCK + tl.arange(0, BLOCK)
+    msk = o < n
+    o_k = tl.arange(0, PARTS)
+    acc2 = tl.zeros([PARTS, BLOCK], dtype=tl.float32)
+    acc_u = tl.zeros([PARTS], dtype=tl.float32)
+    if SUMMED:
+        p_p = p_part + tl.load(row + S_OFF) + b * n
+        p_u = p_upart + tl.load(row + SU_OFF) + b
+    else:
+        p_p = p_part + tl.load(row + PC_OFF) + b * n_parts * n
+        p_u = p_upart + tl.load(row + U_OFF) + b * n_parts
     for k in range(0, n_parts, PARTS):
         ks = k + o_k
         acc2 += tl.load(p_p + ks[:, None] * n + o[None, :], mask=(ks < n_parts)[:, None] & msk[None, :], other=0.0)
@@ -450,9 +509,10 @@ def _sinkgd_power_norm_kernel(p_meta, p_first, n_mats, p_wpart, p_spec, eps,
                               MUON: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr):
     """sigma = |w| from the |w|^2 partials of one batch entry (fixed order), v <- w / max(sigma,
     eps) for BLOCK columns, and (the entry's first block) the spectral scale target /
-    max(sigma, eps) into spec[COEF_OFF + b]; target = 1, or sqrt(m / n) with MUON."""
+    max(sigma, eps) into spec[COEF_OFF + b]; target = 1, or sqrt(m / n) with MUON (m: the whole
+    matrix's, MG)."""
     mat, local, row = _program_matrix(p_meta, p_first, n_mats)
-    m = tl.load(row + M)
+    m = tl.load(row + MG)
     n = tl.load(row + N)
     blocks = tl.cdiv(n, BLOCK)
     b = local // blocks
@@ -519,9 +579,12 @@ def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_lr,
     if STOCHASTIC:
         # bf16 stochastic rounding: add 16 random bits below bf16's mantissa, then truncate.
         # seed: the optimizer's step counter (a device scalar: no sync, no recompile), salted by
-        # the matrix's index. Non-finite values are left to round to nearest.
-        seed = tl.load(p_seed).to(tl.int32) * 1000003 + mat.to(tl.int32)
-        noise = (tl.randint(seed, base.to(tl.uint32) + t_off.to(tl.uint32)) & 0xFFFF).to(tl.uint32)
+        # the matrix's index (SALT). Non-finite values are left to round to nearest.
+        # the noise of an element is keyed by its index in the whole parameter: a row shard
+        # (MG > m rows, EOFF) draws the bits its elements get in the unsharded step
+        seed = tl.load(p_seed).to(tl.int32) * 1000003 + tl.load(row + SALT).to(tl.int32)
+        g_base = base + b * (tl.load(row + MG) - m) * n + tl.load(row + EOFF)
+        noise = (tl.randint(seed, g_base.to(tl.uint32) + t_off.to(tl.uint32)) & 0xFFFF).to(tl.uint32)
         bits = new.to(tl.uint32, bitcast=True)
         rounded = ((bits + noise) & 0xFFFF0000).to(tl.float32, bitcast=True)
         fin = (new == new) & (tl.abs(new) < float("inf"))
@@ -552,7 +615,14 @@ def compile_cases():
         for ones in (False, True):
             yield (f"sinkgd_scale axis={axis} ones={ones}", _sinkgd_scale_kernel, scale,
                    {"AXIS": axis, "PART_TILE": ROW_TILE[1], "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS,
-                    "ONES": ones}, 4)
+                    "ONES": ones, "SUMMED": False}, 4)
+    yield ("sinkgd_scale axis=1 summed", _sinkgd_scale_kernel, scale,
+           {"AXIS": 1, "PART_TILE": ROW_TILE[1], "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS, "ONES": False,
+            "SUMMED": True}, 4)
+    for with_u in (False, True):
+        yield (f"sinkgd_colsum with_u={with_u}", _sinkgd_colsum_kernel,
+               {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_part": "*fp32", "p_upart": "*fp32",
+                "p_sums": "*fp32"}, {"WITH_U": with_u, "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS}, 4)
     for n in (4096, 14336):
         block_n, rb, bm, w = rows_config(n)
         yield (f"sinkgd_power_rows n={n}", _sinkgd_power_rows_kernel, dict(sums, p_upart="*fp32"),
@@ -561,10 +631,11 @@ def compile_cases():
     for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):
         yield (f"sinkgd_power_tiles axis={axis}", _sinkgd_power_tiles_kernel, tiles,
                {"AXIS": axis, "BM": bm, "BN": bn, "PART_TILE": ROW_TILE[1], "ALIGN": 8}, w)
-    yield ("sinkgd_power_cols", _sinkgd_power_cols_kernel,
-           {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_c": "*fp32", "p_part": "*fp32",
-            "p_upart": "*fp32", "p_wpart": "*fp32", "eps": "fp32"},
-           {"BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS}, 4)
+    for summed in (False, True):
+        yield (f"sinkgd_power_cols summed={summed}", _sinkgd_power_cols_kernel,
+               {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_c": "*fp32", "p_part": "*fp32",
+                "p_upart": "*fp32", "p_wpart": "*fp32", "eps": "fp32"},
+               {"BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS, "SUMMED": summed}, 4)
     for muon in (False, True):
         yield (f"sinkgd_power_norm muon={muon}", _sinkgd_power_norm_kernel,
                {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_wpart": "*fp32", "p_spec": "*fp32",

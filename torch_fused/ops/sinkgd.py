@@ -28,6 +28,8 @@ from ..meta import sinkgd as meta
 
 
 def _as3d(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 3:  # as given (a rank's shard may have no rows: -1 below could not be inferred)
+        return t
     m, n = t.shape[-2], t.shape[-1]
     return t.reshape(-1, m, n)
 
@@ -63,9 +65,14 @@ class _Plan:
     (align, (row sums, row scale, column sums)) for the rest, or None; ``cscale`` over every
     matrix; ``update`` [(align, launch)]. A launch is (meta, first, n_mats, grid); align is the
     kernels' ALIGN (kernels/sinkgd.py): 16 bytes of the narrower dtype where n is a multiple of
-    it and G and W are 16-byte aligned, else 1."""
+    it and G and W are 16-byte aligned, else 1.
 
-    def __init__(self, ps, gs, lr_scale, base_width, width_exponent, vecs=()):
+    ``shard`` (optim/sharded.py: the local rows of sharded matrices): per matrix (MG, EOFF,
+    SALT, S_OFF, SU_OFF), the meta columns of kernels/sinkgd.py that place the local block in
+    the whole matrix and its finished sums in the step's sums buffer. Without it every matrix
+    is whole: MG = m, EOFF = 0, SALT its index in its update launch."""
+
+    def __init__(self, ps, gs, lr_scale, base_width, width_exponent, vecs=(), shard=None):
         from ..kernels import sinkgd as K
 
         dev = ps[0].device
@@ -102,6 +109,7 @@ class _Plan:
             b, m, n = _as3d(p).shape
             key, align = key_of[i]
             upd.setdefault(align, []).append(i)
+            whole = (m, 0, len(upd[align]) - 1, 0, 0)  # MG, EOFF, SALT, S_OFF, SU_OFF
             if key is not None:
                 cfg = cfgs[key]
                 buckets.setdefault((cfg, align, len(key) == 2), []).append(i)
@@ -111,7 +119,7 @@ class _Plan:
                 n_pr, n_pc = cdiv(n, rbn), cdiv(m, cbm)
             # row order = kernels/sinkgd.py's meta columns
             rows.append([g.data_ptr(), p.data_ptr(), m, n, r_off, c_off, pr_off, pc_off, coef_off, n_pc, v_ptrs[i],
-                         u_off, wq_off])
+                         u_off, wq_off, *(whole if shard is None else shard[i])])
             shapes.append((b, m, n))
             self.spans.append((r_off, c_off, b, m, n))
             f = _lr_factor(n, lr_scale, base_width, width_exponent)
@@ -176,8 +184,8 @@ def _tile_settings() -> tuple:
             K.ROWS_BM, K.ROWS_MIN_PROGRAMS, K.ROWS_MAX_PARTIALS, K.ROWS_RB)
 
 
-def _plan_key(ps, gs, lr_scale, base_width, width_exponent, vecs=()) -> tuple:
-    return (lr_scale, base_width, width_exponent, _tile_settings(), tuple(v.data_ptr() for v in vecs),
+def _plan_key(ps, gs, lr_scale, base_width, width_exponent, vecs=(), shard=None) -> tuple:
+    return (lr_scale, base_width, width_exponent, _tile_settings(), tuple(v.data_ptr() for v in vecs), shard,
             tuple((p.data_ptr(), g.data_ptr(), p.shape, p.dtype, g.dtype, p.device) for p, g in zip(ps, gs)))
 
 
@@ -275,14 +283,14 @@ class SinkGDCache:
         # tables at every replay, so they are never evicted (clear() drops them)
         self.captured: dict = {}
 
-    def plan(self, ps, gs, lr_scale, base_width, width_exponent, vecs=()) -> _Plan:
-        key = _plan_key(ps, gs, lr_scale, base_width, width_exponent, vecs)
+    def plan(self, ps, gs, lr_scale, base_width, width_exponent, vecs=(), shard=None) -> _Plan:
+        key = _plan_key(ps, gs, lr_scale, base_width, width_exponent, vecs, shard)
         capturing = ps[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         plan = self.plans.get(key) or self.captured.get(key)
         if plan is None:
             if capturing:  # its tables belong to the capture's memory pool: used once, not kept
-                return _Plan(ps, gs, lr_scale, base_width, width_exponent, vecs)
-            plan = self.plans[key] = _Plan(ps, gs, lr_scale, base_width, width_exponent, vecs)
+                return _Plan(ps, gs, lr_scale, base_width, width_exponent, vecs, shard)
+            plan = self.plans[key] = _Plan(ps, gs, lr_scale, base_width, width_exponent, vecs, shard)
             if len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
         elif capturing:
@@ -372,73 +380,166 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
         graph.replay()
 
 
+class _Buffers:
+    """A step's scale vectors and partials for one plan (fp32, made per call: under a capture
+    they belong to the graph's pool and nothing keeps them)."""
+
+    def __init__(self, plan, iters, spectral_norm, dev):
+        r_len, c_len, pr_len, pc_len, u_len, wq_len = plan.lens
+        self.r = torch.empty(r_len, dtype=torch.float32, device=dev)
+        self.c = torch.empty(c_len, dtype=torch.float32, device=dev)
+        self.part_r = torch.empty(max(pr_len, 1), dtype=torch.float32, device=dev)
+        self.part_c = torch.empty(pc_len, dtype=torch.float32, device=dev)
+        if iters == 0:
+            self.r.fill_(1.0)
+            self.c.fill_(1.0)
+        self.spec = plan.fac  # a placeholder pointer unless the spectral scale is on
+        if spectral_norm:
+            self.part_u = torch.empty(max(u_len, 1), dtype=torch.float32, device=dev)
+            self.part_w = torch.empty(max(wq_len, 1), dtype=torch.float32, device=dev)
+            self.spec = torch.empty(plan.n_coef, dtype=torch.float32, device=dev)
+
+
+def _row_stage(plan, bufs, gdt, eps, first):
+    """One Sinkhorn iteration's passes over G: r finished, the column partials written."""
+    from ..kernels import sinkgd as K
+
+    r, c, part_r, part_c = bufs.r, bufs.c, bufs.part_r, bufs.part_c
+    for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in plan.fused:
+        K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gdt, r, c, part_c, eps, ONES_R=first,
+                                       ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align,
+                                       EVEN_N=even, num_warps=warps)
+    if plan.wide is not None:
+        rbm, rbn, rw = K.ROW_TILE
+        cbm, cbn, cw = K.COL_TILE
+        align, ((m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c)) = plan.wide
+        K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
+                                      ONES_R=first, ONES_C=first, ALIGN=align, num_warps=rw)
+        K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=K.SCALE_BLOCK,
+                                       PARTS=K.SCALE_PARTS, ONES=first, SUMMED=False)
+        K._sinkgd_sums_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
+                                      ONES_R=False, ONES_C=first, ALIGN=align, num_warps=cw)
+
+
+def _col_stage(plan, bufs, eps, first, sums=None):
+    """The column scale c from the column partials, or (``sums``) from the finished sums."""
+    from ..kernels import sinkgd as K
+
+    t_meta, t_first, n_mats, grid = plan.cscale
+    K._sinkgd_scale_kernel[(grid,)](t_meta, t_first, n_mats, bufs.c, bufs.part_c if sums is None else sums, eps,
+                                    AXIS=1, PART_TILE=K.COL_TILE[0], BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS,
+                                    ONES=first, SUMMED=sums is not None)
+
+
+def _colsum_stage(plan, bufs, sums, with_u):
+    """Sharded rows: the local column (and |u|^2) sums into the sums buffer, for the all-reduce."""
+    from ..kernels import sinkgd as K
+
+    t_meta, t_first, n_mats, grid = plan.cscale
+    K._sinkgd_colsum_kernel[(grid,)](t_meta, t_first, n_mats, bufs.part_c, bufs.part_u if with_u else bufs.part_c,
+                                     sums, WITH_U=with_u, BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS)
+
+
+def _power_stage(plan, bufs, gdt):
+    """One power iteration's pass over G: the column partials of X^T u and the |u|^2 partials."""
+    from ..kernels import sinkgd as K
+
+    r, c, part_r, part_c, part_u = bufs.r, bufs.c, bufs.part_r, bufs.part_c, bufs.part_u
+    for (block_n, rb, bm, warps), align, even, (f_meta, f_first, f_mats, f_grid) in plan.fused:
+        K._sinkgd_power_rows_kernel[(f_grid,)](f_meta, f_first, f_mats, gdt, r, c, part_c, part_u,
+                                               BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align, EVEN_N=even,
+                                               num_warps=warps)
+    if plan.wide is not None:
+        rbm, rbn, rw = K.ROW_TILE
+        cbm, cbn, cw = K.COL_TILE
+        align, ((m_s, f_s, n_s, g_s), _, (m_c, f_c, n_c, g_c)) = plan.wide
+        K._sinkgd_power_tiles_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, part_c, part_u, AXIS=0,
+                                             BM=rbm, BN=rbn, PART_TILE=rbn, ALIGN=align, num_warps=rw)
+        K._sinkgd_power_tiles_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_r, part_c, part_u, AXIS=1,
+                                             BM=cbm, BN=cbn, PART_TILE=rbn, ALIGN=align, num_warps=cw)
+
+
+def _power_finish(plan, bufs, eps, spectral_target, sums=None):
+    """w = X^T u / |u| into v, then v = w / |w| and the spectral scale, from the partials or
+    (``sums``) the finished sums."""
+    from ..kernels import sinkgd as K
+
+    t_meta, t_first, n_mats, grid = plan.cscale
+    part, upart = (bufs.part_c, bufs.part_u) if sums is None else (sums, sums)
+    K._sinkgd_power_cols_kernel[(grid,)](t_meta, t_first, n_mats, bufs.c, part, upart, bufs.part_w, eps,
+                                         BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS, SUMMED=sums is not None)
+    K._sinkgd_power_norm_kernel[(grid,)](t_meta, t_first, n_mats, bufs.part_w, bufs.spec, eps,
+                                         MUON=spectral_target == "muon", BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS)
+
+
+def _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, spectral_norm):
+    from ..kernels import sinkgd as K
+
+    ubm, ubn, uw = K.UPD_TILE
+    for align, (t_meta, t_first, n_mats, grid) in plan.update:
+        K._sinkgd_update_kernel[(grid,)](t_meta, t_first, n_mats, gdt, wdt, bufs.r, bufs.c, lr_d, plan.fac,
+                                         plan.n_coef, bufs.spec, float(weight_decay), seed_d, STOCHASTIC=stochastic,
+                                         HAS_SPEC=spectral_norm, BM=ubm, BN=ubn, ALIGN=align, num_warps=uw)
+
+
 def _launch_group(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
                   spectral_iters, stochastic, seed):
     """The launches of one step of a matrix group (see _triton_group). Every buffer is made
     here, per call: under a capture they belong to the graph's pool and nothing keeps them."""
-    from ..kernels import sinkgd as K
-
     dev = ps[0].device
-    rbm, rbn, rw = K.ROW_TILE
-    cbm, cbn, cw = K.COL_TILE
-    ubm, ubn, uw = K.UPD_TILE
-    sb = K.SCALE_BLOCK
-    r_len, c_len, pr_len, pc_len, u_len, wq_len = plan.lens
-    r = torch.empty(r_len, dtype=torch.float32, device=dev)
-    c = torch.empty(c_len, dtype=torch.float32, device=dev)
-    part_r = torch.empty(max(pr_len, 1), dtype=torch.float32, device=dev)
-    part_c = torch.empty(pc_len, dtype=torch.float32, device=dev)
-    if iters == 0:
-        r.fill_(1.0)
-        c.fill_(1.0)
+    bufs = _Buffers(plan, iters, spectral_norm, dev)
     gdt, wdt = gs[0], ps[0]  # dtype carriers: the addresses come from the tables
     for it in range(iters):
         first = it == 0  # r and c are still all ones: the kernels neither read nor need them
-        for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in plan.fused:
-            K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gdt, r, c, part_c, eps, ONES_R=first,
-                                           ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align,
-                                           EVEN_N=even, num_warps=warps)
-        if plan.wide is not None:
-            align, ((m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c)) = plan.wide
-            K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
-                                          ONES_R=first, ONES_C=first, ALIGN=align, num_warps=rw)
-            K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=sb,
-                                           PARTS=K.SCALE_PARTS, ONES=first)
-            K._sinkgd_sums_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
-                                          ONES_R=False, ONES_C=first, ALIGN=align, num_warps=cw)
-        t_meta, t_first, n_mats, grid = plan.cscale
-        K._sinkgd_scale_kernel[(grid,)](t_meta, t_first, n_mats, c, part_c, eps, AXIS=1, PART_TILE=cbm, BLOCK=sb,
-                                        PARTS=K.SCALE_PARTS, ONES=first)
-    lr_d = lr.to(dev, torch.float32)
-    spec = plan.fac  # a placeholder pointer unless the spectral scale is on
+        _row_stage(plan, bufs, gdt, eps, first)
+        _col_stage(plan, bufs, eps, first)
     if spectral_norm:
         # power iteration on X = diag(r) G diag(c), never formed: per iteration one pass over G
         # (u = X v and the column partials of X^T u), then w = X^T u / |u| into v, then
         # v = w / |w| and the scale target / |w| (docs/SINKGD.md)
-        part_u = torch.empty(max(u_len, 1), dtype=torch.float32, device=dev)
-        part_w = torch.empty(max(wq_len, 1), dtype=torch.float32, device=dev)
-        spec = torch.empty(plan.n_coef, dtype=torch.float32, device=dev)
-        t_meta, t_first, n_mats, grid = plan.cscale
         for _ in range(spectral_iters):
-            for (block_n, rb, bm, warps), align, even, (f_meta, f_first, f_mats, f_grid) in plan.fused:
-                K._sinkgd_power_rows_kernel[(f_grid,)](f_meta, f_first, f_mats, gdt, r, c, part_c, part_u,
-                                                       BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align, EVEN_N=even,
-                                                       num_warps=warps)
-            if plan.wide is not None:
-                align, ((m_s, f_s, n_s, g_s), _, (m_c, f_c, n_c, g_c)) = plan.wide
-                K._sinkgd_power_tiles_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, part_c, part_u, AXIS=0,
-                                                     BM=rbm, BN=rbn, PART_TILE=rbn, ALIGN=align, num_warps=rw)
-                K._sinkgd_power_tiles_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_r, part_c, part_u, AXIS=1,
-                                                     BM=cbm, BN=cbn, PART_TILE=rbn, ALIGN=align, num_warps=cw)
-            K._sinkgd_power_cols_kernel[(grid,)](t_meta, t_first, n_mats, c, part_c, part_u, part_w, eps, BLOCK=sb,
-                                                 PARTS=K.SCALE_PARTS)
-            K._sinkgd_power_norm_kernel[(grid,)](t_meta, t_first, n_mats, part_w, spec, eps,
-                                                 MUON=spectral_target == "muon", BLOCK=sb, PARTS=K.SCALE_PARTS)
-    seed_d = seed.to(dev)
-    for align, (t_meta, t_first, n_mats, grid) in plan.update:
-        K._sinkgd_update_kernel[(grid,)](t_meta, t_first, n_mats, gdt, wdt, r, c, lr_d, plan.fac, plan.n_coef, spec,
-                                         float(weight_decay), seed_d, STOCHASTIC=stochastic,
-                                         HAS_SPEC=spectral_norm, BM=ubm, BN=ubn, ALIGN=align, num_warps=uw)
+            _power_stage(plan, bufs, gdt)
+            _power_finish(plan, bufs, eps, spectral_target)
+    _update_stage(plan, bufs, gdt, wdt, lr.to(dev, torch.float32), seed.to(dev), weight_decay, stochastic,
+                  spectral_norm)
+
+
+def launch_sharded(groups, sums_len, reduce, *, lr, lr_scale, weight_decay, eps, iters, spectral_norm,
+                   spectral_target, spectral_iters, base_width, width_exponent, seed, cache):
+    """One SinkGD step of the local blocks of sharded matrices (optim/sharded.py) through the
+    kernels. ``groups``: [(params, grads, vecs, shard, stochastic)], one per (param dtype, grad
+    dtype), of 3-D local views; ``shard`` the per-matrix meta columns (see _Plan) that place
+    each block in its whole matrix and its finished sums in one fp32 buffer of ``sums_len``
+    elements. Per Sinkhorn iteration: the row passes of every group, each rank's column sums
+    into the buffer, ``reduce(sums, spectral=False)`` (the caller's all-reduces of the regions
+    of row-sharded matrices), the column scales from the sums; per power iteration the same
+    with the |u|^2 sums (``spectral=True``); then the updates. No CUDA graph: the collectives
+    run between the launches. ``cache``: a SinkGDCache for the plans."""
+    dev = groups[0][0][0].device
+    work = []
+    for ps, gs, vecs, shard, stochastic in groups:
+        plan = cache.plan(ps, gs, lr_scale, base_width, width_exponent, vecs, shard)
+        work.append((plan, _Buffers(plan, iters, spectral_norm, dev), gs[0], ps[0], stochastic))
+    sums = torch.zeros(max(sums_len, 1), dtype=torch.float32, device=dev)
+    for it in range(iters):
+        first = it == 0
+        for plan, bufs, gdt, _, _ in work:
+            _row_stage(plan, bufs, gdt, eps, first)
+            _colsum_stage(plan, bufs, sums, with_u=False)
+        reduce(sums, spectral=False)
+        for plan, bufs, _, _, _ in work:
+            _col_stage(plan, bufs, eps, first, sums)
+    if spectral_norm:
+        for _ in range(spectral_iters):
+            for plan, bufs, gdt, _, _ in work:
+                _power_stage(plan, bufs, gdt)
+                _colsum_stage(plan, bufs, sums, with_u=True)
+            reduce(sums, spectral=True)
+            for plan, bufs, _, _, _ in work:
+                _power_finish(plan, bufs, eps, spectral_target, sums)
+    lr_d, seed_d = lr.to(dev, torch.float32), seed.to(dev)
+    for plan, bufs, gdt, wdt, stochastic in work:
+        _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, spectral_norm)
 
 
 def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,

@@ -24,12 +24,22 @@ rank: no collective; its warm-start vectors are a DTensor ``[B, ..., n]`` with t
 placement. ``Replicate()`` on a 1-D mesh is the whole matrix on every rank: computed locally, no
 collective. Every other placement raises ValueError naming it.
 
-The computation is PyTorch ops on any device (fp32 math on the scale vectors, the gradient read
-in row chunks of about ``CHUNK_ELEMS`` elements: no fp32 copy of a whole gradient). Stochastic
-rounding of bf16 parameters (where the single-device op does it: a Triton device) reproduces
-the update kernel's random bits: Philox (Triton's ``tl.randint``, 10 rounds) keyed by the seed
-``step * 1000003 + matrix index`` at the element's index in the WHOLE parameter, so every
-element gets the noise it gets in the unsharded step (``philox_noise``, ``update_salts``).
+Two implementations of the same step:
+
+- on a Triton device (CUDA; the CPU under ``TRITON_INTERPRET=1``) the single-device op's
+  kernels run on the local rows (``ops/sinkgd.py::launch_sharded``): per Sinkhorn iteration the
+  row pass writes column partials, ``_sinkgd_colsum_kernel`` finishes each rank's column sums
+  into one fp32 buffer, the all-reduce sums that buffer's row-sharded region, and the column
+  scale kernel reads the summed columns; the power iteration likewise. The update kernel keys
+  its stochastic rounding by each element's index in the whole parameter (meta columns MG,
+  EOFF, SALT), so the random bits are the unsharded step's. A world of 1 is bitwise the fused
+  step; larger worlds sum the column partials in another order (fp32 rounding).
+- elsewhere (the CPU, float64, or ``FUSED = False``) PyTorch ops: fp32 math on the scale
+  vectors, the gradient read in row chunks of about ``CHUNK_ELEMS`` elements (no fp32 copy of
+  a whole gradient). Stochastic rounding of bf16 parameters (where the single-device op does
+  it: a Triton device) reproduces the update kernel's random bits: Philox (Triton's
+  ``tl.randint``, 10 rounds) keyed by the seed ``step * 1000003 + matrix index`` at the
+  element's index in the WHOLE parameter (``philox_noise``, ``update_salts``).
 """
 
 from __future__ import annotations
@@ -104,6 +114,25 @@ def _local_offset(p, mesh, placements):
     return tuple(shape), tuple(off)
 
 
+_SPLITS: dict = {}  # (shape, id(mesh), placements) -> (mesh, what _split returns)
+
+
+def _split(shape, mesh, placements):
+    """(local shape, global offset, process group name) of this rank's shard of a DTensor of
+    ``shape``: fixed for a (shape, mesh object, placements), so computed once (a step asks for
+    every parameter's). Keyed by the mesh's identity: a mesh made again after a new process
+    group compares equal to the old one but names another group."""
+    key = (shape, id(mesh), placements)
+    hit = _SPLITS.get(key)
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    local_shape, off = _local_offset(torch.empty(shape, device="meta"), mesh, placements)
+    if len(_SPLITS) >= 4096:
+        _SPLITS.clear()
+    _SPLITS[key] = (mesh, (local_shape, off, mesh.get_group(0).group_name))
+    return _SPLITS[key][1]
+
+
 def shard_info(p, g, i: int) -> ShardInfo:
     """Validate DTensor parameter ``params[i]`` and its gradient and describe its split; an
     unsupported placement raises ValueError naming it."""
@@ -143,14 +172,13 @@ def shard_info(p, g, i: int) -> ShardInfo:
         raise ValueError(
             f"{what}: SinkGD supports Shard({nd - 2}) (rows) or Shard(0) of a [..., m, n] parameter; got "
             f"{_fmt(placements)}, which shards its {part}, shape {shape}")
-    local_shape, off = _local_offset(p, mesh, placements)
+    local_shape, off, group_name = _split(shape, mesh, placements)
     with torch.no_grad():
         lp = p.to_local()
     if tuple(lp.shape) != local_shape:
         raise NotImplementedError(
             f"{what}: local shard of shape {tuple(lp.shape)} on rank {mesh.get_local_rank(0)}; expected "
             f"torch.chunk's split of {shape} ({local_shape})")
-    group_name = mesh.get_group(0).group_name
     if kind == "rows":
         return ShardInfo(kind, group_name, b, m, n, b, local_shape[-2], 0, off[-2])
     inner = math.prod(shape[1:-2])
@@ -235,15 +263,20 @@ def update_salts(params, grads) -> list[int | None]:
 class _Mat:
     """One matrix parameter's local view [b_loc, m_loc, n], its gradient's, and its scales."""
 
-    def __init__(self, w, g, info: ShardInfo, v):
+    def __init__(self, w, g, info: ShardInfo, v, scales: bool = True):
         self.w = w
         self.g = g
         self.info = info
-        dev = w.device
-        self.r = torch.ones(info.b_loc, info.m_loc, dtype=torch.float32, device=dev)
-        self.c = torch.ones(info.b_loc, info.n, dtype=torch.float32, device=dev)
         self.v = v
         self.chunk = max(1, CHUNK_ELEMS // max(1, info.b_loc * info.n))
+        if scales:
+            self.init_scales()
+
+    def init_scales(self):
+        """r and c all ones (the PyTorch-op path's; the fused path keeps its own)."""
+        dev = self.w.device
+        self.r = torch.ones(self.info.b_loc, self.info.m_loc, dtype=torch.float32, device=dev)
+        self.c = torch.ones(self.info.b_loc, self.info.n, dtype=torch.float32, device=dev)
 
     def chunks(self):
         for a in range(0, self.info.m_loc, self.chunk):
@@ -442,12 +475,36 @@ def sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05,
         v = None
         if spectral_norm:
             v = vecs[i].to_local().view(info.b_loc, info.n) if is_dtensor(vecs[i]) else vecs[i]
-        mat = _Mat(w3, g3, info, v)
+        mat = _Mat(w3, g3, info, v, scales=False)
         mat.index = i
         mats.append(mat)
     if not mats:
         return
     dev = mats[0].w.device
+    if isinstance(lr, torch.Tensor):
+        lr_d = lr.reshape(()).to(device=dev, dtype=torch.float32)
+    else:
+        lr_d = torch.tensor(float(lr), dtype=torch.float32, device=dev)
+    if step is None:
+        step = torch.zeros((), dtype=torch.float32, device=dev)
+    kw = dict(lr_scale=lr_scale, weight_decay=weight_decay, eps=eps, sinkhorn_iters=sinkhorn_iters,
+              spectral_norm=spectral_norm, spectral_target=spectral_target, spectral_iters=spectral_iters,
+              base_width=base_width, width_exponent=width_exponent)
+    if FUSED and dev.type in TRITON_DEVICES and all(torch.float64 not in (m.w.dtype, m.g.dtype) for m in mats):
+        _fused_step(mats, salts, lr_d, step, stochastic_round, **kw)
+    else:
+        _torch_step(mats, salts, lr_d, step, stochastic_round, **kw)
+
+
+def _torch_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_decay, eps, sinkhorn_iters,
+                spectral_norm, spectral_target, spectral_iters, base_width, width_exponent):
+    """The step in PyTorch ops (CPU, float64, and ``FUSED = False``): chunked passes over the
+    local rows, the collectives of _reduce_groups."""
+    from .._library import TRITON_DEVICES
+
+    dev = mats[0].w.device
+    for mat in mats:
+        mat.init_scales()
     for _ in range(sinkhorn_iters):
         parts = _reduce_groups(mats, [_row_pass(mat, eps) for mat in mats])
         for mat, col in zip(mats, parts):
@@ -469,12 +526,6 @@ def sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05,
         for k, mat in enumerate(mats):
             target = 1.0 if spectral_target == "unit" else math.sqrt(mat.info.m / mat.info.n)
             scales[k] = target / sigma[k].clamp_min(eps)
-    if isinstance(lr, torch.Tensor):
-        lr_d = lr.reshape(()).to(device=dev, dtype=torch.float32)
-    else:
-        lr_d = torch.tensor(float(lr), dtype=torch.float32, device=dev)
-    if step is None:
-        step = torch.zeros((), dtype=torch.float32, device=dev)
     for k, mat in enumerate(mats):
         info = mat.info
         fac = lr_scale * ((base_width / info.n) ** width_exponent if base_width is not None else 1.0)
@@ -487,6 +538,70 @@ def sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05,
                 and dev.type in TRITON_DEVICES and salt is not None):
             seed = sr_seed(step.to(dev), salt)
         _update(mat, coef_x, coef_w, seed)
+
+
+# On a Triton device the step runs the single-device op's kernels on the local rows (ops/sinkgd.py
+# ``launch_sharded``), with the all-reduces between their launches; FUSED = False (or
+# TORCH_FUSED_SINKGD_SHARDED_FUSED=0) keeps the PyTorch ops everywhere.
+FUSED = os.environ.get("TORCH_FUSED_SINKGD_SHARDED_FUSED", "1") != "0"
+_PLANS = None  # the fused path's SinkGDCache (plans only), made on first use
+
+
+def _fused_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_decay, eps, sinkhorn_iters,
+                spectral_norm, spectral_target, spectral_iters, base_width, width_exponent):
+    """The step through the fused kernels: one plan per (param dtype, grad dtype), every
+    matrix's finished column sums (and per power iteration its |u|^2 sums) in one fp32 buffer
+    laid out the same on every rank from the global shapes: first, per process group, the
+    row-split matrices' column sums then their |u|^2 sums (the region its all-reduces cover),
+    then the whole matrices' (local: a batch shard, Replicate())."""
+    global _PLANS
+    from ..ops import sinkgd as S
+
+    if _PLANS is None:
+        _PLANS = S.SinkGDCache(cuda_graphs=False)
+    regions: dict = {}  # group name -> [start, end of the column sums, end]
+    layout: dict = {}  # mat position -> (S_OFF, SU_OFF)
+    at = 0
+    names = list(dict.fromkeys(mat.info.group_name for mat in mats if mat.info.kind == "rows"))
+    for name in names:
+        idx = [k for k, mat in enumerate(mats) if mat.info.kind == "rows" and mat.info.group_name == name]
+        start = at
+        for k in idx:
+            layout[k] = [at]
+            at += mats[k].info.b_loc * mats[k].info.n
+        cols_end = at
+        for k in idx:
+            layout[k].append(at)
+            at += mats[k].info.b_loc
+        regions[name] = (start, cols_end, at)
+    for k, mat in enumerate(mats):
+        if mat.info.kind != "rows":
+            layout[k] = [at, at + mat.info.b_loc * mat.info.n]
+            at = layout[k][1] + mat.info.b_loc
+    groups: dict = {}
+    for k, mat in enumerate(mats):
+        groups.setdefault((mat.w.dtype, mat.g.dtype), []).append(k)
+    work = []
+    for (wdt, _), idx in groups.items():
+        shard = []
+        for k in idx:
+            info = mats[k].info
+            salt = salts[mats[k].index]
+            eoff = (info.b_off * info.m + info.row_off) * info.n  # the local block's first element
+            shard.append((info.m, eoff, 0 if salt is None else salt, *layout[k]))
+        vecs = [mats[k].v for k in idx] if spectral_norm else []
+        stochastic = bool(stochastic_round) and wdt == torch.bfloat16
+        work.append(([mats[k].w for k in idx], [mats[k].g for k in idx], vecs, tuple(shard), stochastic))
+
+    def reduce(sums, spectral):
+        for name, (start, cols_end, end) in regions.items():
+            part = sums[start:end if spectral else cols_end]
+            part.copy_(_all_reduce(part, name))
+
+    S.launch_sharded(work, at, reduce, lr=lr_d, lr_scale=lr_scale, weight_decay=weight_decay, eps=eps,
+                     iters=sinkhorn_iters, spectral_norm=spectral_norm, spectral_target=spectral_target,
+                     spectral_iters=spectral_iters, base_width=base_width, width_exponent=width_exponent,
+                     seed=step, cache=_PLANS)
 
 
 def warm_start_is_sharded(p) -> bool:
