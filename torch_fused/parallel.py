@@ -275,7 +275,6 @@ def merge_partials(parts: torch.Tensor, index2: torch.Tensor | None, ignore_inde
     O(n W) elementwise work in a few dozen small launches, none of which waits for the device:
     no tensor is made from host values here (a host-to-device copy would synchronize the stream
     and leave every launch after it exposed)."""
-    dt = parts.dtype
     ninf = float("-inf")
     m_r, l2s_r = parts[..., 0], parts[..., 1]
     empty = l2s_r == ninf  # s_r = 0: no columns, or only -inf logits (a NaN stays NaN)
