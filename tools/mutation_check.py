@@ -194,7 +194,7 @@ MUTANTS: list[Mutant] = [
             for (block_n, rb, bm, warps), al, even, (t_meta, t_first, n_mats, grid) in plan.fused:
                 K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gdt, r, c, part_c, eps, ONES_R=first,
                                                ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=al,
-                                               EVEN_N=even, num_warps=warps)
+                                               EVEN_N=even, REVERSE=False, num_warps=warps)
             rbm, rbn, rw = K.ROW_TILE
             cbm, cbn, cw = K.COL_TILE
             align, ((m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c)) = plan.wide

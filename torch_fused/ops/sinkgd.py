@@ -80,9 +80,9 @@ class _Plan:
         cbm, cbn, _ = K.COL_TILE
         ubm, ubn, _ = K.UPD_TILE
         sb = K.SCALE_BLOCK
-        rows, shapes, buckets, wide, upd = [], [], {}, [], {}
+        rows, shapes, buckets, wide, upd, salts = [], [], {}, [], {}, {}
         r_off = c_off = pr_off = pc_off = coef_off = u_off = wq_off = 0
-        factors_b, factors_m, self.spans = [], [], []
+        factors_b, self.spans = [], []
         self.graphs: dict = {}  # CUDA graphs of this plan's launches, per scalars (_triton_group)
         self.graph_seen: dict = {}
         vec = 16 // min(ps[0].element_size(), gs[0].element_size())
@@ -108,8 +108,8 @@ class _Plan:
         for i, (p, g) in enumerate(zip(ps, gs)):
             b, m, n = _as3d(p).shape
             key, align = key_of[i]
-            upd.setdefault(align, []).append(i)
-            whole = (m, 0, len(upd[align]) - 1, 0, 0)  # MG, EOFF, SALT, S_OFF, SU_OFF
+            salt = salts[align] = salts.get(align, -1) + 1  # the matrix's index in its class, in list order
+            whole = (m, 0, salt, 0, 0)  # MG, EOFF, SALT, S_OFF, SU_OFF
             if key is not None:
                 cfg = cfgs[key]
                 buckets.setdefault((cfg, align, len(key) == 2), []).append(i)
@@ -124,7 +124,6 @@ class _Plan:
             self.spans.append((r_off, c_off, b, m, n))
             f = _lr_factor(n, lr_scale, base_width, width_exponent)
             factors_b += [f] * b
-            factors_m.append(f)
             r_off += b * m
             c_off += cdiv(b * n, 4) * 4  # c and column partials start 16-byte aligned
             pr_off += b * n_pr * m
@@ -155,6 +154,10 @@ class _Plan:
                               launch(idx, lambda b, m, n: b * cdiv(m, cbm) * cdiv(n, cbn))))
             # power pass AXIS=0 uses the row sums' launch, AXIS=1 the column sums'
         specs["cscale"] = launch(range(len(ps)), lambda b, m, n: b * cdiv(n, sb))
+        # the update walks the matrices in the row passes' order (ZIGZAG: its first tiles are
+        # the last pass's last bytes)
+        for i in [i for idx in buckets.values() for i in idx] + [i for i, _ in wide]:
+            upd.setdefault(key_of[i][1], []).append(i)
         specs["update"] = [(align, launch(idx, lambda b, m, n: b * cdiv(m, ubm) * cdiv(n, ubn)))
                            for align, idx in upd.items()]
         table = _device_tensor(packed, torch.int64, dev)
@@ -171,8 +174,9 @@ class _Plan:
         self.update = [(align, views(sp)) for align, sp in specs["update"]]
         self.lens = (r_off, c_off, pr_off, pc_off, u_off, wq_off)
         self.n_coef = coef_off
-        # lr factors: one per batch entry (coef_x), then one per matrix (coef_w)
-        self.fac = _device_tensor(factors_b + factors_m, torch.float32, dev)
+        # lr factors: one per batch entry (coef_x and coef_w); never empty (a placeholder pointer
+        # of the kernels' too)
+        self.fac = _device_tensor(factors_b or [0.0], torch.float32, dev)
 
 
 def _tile_settings() -> tuple:
@@ -180,7 +184,7 @@ def _tile_settings() -> tuple:
     key, so that code changing them (a sweep, the interpreter run) never meets a stale plan."""
     from ..kernels import sinkgd as K
 
-    return (K.MAX_FUSED_N, K.ROW_TILE, K.COL_TILE, K.UPD_TILE, K.SCALE_BLOCK, K.ROWS_ELEMS, K.ROWS_MAX_WARPS,
+    return (K.ZIGZAG, K.MAX_FUSED_N, K.ROW_TILE, K.COL_TILE, K.UPD_TILE, K.SCALE_BLOCK, K.ROWS_ELEMS, K.ROWS_MAX_WARPS,
             K.ROWS_BM, K.ROWS_MIN_PROGRAMS, K.ROWS_MAX_PARTIALS, K.ROWS_RB)
 
 
@@ -380,6 +384,10 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
         graph.replay()
 
 
+def _walk(launches, rev):
+    return reversed(launches) if rev else launches
+
+
 class _Buffers:
     """A step's scale vectors and partials for one plan (fp32, made per call: under a capture
     they belong to the graph's pool and nothing keeps them)."""
@@ -400,15 +408,16 @@ class _Buffers:
             self.spec = torch.empty(plan.n_coef, dtype=torch.float32, device=dev)
 
 
-def _row_stage(plan, bufs, gdt, eps, first):
-    """One Sinkhorn iteration's passes over G: r finished, the column partials written."""
+def _row_stage(plan, bufs, gdt, eps, first, rev=False):
+    """One Sinkhorn iteration's passes over G: r finished, the column partials written. rev:
+    the one-read launches walk backwards (kernels/sinkgd.py ZIGZAG)."""
     from ..kernels import sinkgd as K
 
     r, c, part_r, part_c = bufs.r, bufs.c, bufs.part_r, bufs.part_c
-    for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in plan.fused:
+    for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in _walk(plan.fused, rev):
         K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gdt, r, c, part_c, eps, ONES_R=first,
                                        ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align,
-                                       EVEN_N=even, num_warps=warps)
+                                       EVEN_N=even, REVERSE=rev, num_warps=warps)
     if plan.wide is not None:
         rbm, rbn, rw = K.ROW_TILE
         cbm, cbn, cw = K.COL_TILE
@@ -440,15 +449,15 @@ def _colsum_stage(plan, bufs, sums, with_u):
                                      sums, WITH_U=with_u, BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS)
 
 
-def _power_stage(plan, bufs, gdt):
+def _power_stage(plan, bufs, gdt, rev=False):
     """One power iteration's pass over G: the column partials of X^T u and the |u|^2 partials."""
     from ..kernels import sinkgd as K
 
     r, c, part_r, part_c, part_u = bufs.r, bufs.c, bufs.part_r, bufs.part_c, bufs.part_u
-    for (block_n, rb, bm, warps), align, even, (f_meta, f_first, f_mats, f_grid) in plan.fused:
+    for (block_n, rb, bm, warps), align, even, (f_meta, f_first, f_mats, f_grid) in _walk(plan.fused, rev):
         K._sinkgd_power_rows_kernel[(f_grid,)](f_meta, f_first, f_mats, gdt, r, c, part_c, part_u,
                                                BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align, EVEN_N=even,
-                                               num_warps=warps)
+                                               REVERSE=rev, num_warps=warps)
     if plan.wide is not None:
         rbm, rbn, rw = K.ROW_TILE
         cbm, cbn, cw = K.COL_TILE
@@ -472,14 +481,15 @@ def _power_finish(plan, bufs, eps, spectral_target, sums=None):
                                          MUON=spectral_target == "muon", BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS)
 
 
-def _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, spectral_norm):
+def _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, spectral_norm, rev=False):
     from ..kernels import sinkgd as K
 
     ubm, ubn, uw = K.UPD_TILE
-    for align, (t_meta, t_first, n_mats, grid) in plan.update:
+    for align, (t_meta, t_first, n_mats, grid) in _walk(plan.update, rev):
         K._sinkgd_update_kernel[(grid,)](t_meta, t_first, n_mats, gdt, wdt, bufs.r, bufs.c, lr_d, plan.fac,
-                                         plan.n_coef, bufs.spec, float(weight_decay), seed_d, STOCHASTIC=stochastic,
-                                         HAS_SPEC=spectral_norm, BM=ubm, BN=ubn, ALIGN=align, num_warps=uw)
+                                         bufs.spec, float(weight_decay), seed_d, STOCHASTIC=stochastic,
+                                         HAS_SPEC=spectral_norm, BM=ubm, BN=ubn, ALIGN=align, REVERSE=rev,
+                                         num_warps=uw)
 
 
 def _launch_group(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
@@ -488,20 +498,25 @@ def _launch_group(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_nor
     here, per call: under a capture they belong to the graph's pool and nothing keeps them."""
     dev = ps[0].device
     bufs = _Buffers(plan, iters, spectral_norm, dev)
+    from ..kernels import sinkgd as K
+
     gdt, wdt = gs[0], ps[0]  # dtype carriers: the addresses come from the tables
+    rev = False  # every pass over G after the first walks against the one before (ZIGZAG)
     for it in range(iters):
         first = it == 0  # r and c are still all ones: the kernels neither read nor need them
-        _row_stage(plan, bufs, gdt, eps, first)
+        _row_stage(plan, bufs, gdt, eps, first, rev)
+        rev = K.ZIGZAG and not rev
         _col_stage(plan, bufs, eps, first)
     if spectral_norm:
         # power iteration on X = diag(r) G diag(c), never formed: per iteration one pass over G
         # (u = X v and the column partials of X^T u), then w = X^T u / |u| into v, then
         # v = w / |w| and the scale target / |w| (docs/SINKGD.md)
         for _ in range(spectral_iters):
-            _power_stage(plan, bufs, gdt)
+            _power_stage(plan, bufs, gdt, rev)
+            rev = K.ZIGZAG and not rev
             _power_finish(plan, bufs, eps, spectral_target)
     _update_stage(plan, bufs, gdt, wdt, lr.to(dev, torch.float32), seed.to(dev), weight_decay, stochastic,
-                  spectral_norm)
+                  spectral_norm, rev)
 
 
 def launch_sharded(groups, sums_len, reduce, *, lr, lr_scale, weight_decay, eps, iters, spectral_norm,
@@ -520,26 +535,31 @@ def launch_sharded(groups, sums_len, reduce, *, lr, lr_scale, weight_decay, eps,
     for ps, gs, vecs, shard, stochastic in groups:
         plan = cache.plan(ps, gs, lr_scale, base_width, width_exponent, vecs, shard)
         work.append((plan, _Buffers(plan, iters, spectral_norm, dev), gs[0], ps[0], stochastic))
+    from ..kernels import sinkgd as K
+
     sums = torch.zeros(max(sums_len, 1), dtype=torch.float32, device=dev)
+    rev = False
     for it in range(iters):
         first = it == 0
-        for plan, bufs, gdt, _, _ in work:
-            _row_stage(plan, bufs, gdt, eps, first)
+        for plan, bufs, gdt, _, _ in _walk(work, rev):
+            _row_stage(plan, bufs, gdt, eps, first, rev)
             _colsum_stage(plan, bufs, sums, with_u=False)
+        rev = K.ZIGZAG and not rev
         reduce(sums, spectral=False)
         for plan, bufs, _, _, _ in work:
             _col_stage(plan, bufs, eps, first, sums)
     if spectral_norm:
         for _ in range(spectral_iters):
-            for plan, bufs, gdt, _, _ in work:
-                _power_stage(plan, bufs, gdt)
+            for plan, bufs, gdt, _, _ in _walk(work, rev):
+                _power_stage(plan, bufs, gdt, rev)
                 _colsum_stage(plan, bufs, sums, with_u=True)
+            rev = K.ZIGZAG and not rev
             reduce(sums, spectral=True)
             for plan, bufs, _, _, _ in work:
                 _power_finish(plan, bufs, eps, spectral_target, sums)
     lr_d, seed_d = lr.to(dev, torch.float32), seed.to(dev)
-    for plan, bufs, gdt, wdt, stochastic in work:
-        _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, spectral_norm)
+    for plan, bufs, gdt, wdt, stochastic in _walk(work, rev):
+        _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, spectral_norm, rev)
 
 
 def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
