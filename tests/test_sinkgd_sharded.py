@@ -40,6 +40,7 @@ import torch_fused  # noqa: F401
 from torch_fused._library import HAS_TRITON, INTERPRET, TRITON_DEVICES
 from torch_fused.bench.common import CollectiveCounter
 from _distributed import Checks
+from _helpers import DEVICES
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
@@ -439,6 +440,64 @@ def test_unsupported_placements_fail_clearly(group):
 # Single process: the random bits, the optimizer's state
 # ---------------------------------------------------------------------------------------------
 NEEDS_TRITON = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+
+@NEEDS_TRITON
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", ["plain", "stochastic_round", "spectral_muon"])
+def test_world_of_one_kernel_path_is_the_fused_step(device, config):
+    """The sharded step's kernel path at a world of 1 (the fake process group: an all-reduce
+    returns its input) is bitwise the fused single-device step: the column sums that
+    _sinkgd_colsum_kernel finishes and the scale kernels read back (SUMMED) are the sums those
+    kernels form themselves; the update's random bits are keyed alike. Two dtype groups, a
+    batch of matrices, rows of both load classes, a matrix too wide for the one-read pass in
+    the interpreter run."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torch_fused.optim import sinkgd_step
+    from torch_fused.optim.sharded import sinkgd_step_sharded
+    from torch_fused.optim.sinkgd import _warm_start
+
+    if device not in TRITON_DEVICES:
+        pytest.skip("the kernel path runs on Triton devices (CUDA, or the CPU in the interpreter run)")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    cfg = {"plain": dict(sinkhorn_iters=3, weight_decay=0.1, base_width=8.0),
+           "stochastic_round": dict(sinkhorn_iters=2, stochastic_round=True),
+           "spectral_muon": dict(sinkhorn_iters=2, spectral_norm=True, spectral_target="muon",
+                                 spectral_iters=2)}[config]
+    gen = torch.Generator().manual_seed(31)
+    specs = [((9, 16), torch.bfloat16), ((7, 5), torch.bfloat16), ((3, 4, 8), torch.bfloat16),
+             ((6, 70), torch.float32), ((5, 12), torch.float32)]
+    ws = [torch.randn(s, generator=gen).to(dt).to(device) for s, dt in specs]
+    gs = [torch.randn(s, generator=gen).to(dt).to(device) for s, dt in specs]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(device, (1,))
+        ps = [distribute_tensor(w.clone(), mesh, [Shard(0)]) for w in ws]
+        dgs = [distribute_tensor(g, mesh, [Shard(0)]) for g in gs]
+        ref = [w.clone() for w in ws]
+        vecs = [_warm_start(w) for w in ws] if cfg.get("spectral_norm") else None
+        ref_vecs = [v.clone() for v in vecs] if vecs else None
+        if vecs:  # a Shard(0) batch keeps its vectors sharded like it
+            from torch_fused.optim.sharded import shard_like, warm_start_is_sharded
+
+            vecs = [shard_like(v.reshape(p.shape[:-2] + p.shape[-1:]), p) if warm_start_is_sharded(p) else v
+                    for v, p in zip(vecs, ps)]
+        step = torch.tensor(5.0, device=device)
+        sinkgd_step_sharded(ps, dgs, lr=0.4, spectral_vecs=vecs, step=step, **cfg)
+        sinkgd_step(ref, gs, lr=0.4, spectral_vecs=ref_vecs, step=step, **cfg)
+        for k, (p, want) in enumerate(zip(ps, ref)):
+            got = p.to_local()
+            assert torch.equal(got, want), f"matrix {k}: {(got != want).sum().item()} of {got.numel()} differ"
+            assert not torch.equal(got, ws[k])
+        for k, (v, want) in enumerate(zip(vecs or [], ref_vecs or [])):
+            got = v.to_local().reshape(want.shape) if hasattr(v, "to_local") else v
+            assert torch.equal(got, want), f"warm-start vector {k} differs"
+    finally:
+        dist.destroy_process_group()
 
 
 @NEEDS_TRITON
