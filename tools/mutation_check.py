@@ -183,13 +183,14 @@ MUTANTS: list[Mutant] = [
         # columns); the two-pass path (n > MAX_FUSED_N, in the interpreter run n > 64) can: column
         # sums and scale, then row sums and scale, every launch reading only what is written
         "sinkgd-cols-first-triton", "6 SinkGD columns normalized before rows", "torch_fused/ops/sinkgd.py", TRITON,
-        [("""        _row_stage(plan, bufs, gdt, eps, first)
+        [("""        _row_stage(plan, bufs, gdt, eps, first, rev)
+        rev = K.ZIGZAG and not rev
         _col_stage(plan, bufs, eps, first)
 """, """        if plan.wide is None:
-            _row_stage(plan, bufs, gdt, eps, first)
+            _row_stage(plan, bufs, gdt, eps, first, rev)
+            rev = K.ZIGZAG and not rev
             _col_stage(plan, bufs, eps, first)
         else:  # MUTANT: the wide matrices' columns first, then their rows
-            from ..kernels import sinkgd as K
             r, c, part_r, part_c = bufs.r, bufs.c, bufs.part_r, bufs.part_c
             for (block_n, rb, bm, warps), al, even, (t_meta, t_first, n_mats, grid) in plan.fused:
                 K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gdt, r, c, part_c, eps, ONES_R=first,
