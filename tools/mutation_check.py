@@ -58,6 +58,7 @@ PYTEST_ARGS = ["-q", "-rfE", "-p", "no:cacheprovider", "-m", "not cuda", "--dese
 LOGPROBS_TESTS = ["tests/test_logprobs.py"]
 MASK_TESTS = ["tests/test_mask_reduce.py", "tests/test_masked.py"]
 SINKGD_TESTS = ["tests/test_sinkgd.py"]
+SHARDED_TESTS = ["tests/test_sinkgd_sharded.py"]
 LM_HEAD_TESTS = ["tests/test_linear_logprobs.py"]
 
 
@@ -253,6 +254,31 @@ MUTANTS: list[Mutant] = [
         [("    dz = -tl.exp2(d) * (a[:, None] + b[:, None] * tl.maximum(d, D_MIN))\n",
           "    dz = -tl.exp2(d) * (a[:, None] - b[:, None] * tl.maximum(d, D_MIN))  # MUTANT\n")],
         LM_HEAD_TESTS,
+    ),
+    # 10. sharded SinkGD on the kernels (optim/sharded.py, ops/sinkgd.py launch_sharded): the
+    #     column scale with the rank's row count instead of the whole matrix's, and the column
+    #     sums never all-reduced
+    Mutant(
+        "sinkgd-sharded-local-m-triton", "10 sharded SinkGD column sums", "torch_fused/kernels/sinkgd.py", TRITON,
+        [("        target = tl.sqrt(tl.load(row + MG).to(tl.float32))\n",
+          "        target = tl.sqrt(m.to(tl.float32))  # MUTANT: the local rows' m\n")],
+        SHARDED_TESTS,
+    ),
+    Mutant(
+        "sinkgd-sharded-no-all-reduce-triton", "10 sharded SinkGD column sums", "torch_fused/optim/sharded.py",
+        TRITON,
+        [("            part.copy_(_all_reduce(part, name))\n",
+          "            _all_reduce(part, name)  # MUTANT: the sum is dropped\n")],
+        SHARDED_TESTS,
+    ),
+    # 11. SinkGD weight decay with another matrix's lr factor (the update kernel indexing the
+    #     per-matrix factors by its position in its launch)
+    Mutant(
+        "sinkgd-wd-factor-of-launch-position-triton", "11 SinkGD weight decay factor", "torch_fused/kernels/sinkgd.py",
+        TRITON,
+        [("    coef_w = lr * tl.load(p_fac + i_coef) * wd",
+          "    coef_w = lr * tl.load(p_fac + mat) * wd  # MUTANT: the launch position")],
+        SINKGD_TESTS,
     ),
 ]
 
