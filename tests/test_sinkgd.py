@@ -740,3 +740,50 @@ def test_zigzag_passes_give_the_same_bits(device, monkeypatch):
     for a, b in zip(out[False][0] + out[False][1], out[True][0] + out[True][1]):
         assert torch.equal(a, b)
     assert not torch.equal(out[True][0][0], ws[0])
+
+
+def test_fallback_group_settings_reach_its_adamw():
+    """A use_fallback group's own lr, weight_decay, eps and betas (sinkgd_param_groups' keyword
+    arguments) are its AdamW's, over fallback_kwargs; a scheduler's lr change applies; without
+    them fallback_kwargs hold. Compared with torch.optim.AdamW on copies."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(6, 4)
+    mat = torch.nn.Linear(4, 4, bias=False)
+    model = torch.nn.Sequential(emb, mat)
+    ref_emb = copy.deepcopy(emb)
+    opt = SinkGD(sinkgd_param_groups(model, lr=0.1, weight_decay=0.5, betas=(0.8, 0.9), eps=1e-6), lr=0.3,
+                 fallback_kwargs=dict(lr=7.0, weight_decay=0.0, eps=1e-3))
+    ref = torch.optim.AdamW(ref_emb.parameters(), lr=0.1, weight_decay=0.5, betas=(0.8, 0.9), eps=1e-6)
+    for it in range(3):
+        if it == 2:  # a scheduler changes the AdamW group's lr
+            opt.param_groups[1]["lr"] = ref.param_groups[0]["lr"] = 0.02
+        g = torch.randn(6, 4)
+        emb.weight.grad, ref_emb.weight.grad = g.clone(), g.clone()
+        mat.weight.grad = torch.randn(4, 4)
+        opt.step()
+        ref.step()
+        torch.testing.assert_close(emb.weight, ref_emb.weight, rtol=1e-6, atol=1e-7)
+    # a group that names none of them: fallback_kwargs, then AdamW's defaults
+    w = torch.nn.Parameter(torch.randn(5))
+    w_ref = torch.nn.Parameter(w.detach().clone())
+    opt2 = SinkGD([{"params": [w], "use_fallback": True}], lr=0.3, fallback_kwargs=dict(lr=0.05, weight_decay=0.2))
+    ref2 = torch.optim.AdamW([w_ref], lr=0.05, weight_decay=0.2)
+    w.grad = torch.randn(5)
+    w_ref.grad = w.grad.clone()
+    opt2.step()
+    ref2.step()
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
+
+
+def test_step_count_stays_with_the_group_when_a_matrix_has_no_gradient():
+    """The step count (the stochastic-rounding seed) lives with the group's first matrix: a
+    step where that matrix has no gradient still counts on, and no second count appears."""
+    p1 = torch.nn.Parameter(torch.randn(4, 8))
+    p2 = torch.nn.Parameter(torch.randn(4, 8))
+    opt = SinkGD([p1, p2], lr=0.1, stochastic_round=True)
+    for it in range(4):
+        p1.grad = torch.randn_like(p1) if it != 1 else None
+        p2.grad = torch.randn_like(p2)
+        opt.step()
+    assert float(opt.state[p1]["step"]) == 4.0
+    assert "step" not in opt.state[p2]

@@ -74,6 +74,8 @@ def _functional_adamw():
 
 
 _ADAMW = _functional_adamw()
+# the keys of a use_fallback group that set its AdamW (SinkGD.add_param_group)
+ADAMW_GROUP_KEYS = ("lr", "weight_decay", "eps", "betas")
 
 
 def _eager(fn):
@@ -102,7 +104,9 @@ class SinkGD(Optimizer):
     update through ``fused::sinkgd_step``, keeping no state except, with ``spectral_norm``, one
     warm-start vector per matrix. Parameters with ndim < 2, and the groups made with
     ``use_fallback=True``, get PyTorch's AdamW (fused where available) with ``fallback_kwargs``
-    (default lr: the group's lr, betas (0.9, 0.999), eps 1e-8, weight decay 0). Use
+    (default lr: the group's lr, betas (0.9, 0.999), eps 1e-8, weight decay 0). A
+    ``use_fallback`` group's own ``lr``, ``weight_decay``, ``eps`` and ``betas``, where the group
+    gives them, are its AdamW's and take precedence over ``fallback_kwargs``. Use
     :func:`sinkgd_param_groups` to also route embeddings and the output head to AdamW.
 
     ``lr`` is not AdamW's lr: the step is ``eta * X`` with ``eta = lr * lr_scale`` (0.05 by
@@ -168,9 +172,23 @@ class SinkGD(Optimizer):
             if i in saved:
                 self.state[p]["spectral_v"] = saved[i].to(device=p.device, dtype=torch.float32).clone()
 
+    def add_param_group(self, param_group):
+        # an AdamW group (use_fallback=True) takes the AdamW settings it names itself; recorded
+        # here, since the defaults fill every key in a moment (see _fallback_step)
+        if isinstance(param_group, dict) and param_group.get("use_fallback"):
+            param_group = dict(param_group)
+            param_group.setdefault("adamw_keys", tuple(k for k in ADAMW_GROUP_KEYS if k in param_group))
+        super().add_param_group(param_group)
+
     def _fallback_step(self, group, params, lr):
+        """AdamW on ``params``: betas (0.9, 0.999), eps 1e-8, weight decay 0, lr the group's;
+        then the group's ``fallback_kwargs``; then, in a ``use_fallback`` group, the AdamW
+        settings the group itself was given (``ADAMW_GROUP_KEYS``: its lr, weight_decay, eps,
+        betas), read at each step (a scheduler's lr applies)."""
         kw = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
         kw.update(group["fallback_kwargs"])
+        for key in group.get("adamw_keys", ()):
+            kw[key] = group[key]
         f_lr = kw.pop("lr", lr)
         grads, m1, m2, steps = [], [], [], []
         for p in params:
@@ -217,7 +235,9 @@ class SinkGD(Optimizer):
                     st["spectral_v"] = _warm_start(p)
                 vecs.append(st["spectral_v"])
         if mats:
-            st0 = self.state[mats[0]]
+            # the group's step count lives with its first matrix, whichever matrices have a
+            # gradient in this step (a count that moved would restart the seed)
+            st0 = self.state[next(p for p in group["params"] if p.dim() >= 2)]
             if "step" not in st0:  # drives the stochastic-rounding seed; float32 like torch's
                 st0["step"] = torch.zeros((), dtype=torch.float32, device=mats[0].device)
             steps.append(st0["step"])
@@ -288,7 +308,8 @@ def _head_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def sinkgd_param_groups(model: torch.nn.Module, **fallback_group):
     """Two param groups for SinkGD, as in the paper's setup: the matrices of the model's hidden
     layers (SinkGD), and everything else (AdamW, through ``use_fallback=True``). Extra keyword
-    arguments go into the AdamW group (e.g. ``lr=3e-4, weight_decay=0.0``).
+    arguments go into the AdamW group and set its AdamW (``lr``, ``weight_decay``, ``eps``,
+    ``betas``; e.g. ``lr=3e-4, weight_decay=0.1``).
 
     AdamW gets every parameter with ndim < 2 and every parameter of the model's embeddings and
     output head, found by module identity, never by a substring of a parameter's name:
