@@ -171,6 +171,12 @@ class SinkGD(Optimizer):
         for i, p in zip(ids, params):
             if i in saved:
                 self.state[p]["spectral_v"] = saved[i].to(device=p.device, dtype=torch.float32).clone()
+            st = self.state.get(p)
+            if st and isinstance(st.get("step"), torch.Tensor) and st["step"].device != p.device:
+                # step counts on the parameter's device, as they were made (Optimizer leaves them
+                # where the checkpoint was loaded, e.g. the CPU): the seed is read on the device,
+                # inside CUDA graphs too, and fused AdamW takes its counts there
+                st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
 
     def add_param_group(self, param_group):
         # an AdamW group (use_fallback=True) takes the AdamW settings it names itself; recorded
