@@ -163,3 +163,37 @@ def test_compiled_step_under_cuda_graphs_matches_eager(spectral):
             assert (a != b).float().mean().item() < 1e-3
     for a, b in zip(eager_v, comp_v):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_checkpoint_loaded_on_the_cpu_keeps_stepping_on_the_gpu():
+    """A state_dict saved and loaded with map_location="cpu" into a new optimizer of CUDA
+    parameters: the step counts come back on the GPU, and the next steps (stochastic rounding,
+    an AdamW-routed bias, the eager CUDA graph after two steps) equal the original optimizer's."""
+    import io
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48).cuda().bfloat16()
+    kw = dict(lr=0.2, stochastic_round=True, fallback_kwargs=dict(lr=1e-2))
+    opt = SinkGD(lin.parameters(), **kw)
+    grads = [[torch.randn_like(p) for p in lin.parameters()] for _ in range(5)]
+
+    def step(o, params, g):
+        for p, x in zip(params, g):
+            p.grad = x.clone()
+        o.step()
+
+    step(opt, list(lin.parameters()), grads[0])
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    twin = torch.nn.Linear(64, 48).cuda().bfloat16()
+    twin.load_state_dict(lin.state_dict())
+    opt2 = SinkGD(twin.parameters(), **kw)
+    opt2.load_state_dict(torch.load(buf, map_location="cpu", weights_only=True))
+    for st in opt2.state.values():
+        assert st["step"].device.type == "cuda"
+    for g in grads[1:]:
+        step(opt, list(lin.parameters()), g)
+        step(opt2, list(twin.parameters()), g)
+    for a, b in zip(lin.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
