@@ -259,6 +259,10 @@ BAD = [
      r"softcap: expected None or a positive finite number, got 0.0"),
     ("temperature", lambda: (torch.randn(2, 8), torch.randn(5, 8), torch.zeros(2, dtype=torch.long)),
      {"temperature": float("inf")}, r"temperature: expected a positive finite number, got inf"),
+    ("tensor temperature", lambda: (torch.randn(2, 8), torch.randn(5, 8), torch.zeros(2, dtype=torch.long)),
+     {"temperature": torch.tensor(0.7, requires_grad=True)}, r"temperature: .* takes a float temperature"),
+    ("hidden size 0", lambda: (torch.randn(2, 0), torch.randn(5, 0), torch.zeros(2, dtype=torch.long)), {},
+     r"weight: the hidden size \(dim 1\) must be >= 1"),
 ]
 
 

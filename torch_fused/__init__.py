@@ -187,7 +187,9 @@ def linear_logprobs_and_entropy(
         weight: ``[V, H]`` (``lm_head.weight``'s layout), the hidden states' dtype.
         index: ``[..., L]`` or ``[..., L, K]`` token ids, int32 or int64.
         bias: optional ``[V]``.
-        temperature, ignore_index: as in :func:`selective_log_softmax` (a float temperature).
+        temperature, ignore_index: as in :func:`selective_log_softmax`, but a float temperature (None
+            means 1.0; a tensor raises ValueError: for a differentiable one, make the logits and call
+            :func:`logprobs_and_entropy`).
         logit_scale: multiplies the logits (models that scale their logits before the softmax).
         softcap: caps the logits as ``c * tanh(z / c)`` (Gemma-style), or None.
         mesh_dim: for a DTensor weight, the mesh dim that shards the vocabulary (None: the only
@@ -211,6 +213,12 @@ def linear_logprobs_and_entropy(
             hidden, weight, index, bias=bias, temperature=temperature, ignore_index=ignore_index, shift=shift,
             logit_scale=logit_scale, softcap=softcap, mesh_dim=mesh_dim)
     _no_mesh_dim(mesh_dim)
+    if temperature is None:
+        temperature = 1.0
+    elif isinstance(temperature, torch.Tensor):  # the op takes a float: a tensor's gradient would be lost
+        raise ValueError("temperature: linear_logprobs_and_entropy takes a float temperature (no gradient flows "
+                         "to it); got a tensor. Pass float(t), or make the logits and call logprobs_and_entropy, "
+                         "whose temperature may be a differentiable tensor")
     return torch.ops.fused.linear_logprobs_and_entropy(
         hidden, weight, index, bias=bias, temperature=temperature, ignore_index=ignore_index, shift=shift,
         logit_scale=logit_scale, softcap=softcap)

@@ -28,6 +28,7 @@ def check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, s
           lambda: f"weight: hidden size {weight.shape[1]} (weight [V, H] = {tuple(weight.shape)}) differs from "
                   f"hidden's last dim {hidden.shape[-1]} (hidden {tuple(hidden.shape)})")
     check(weight.shape[0] >= 1, lambda: f"weight: the vocabulary (dim 0) must be >= 1, got shape {tuple(weight.shape)}")
+    check(weight.shape[1] >= 1, lambda: f"weight: the hidden size (dim 1) must be >= 1, got shape {tuple(weight.shape)}")
     if bias is not None:
         check(bias.shape == (weight.shape[0],),
               lambda: f"bias: expected shape ({weight.shape[0]},) (one per vocabulary row), got {tuple(bias.shape)}")
