@@ -140,7 +140,8 @@ def run(report, copy_gbps, quick=False):
     prof.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    # file names relative to the package roots (no paths of the machine that ran it)
+    pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime").print_stats(14)
     report.extra["small_call_profile"] = buf.getvalue()[-4000:]
     print(buf.getvalue()[-2500:])
 

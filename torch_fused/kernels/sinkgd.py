@@ -79,7 +79,8 @@ V_PTR = tl.constexpr(10)  # the spectral warm-start vectors [B, n] (fp32; 0 with
 U_OFF = tl.constexpr(11)  # |u|^2 partials of the power pass: N_PC per batch entry
 WQ_OFF = tl.constexpr(12)  # |w|^2 partials: one per SCALE_BLOCK columns and batch entry
 # sharded parameters (optim/sharded.py: a rank's rows of each matrix); a whole matrix has
-# MG = M and EOFF = 0, and SALT is its index in its update launch
+# MG = M and EOFF = 0; SALT is the matrix's index among the list's matrices of its load class
+# (ALIGN), in list order
 MG = tl.constexpr(13)  # the whole matrix's row count: the column scale's and the spectral target's m
 EOFF = tl.constexpr(14)  # index in the whole parameter of the local block's first element
 SALT = tl.constexpr(15)  # the matrix's stochastic-rounding salt (seed = step * 1000003 + SALT)
@@ -88,8 +89,8 @@ SU_OFF = tl.constexpr(17)  # and the finished |u|^2 sums [B]
 META_COLS = tl.constexpr(18)
 
 MAX_FUSED_N = 16384  # widest row a _sinkgd_rows_kernel program holds in registers
-# Alternate the direction of successive passes over the gradient (the row passes, the power
-# passes, then the update): a pass that walks the matrices backwards starts on the bytes the
+# Alternate the direction of successive one-read passes over the gradient (the row passes, the
+# power passes, then the update; the wide rows' two-pass path keeps its order): a pass that walks the matrices backwards starts on the bytes the
 # previous pass read last, which may still sit in L2 (50 MB on an H100 / H200). The results are
 # bitwise the same either way (every partial has its own slot). TORCH_FUSED_SINKGD_ZIGZAG=1.
 ZIGZAG = os.environ.get("TORCH_FUSED_SINKGD_ZIGZAG", "0") == "1"

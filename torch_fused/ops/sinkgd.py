@@ -70,7 +70,8 @@ class _Plan:
     ``shard`` (optim/sharded.py: the local rows of sharded matrices): per matrix (MG, EOFF,
     SALT, S_OFF, SU_OFF), the meta columns of kernels/sinkgd.py that place the local block in
     the whole matrix and its finished sums in the step's sums buffer. Without it every matrix
-    is whole: MG = m, EOFF = 0, SALT its index in its update launch."""
+    is whole: MG = m, EOFF = 0, SALT its index among the list's matrices of its load class, in
+    list order (the update launches list them in the row passes' order)."""
 
     def __init__(self, ps, gs, lr_scale, base_width, width_exponent, vecs=(), shard=None):
         from ..kernels import sinkgd as K
@@ -339,8 +340,9 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
                   spectral_iters, base_width, width_exponent, stochastic, seed, cache=None):
     """One SinkGD step for matrices sharing a (param dtype, grad dtype) pair: per iteration one
     row pass per row-width bucket and one column scale launch (plus three launches for rows
-    wider than MAX_FUSED_N), then, with the spectral step, three launches (plus one for wide
-    rows) per power iteration, then the update, whatever the number of matrices.
+    wider than MAX_FUSED_N), then, with the spectral step, per power iteration one power pass
+    per bucket and two small launches (plus two for wide rows), then the update, whatever the
+    number of matrices.
 
     The plan comes from ``cache`` (a SinkGDCache), else from the op's own _OP_CACHE. With a
     cache whose ``cuda_graphs`` is set (the eager optimizer step; never the op, which may run

@@ -34,7 +34,7 @@ Two implementations of the same step:
   its stochastic rounding by each element's index in the whole parameter (meta columns MG,
   EOFF, SALT), so the random bits are the unsharded step's. A world of 1 is bitwise the fused
   step; larger worlds sum the column partials in another order (fp32 rounding).
-- elsewhere (the CPU, float64, or ``FUSED = False``) PyTorch ops: fp32 math on the scale
+- elsewhere (the CPU, a call with any float64 matrix, or ``FUSED = False``) PyTorch ops: fp32 math on the scale
   vectors, the gradient read in row chunks of about ``CHUNK_ELEMS`` elements (no fp32 copy of
   a whole gradient). Stochastic rounding of bf16 parameters (where the single-device op does
   it: a Triton device) reproduces the update kernel's random bits: Philox (Triton's

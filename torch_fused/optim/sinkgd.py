@@ -101,8 +101,9 @@ class SinkGD(Optimizer):
     Training", arXiv 2502.06742). The exact algorithm: docs/SINKGD.md.
 
     Parameters with ndim >= 2 (a matrix, or a batch of matrices [..., m, n]) get the SinkGD
-    update through ``fused::sinkgd_step``, keeping no state except, with ``spectral_norm``, one
-    warm-start vector per matrix. Parameters with ndim < 2, and the groups made with
+    update through ``fused::sinkgd_step``, keeping no state except a step count per param group
+    (the stochastic-rounding seed, held by the group's first matrix) and, with
+    ``spectral_norm``, one warm-start vector per matrix. Parameters with ndim < 2, and the groups made with
     ``use_fallback=True``, get PyTorch's AdamW (fused where available) with ``fallback_kwargs``
     (default lr: the group's lr, betas (0.9, 0.999), eps 1e-8, weight decay 0). A
     ``use_fallback`` group's own ``lr``, ``weight_decay``, ``eps`` and ``betas``, where the group
