@@ -10,6 +10,8 @@
 #   TEST_TIMEOUT=300   seconds allowed for the tests
 #   NOBENCH=1          run the tests only
 #   SINKGD_NO_COMPILE=1  skip the slow-to-compile torch.compile SinkGD baseline
+#   SHARDED=1          then python -m torch_fused.bench.sinkgd_sharded --out $OUT (one rank's
+#                      shard of four Llama-3-8B layers, both sharded paths, against the fused step)
 # If a .whl/ folder of wheels is present (dependencies for a machine without network access),
 # they are installed into /tmp/site first.
 set -uo pipefail
@@ -32,4 +34,9 @@ fi
 [ "${NOBENCH:-0}" = "1" ] && exit 0
 # progress lines to the terminal; the tables themselves are in $OUT/<suite>.md
 python3 -m torch_fused.bench --out "$OUT" "$@" 2>&1 | grep -vE "^\|"
-exit "${PIPESTATUS[0]}"
+rc=${PIPESTATUS[0]}
+if [ "${SHARDED:-0}" = "1" ]; then
+  python3 -m torch_fused.bench.sinkgd_sharded --out "$OUT" 2>&1 | tail -30
+  [ "${PIPESTATUS[0]}" = "0" ] || rc=1
+fi
+exit "$rc"
