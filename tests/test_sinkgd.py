@@ -787,3 +787,59 @@ def test_step_count_stays_with_the_group_when_a_matrix_has_no_gradient():
         opt.step()
     assert float(opt.state[p1]["step"]) == 4.0
     assert "step" not in opt.state[p2]
+
+
+def test_fallback_kwargs_lr_follows_an_lr_scheduler():
+    """An lr scheduler scales every lr of the optimizer: a fallback_kwargs lr (biases, here) by
+    the same factor as the group's lr, against torch.optim.AdamW under the same schedule."""
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(4, 3)
+    bias_ref = torch.nn.Parameter(lin.bias.detach().clone())
+    opt = SinkGD(lin.parameters(), lr=0.4, fallback_kwargs=dict(lr=0.01))
+    ref = torch.optim.AdamW([bias_ref], lr=0.01, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=1, gamma=0.1)
+    for _ in range(3):
+        g = torch.randn(3)
+        lin.weight.grad, lin.bias.grad, bias_ref.grad = torch.randn(3, 4), g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        sched.step()
+        ref_sched.step()
+        torch.testing.assert_close(lin.bias, bias_ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(fallback_kwargs=dict(amsgrad=True)), r"fallback_kwargs: SinkGD's AdamW takes .*; got amsgrad"),
+    (dict(lr=torch.tensor(-0.1)), r"lr: expected >= 0, got a tensor holding -0.1"),
+    (dict(weight_decay=-0.1), r"weight_decay: expected >= 0, got -0.1"),
+    (dict(base_width=0.0), r"base_width: expected None or > 0, got 0.0"),
+    (dict(sinkhorn_iters=2.5), r"sinkhorn_iters: expected an int >= 0, got 2.5"),
+])
+def test_bad_hyperparameters_raise_naming_them(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SinkGD([torch.nn.Parameter(torch.randn(3, 4))], **kw)
+
+
+def test_sparse_gradient_on_the_adamw_side_raises_before_any_update():
+    """A sparse gradient where SinkGD's AdamW would take it raises a clear error before any
+    parameter of any group moves (the SinkGD group comes first here)."""
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    lin = torch.nn.Linear(4, 4, bias=False)
+    opt = SinkGD([{"params": [lin.weight]}, {"params": [emb.weight], "use_fallback": True}], lr=0.1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    lin.weight.grad = torch.randn(4, 4)
+    before = [lin.weight.detach().clone(), emb.weight.detach().clone()]
+    with pytest.raises(ValueError, match=r"params: .*shape \(10, 4\).*sparse gradient"):
+        opt.step()
+    assert torch.equal(lin.weight, before[0]) and torch.equal(emb.weight, before[1])
+    assert float(opt.state[lin.weight].get("step", 0.0)) == 0.0  # no step counted
+
+
+def test_spectral_warm_start_of_an_empty_matrix():
+    p = torch.nn.Parameter(torch.zeros(0, 4))
+    q = torch.nn.Parameter(torch.randn(3, 4))
+    opt = SinkGD([p, q], lr=0.1, spectral_norm=True)
+    p.grad, q.grad = torch.zeros(0, 4), torch.randn(3, 4)
+    opt.step()
+    assert opt.state[p]["spectral_v"].shape == (1, 4)

@@ -4,6 +4,8 @@ SinkGD update of a list of matrices, with keyword arguments."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.optim import Optimizer
 
@@ -74,6 +76,12 @@ def _functional_adamw():
 
 
 _ADAMW = _functional_adamw()
+
+
+def _check_fallback_kwargs(kw) -> None:
+    bad = sorted(set(kw) - set(ADAMW_GROUP_KEYS))
+    if bad:
+        raise ValueError(f"fallback_kwargs: SinkGD's AdamW takes {', '.join(ADAMW_GROUP_KEYS)}; got {', '.join(bad)}")
 # the keys of a use_fallback group that set its AdamW (SinkGD.add_param_group)
 ADAMW_GROUP_KEYS = ("lr", "weight_decay", "eps", "betas")
 
@@ -87,7 +95,7 @@ def _warm_start(p: torch.Tensor) -> torch.Tensor:
     """A fixed, non-degenerate unit vector per matrix [B, n] to start the power iteration from
     (no random generator: the same on every run and traceable by torch.compile)."""
     n = p.shape[-1]
-    b = p.numel() // (p.shape[-2] * n)
+    b = math.prod(p.shape[:-2])  # (an empty matrix has m * n = 0)
     v = torch.cos(0.5 + 2.399963 * torch.arange(n, dtype=torch.float32, device=p.device))
     v = v / v.norm()
     v = v.expand(b, n).clone()
@@ -116,7 +124,8 @@ class SinkGD(Optimizer):
     gradient's sign is steady, so the same ``lr`` here gives steps about 20 times smaller. Start
     from ``eta`` between about 0.2x and 1x the AdamW lr (``lr`` 4 to 20 times it at the default
     ``lr_scale``) and tune: docs/SINKGD.md, "Choosing lr". The AdamW groups use ``lr`` (or
-    ``fallback_kwargs["lr"]``) as is.
+    ``fallback_kwargs["lr"]``, which an lr scheduler scales by the factor it applies to the
+    group's lr) as is. ``fallback_kwargs`` takes ``lr``, ``weight_decay``, ``eps`` and ``betas``.
 
     ``lr`` may be a float or a 0-dim tensor; under ``torch.compile`` pass a tensor (and change it
     in place with ``fill_``) so a schedule never recompiles the step. A parameter without a
@@ -141,10 +150,17 @@ class SinkGD(Optimizer):
         if isinstance(lr, torch.Tensor):
             if lr.numel() != 1:
                 raise ValueError(f"lr: expected a float or a 1-element tensor, got shape {tuple(lr.shape)}")
+            if not float(lr) >= 0:  # read once here, never in a step
+                raise ValueError(f"lr: expected >= 0, got a tensor holding {float(lr)}")
         elif not lr >= 0:
             raise ValueError(f"lr: expected >= 0, got {lr}")
-        if sinkhorn_iters < 0:
-            raise ValueError(f"sinkhorn_iters: expected >= 0, got {sinkhorn_iters}")
+        if isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 0:
+            raise ValueError(f"sinkhorn_iters: expected an int >= 0, got {sinkhorn_iters!r}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay: expected >= 0, got {weight_decay}")
+        if base_width is not None and not base_width > 0:
+            raise ValueError(f"base_width: expected None or > 0, got {base_width}")
+        _check_fallback_kwargs(fallback_kwargs or {})
         if spectral_target not in ("unit", "muon"):
             raise ValueError(f"spectral_target: expected 'unit' or 'muon', got {spectral_target!r}")
         if not eps > 0:
@@ -180,6 +196,8 @@ class SinkGD(Optimizer):
                 st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
 
     def add_param_group(self, param_group):
+        if isinstance(param_group, dict) and "fallback_kwargs" in param_group:
+            _check_fallback_kwargs(param_group["fallback_kwargs"] or {})
         # an AdamW group (use_fallback=True) takes the AdamW settings it names itself; recorded
         # here, since the defaults fill every key in a moment (see _fallback_step)
         if isinstance(param_group, dict) and param_group.get("use_fallback"):
@@ -191,12 +209,20 @@ class SinkGD(Optimizer):
         """AdamW on ``params``: betas (0.9, 0.999), eps 1e-8, weight decay 0, lr the group's;
         then the group's ``fallback_kwargs``; then, in a ``use_fallback`` group, the AdamW
         settings the group itself was given (``ADAMW_GROUP_KEYS``: its lr, weight_decay, eps,
-        betas), read at each step (a scheduler's lr applies)."""
+        betas), read at each step (a scheduler's lr applies). A ``fallback_kwargs`` lr is scaled
+        by an lr scheduler's factor on the group (its lr / its ``initial_lr``)."""
         kw = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
         kw.update(group["fallback_kwargs"])
-        for key in group.get("adamw_keys", ()):
+        own = group.get("adamw_keys", ())
+        for key in own:
             kw[key] = group[key]
         f_lr = kw.pop("lr", lr)
+        if "lr" not in own and "lr" in group["fallback_kwargs"] and "initial_lr" in group:
+            # an lr scheduler drives the group's lr: fallback_kwargs' lr follows it by the same
+            # factor (group lr / the lr the scheduler started from)
+            start = group["initial_lr"]
+            if not (isinstance(start, (int, float)) and start == 0):
+                f_lr = f_lr * (group["lr"] / start)
         grads, m1, m2, steps = [], [], [], []
         for p in params:
             st = self.state[p]
@@ -256,10 +282,18 @@ class SinkGD(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        work = []
         for group in self.param_groups:
-            lr = group["lr"]
             mats, grads, vecs, small, steps = [], [], [], [], []
             self._init_group(group, mats, grads, vecs, small, steps)
+            for p in small:  # checked before any group updates: never a half-applied step
+                if p.grad.is_sparse:
+                    raise ValueError(f"params: a parameter of shape {tuple(p.shape)} that goes to SinkGD's AdamW has a "
+                                     "sparse gradient, which AdamW does not take (use a dense embedding, or another "
+                                     "optimizer for it)")
+            work.append((group, mats, grads, vecs, small, steps))
+        for group, mats, grads, vecs, small, steps in work:
+            lr = group["lr"]
             if mats:
                 steps[0].add_(1)
                 kw = dict(lr=lr, lr_scale=group["lr_scale"], weight_decay=group["weight_decay"], eps=group["eps"],
