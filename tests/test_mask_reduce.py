@@ -373,3 +373,21 @@ def test_broadcast_mask_is_never_materialized():
     assert proc.returncode == 0, proc.stderr[-3000:]
     extra, logical = map(int, proc.stdout.split())
     assert extra < logical / 8, f"peak extra {extra / 2**20:.1f} MiB for a {logical / 2**20:.0f} MiB logical mask"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_past_2_31_elements_apart(device):
+    """A reduce dim whose row stride times the row count passes 2**31 elements (a slice of a
+    large tensor reduced over a dim other than the innermost): every trip's rows are read at
+    their own offsets (a 32-bit trip offset wrapped row 4 onto row 0's elements). The storage
+    is 8 GiB of which a few pages are written (virtual memory on the CPU)."""
+    if device == "cpu" and not INTERPRET:
+        pytest.skip("the kernel's offsets: the interpreter run (CPU) and CUDA")
+    stride = 2**30 + 1
+    store = torch.empty(4 * stride + 16, dtype=torch.float16, device=device)
+    x = store.as_strided((5, 8), (stride, 1))
+    for r in range(5):
+        x[r] = torch.arange(1, 9, dtype=torch.float16, device=device) * (10.0 ** r if r < 4 else 0.0) + (7 if r == 4 else 0)
+    y = torch_fused.mask_reduce(x, 0, out_dtype=torch.float32)
+    torch.testing.assert_close(y.double().cpu(), x.double().sum(0).cpu())
+    del x, store

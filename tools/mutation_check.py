@@ -280,6 +280,13 @@ MUTANTS: list[Mutant] = [
           "    coef_w = lr * tl.load(p_fac + mat) * wd  # MUTANT: the launch position")],
         SINKGD_TESTS,
     ),
+    # 12. mask_reduce's trip offset r0 * row stride in 32 bits (wraps past 2**31 elements)
+    Mutant(
+        "mask-reduce-trip-offset-int32-triton", "12 mask_reduce trip offset in 32 bits",
+        "torch_fused/kernels/mask_reduce.py", TRITON,
+        [("    r0 = tl.cast(r0, tl.int64)\n", "")],
+        MASK_TESTS,
+    ),
 ]
 
 

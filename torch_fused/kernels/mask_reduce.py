@@ -94,6 +94,9 @@ def _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0, o_r, m_i, R, s
     scale 0.0 without one. Rows past R load nothing; EVEN: every row and column is in range."""
     m_r = (r0 + o_r) < R
     msk = m_r & m_i
+    # the trip's first row in int64: r0 * stride passes 2**31 in a slice of over 2**31 elements
+    # reduced over a dim other than the innermost (WIDE covers only the offsets within a trip)
+    r0 = tl.cast(r0, tl.int64)
     mk = 0
     if HAS_MASK:
         if M_BCAST_R:
