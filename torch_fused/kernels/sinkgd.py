@@ -288,6 +288,33 @@ def _sinkgd_sums_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
 
 
 @triton.jit
+def _column_block(local, n, BLOCK: tl.constexpr):
+    """A program of a per-column launch (BLOCK columns of one batch entry): its batch entry b,
+    its block blk of the entry's blocks, the columns o and their mask."""
+    blocks = tl.cdiv(n, BLOCK)
+    o = (local % blocks) * BLOCK + tl.arange(0, BLOCK)
+    return local // blocks, local % blocks, blocks, o, o < n
+
+
+@triton.jit
+def _sum_partials(p_p, p_u, n_parts, length, o, msk, WITH_U: tl.constexpr, BLOCK: tl.constexpr,
+                  PARTS: tl.constexpr):
+    """For BLOCK entries o (of ``length``): the sum of each entry's n_parts partials (partial k
+    at p_p + k * length + o) and, with WITH_U, of the n_parts scalars at p_u; PARTS partials
+    per trip (a [PARTS, BLOCK] tile), always in the same order: deterministic."""
+    o_k = tl.arange(0, PARTS)
+    acc2 = tl.zeros([PARTS, BLOCK], dtype=tl.float32)
+    acc_u = tl.zeros([PARTS], dtype=tl.float32)
+    for k in range(0, n_parts, PARTS):
+        ks = k + o_k
+        acc2 += tl.load(p_p + ks[:, None] * length + o[None, :], mask=(ks < n_parts)[:, None] & msk[None, :],
+                        other=0.0)
+        if WITH_U:
+            acc_u += tl.load(p_u + ks, mask=ks < n_parts, other=0.0)
+    return tl.sum(acc2, axis=0), tl.sum(acc_u)
+
+
+@triton.jit
 def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
                          AXIS: tl.constexpr, PART_TILE: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
                          ONES: tl.constexpr, SUMMED: tl.constexpr):
@@ -321,14 +348,8 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
     b = local // blocks
     o = (local % blocks) * BLOCK + tl.arange(0, BLOCK)
     msk = o < length
-    o_k = tl.arange(0, PARTS)
-    acc2 = tl.zeros([PARTS, BLOCK], dtype=tl.float32)
-    p_p = p_part + poff + b * n_parts * length
-    for k in range(0, n_parts, PARTS):
-        ks = k + o_k
-        acc2 += tl.load(p_p + ks[:, None] * length + o[None, :], mask=(ks < n_parts)[:, None] & msk[None, :],
-                        other=0.0)
-    acc = tl.sum(acc2, axis=0)
+    acc, _ = _sum_partials(p_part + poff + b * n_parts * length, p_part, n_parts, length, o, msk, False, BLOCK,
+                           PARTS)
     p_v = p_vec + off + b * length + o
     if ONES:
         v = target / tl.maximum(tl.sqrt(acc), eps)
@@ -455,24 +476,12 @@ def _sinkgd_colsum_kernel(p_meta, p_first, n_mats, p_part, p_upart, p_sums,
     mat, local, row = _program_matrix(p_meta, p_first, n_mats, False)
     n = tl.load(row + N)
     n_parts = tl.load(row + N_PC)
-    blocks = tl.cdiv(n, BLOCK)
-    b = local // blocks
-    blk = local % blocks
-    o = blk * BLOCK + tl.arange(0, BLOCK)
-    msk = o < n
-    o_k = tl.arange(0, PARTS)
-    acc2 = tl.zeros([PARTS, BLOCK], dtype=tl.float32)
-    acc_u = tl.zeros([PARTS], dtype=tl.float32)
-    p_p = p_part + tl.load(row + PC_OFF) + b * n_parts * n
-    p_u = p_upart + tl.load(row + U_OFF) + b * n_parts
-    for k in range(0, n_parts, PARTS):
-        ks = k + o_k
-        acc2 += tl.load(p_p + ks[:, None] * n + o[None, :], mask=(ks < n_parts)[:, None] & msk[None, :], other=0.0)
-        if WITH_U:
-            acc_u += tl.load(p_u + ks, mask=ks < n_parts, other=0.0)
-    tl.store(p_sums + tl.load(row + S_OFF) + b * n + o, tl.sum(acc2, axis=0), mask=msk)
+    b, blk, blocks, o, msk = _column_block(local, n, BLOCK)
+    s, su = _sum_partials(p_part + tl.load(row + PC_OFF) + b * n_parts * n, p_upart + tl.load(row + U_OFF) + b * n_parts,
+                          n_parts, n, o, msk, WITH_U, BLOCK, PARTS)
+    tl.store(p_sums + tl.load(row + S_OFF) + b * n + o, s, mask=msk)
     if WITH_U:
-        tl.store(p_sums + tl.load(row + SU_OFF) + b, tl.sum(acc_u), mask=blk == 0)
+        tl.store(p_sums + tl.load(row + SU_OFF) + b, su, mask=blk == 0)
 
 
 @triton.jit
@@ -489,26 +498,15 @@ def _sinkgd_power_cols_kernel(p_meta, p_first, n_mats, p_c, p_part, p_upart, p_w
         n_parts = 1
     else:
         n_parts = tl.load(row + N_PC)
-    blocks = tl.cdiv(n, BLOCK)
-    b = local // blocks
-    blk = local % blocks
-    o = blk * BLOCK + tl.arange(0, BLOCK)
-    msk = o < n
-    o_k = tl.arange(0, PARTS)
-    acc2 = tl.zeros([PARTS, BLOCK], dtype=tl.float32)
-    acc_u = tl.zeros([PARTS], dtype=tl.float32)
+    b, blk, blocks, o, msk = _column_block(local, n, BLOCK)
     if SUMMED:
         p_p = p_part + tl.load(row + S_OFF) + b * n
         p_u = p_upart + tl.load(row + SU_OFF) + b
     else:
         p_p = p_part + tl.load(row + PC_OFF) + b * n_parts * n
         p_u = p_upart + tl.load(row + U_OFF) + b * n_parts
-    for k in range(0, n_parts, PARTS):
-        ks = k + o_k
-        acc2 += tl.load(p_p + ks[:, None] * n + o[None, :], mask=(ks < n_parts)[:, None] & msk[None, :], other=0.0)
-        acc_u += tl.load(p_u + ks, mask=ks < n_parts, other=0.0)
-    s = tl.sum(acc2, axis=0)
-    u_norm = tl.maximum(tl.sqrt(tl.sum(acc_u)), eps)
+    s, su = _sum_partials(p_p, p_u, n_parts, n, o, msk, True, BLOCK, PARTS)
+    u_norm = tl.maximum(tl.sqrt(su), eps)
     c = tl.load(p_c + tl.load(row + C_OFF) + b * n + o, mask=msk, other=0.0)
     w = c * s / u_norm
     p_v = tl.load(row + V_PTR).to(tl.pointer_type(tl.float32))
@@ -526,11 +524,7 @@ def _sinkgd_power_norm_kernel(p_meta, p_first, n_mats, p_wpart, p_spec, eps,
     mat, local, row = _program_matrix(p_meta, p_first, n_mats, False)
     m = tl.load(row + MG)
     n = tl.load(row + N)
-    blocks = tl.cdiv(n, BLOCK)
-    b = local // blocks
-    blk = local % blocks
-    o = blk * BLOCK + tl.arange(0, BLOCK)
-    msk = o < n
+    b, blk, blocks, o, msk = _column_block(local, n, BLOCK)
     o_k = tl.arange(0, PARTS)
     acc = tl.zeros([PARTS], dtype=tl.float32)
     p_w = p_wpart + tl.load(row + WQ_OFF) + b * blocks
