@@ -285,6 +285,40 @@ def test_selective_log_softmax_and_entropy(entropy_requires_grad, calls):
         assert _rel(logp, ref_lp) < 1e-5 and _rel(ent, ref_ent) < 1e-5
 
 
+@pytest.mark.skipif(not hasattr(trl_utils, "_supports_trl_loss_kernel"), reason=f"not in TRL {VERSION}")
+def test_output_dtypes_follow_trl_kernel_rule(monkeypatch):
+    """Where TRL's kernel would run (simulated on the CPU: its support rule without the device
+    test), the adapter returns TRL's dtypes: float32 from the kernel, and with a float row mask
+    (outside the kernel) log-probs in the logits' dtype but the entropy float32, as TRL's
+    entropy_from_logits still takes the kernel."""
+    rule = trl_utils._supports_trl_loss_kernel
+
+    def cpu_rule(logits, index=None, row_mask=None):
+        return rule(_AsCuda(logits), None if index is None else _AsCuda(index),
+                    None if row_mask is None else _AsCuda(row_mask))
+
+    monkeypatch.setattr(trl_utils, "_supports_trl_loss_kernel", cpu_rule)
+    fn = _adapters()["selective_log_softmax_and_entropy"]
+    logits = _logits(torch.bfloat16)
+    index = _index((3, 5), 37)
+    for mask, want in ((None, (torch.float32, torch.float32)),
+                       (torch.ones(3, 5, dtype=torch.bool), (torch.float32, torch.float32)),
+                       (torch.ones(3, 5), (torch.bfloat16, torch.float32))):
+        logp, ent = fn(logits, index, True, 1.0, mask)
+        assert (logp.dtype, ent.dtype) == want, (mask if mask is None else mask.dtype, logp.dtype, ent.dtype)
+
+
+class _AsCuda:
+    """A tensor's attributes that TRL's support rule reads, with the device reported as CUDA."""
+
+    def __init__(self, t):
+        self._t = t
+        self.device = torch.device("cuda", 0)
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
 def test_fallback_to_trl(calls):
     """Calls outside the fused ops' semantics go to TRL's function, unchanged."""
     fn, orig = _adapters()["selective_log_softmax"], ORIG["selective_log_softmax"]

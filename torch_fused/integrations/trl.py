@@ -159,11 +159,12 @@ def _ignore_masked(index, row_mask):
 
 def _trl_dtype_rule(utils):
     """The output dtype TRL's own function returns: float32 where its Triton kernel runs
-    (``_supports_trl_loss_kernel``, TRL >= 1.14), else the logits' dtype (its PyTorch path)."""
-    supports = getattr(utils, "_supports_trl_loss_kernel", None)
+    (``_supports_trl_loss_kernel``, TRL >= 1.14, asked at each call), else the logits' dtype
+    (its PyTorch path)."""
     kernel = getattr(utils, "_fused_logprob_entropy", None) is not None
 
     def dtype(logits, index=None, row_mask=None):
+        supports = getattr(utils, "_supports_trl_loss_kernel", None)
         if supports is not None and kernel and supports(logits, index, row_mask):
             return torch.float32
         return logits.dtype
@@ -220,8 +221,10 @@ def _selective_log_softmax_and_entropy_utils(original, utils):
                 and _routable_index(logits, index, k_ok=False) and _routable_mask(row_mask, index)):
             return original(logits, index, entropy_requires_grad, temperature, row_mask)
         logp, ent = _tf.logprobs_and_entropy(logits, _ignore_masked(index, row_mask), temperature=float(temperature))
-        dt = out_dtype(logits, index, row_mask)
-        logp, ent = logp.to(dt), ent.to(dt)
+        # TRL's dtypes: both from its kernel where it takes (logits, index, row_mask); else log-probs
+        # from its PyTorch path and the entropy from entropy_from_logits, whose kernel asks about
+        # the logits alone (a float row mask: log-probs in the logits' dtype, entropy float32 on CUDA)
+        logp, ent = logp.to(out_dtype(logits, index, row_mask)), ent.to(out_dtype(logits))
         if row_mask is not None:
             ent = ent.masked_fill(row_mask == 0, 0.0)
         return logp, (ent if entropy_requires_grad else ent.detach())
