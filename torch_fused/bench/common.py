@@ -8,6 +8,8 @@ noisy or differently clocked machine; an absolute time does not.
 
 from __future__ import annotations
 
+import statistics
+
 import json
 import platform
 from dataclasses import asdict, dataclass, field
@@ -83,10 +85,22 @@ class CollectiveCounter:
         return self.mode.__exit__(*exc)
 
 
+MIN_SAMPLES = 10  # timed calls behind every bench_ms median
+
+
 def bench_ms(fn, warmup=25, rep=100) -> float:
+    """Median ms of fn by triton's do_bench, over at least MIN_SAMPLES timed calls: do_bench
+    fits rep milliseconds, which for a call of 40-300 ms is one to three calls, so rep grows
+    until the calls fit."""
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    while True:
+        times = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="all")
+        if isinstance(times, float):  # a triton without return_mode="all": its mean
+            return times
+        if len(times) >= MIN_SAMPLES:
+            return float(statistics.median(times))
+        rep = rep * MIN_SAMPLES / max(len(times), 1) * 1.2
 
 
 def device_ms(fn, rep: int = 60, lead_us: float = 1000.0, flush_bytes: int = 256 << 20) -> tuple[float, float]:
