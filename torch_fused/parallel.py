@@ -39,6 +39,7 @@ The pieces that touch no process group (``logits_partials``, ``merge_partials``,
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -213,8 +214,15 @@ def _exact_shift(t: torch.Tensor, dt: torch.dtype) -> bool:
 
 
 def _shift(a, b, c: float, exact: bool):
-    """(a - b) c in the units of the local sums: see kernels/logprobs.py, _shift_diff."""
-    return (a - b) * c if exact else a * c - b * c
+    """(a - b) c in the units of the local sums: see kernels/logprobs.py, _shift_diff. The
+    kernels' form is round(a c) - round(b c) in fp32 (c rounded to fp32 as the kernels take it).
+    The products are made exactly in fp64 and rounded by an explicit cast, so that a compiler
+    (inductor under torch.compile) cannot fuse a product into the subtraction as an fma, which
+    would use the exact a c (off by up to half an ulp of it, 5e-4 at |a c| ~ 1.4e4)."""
+    if exact:
+        return (a - b) * c
+    c32 = struct.unpack("f", struct.pack("f", c))[0]
+    return (a.double() * c32).float() - (b.double() * c32).float()
 
 
 def local_index(index2: torch.Tensor, v_off: int, v_local: int) -> torch.Tensor:
