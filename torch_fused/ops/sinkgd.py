@@ -494,31 +494,55 @@ def _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, 
                                          num_warps=uw)
 
 
-def _launch_group(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
-                  spectral_iters, stochastic, seed):
-    """The launches of one step of a matrix group (see _triton_group). Every buffer is made
-    here, per call: under a capture they belong to the graph's pool and nothing keeps them."""
-    dev = ps[0].device
-    bufs = _Buffers(plan, iters, spectral_norm, dev)
+def _run_step(work, eps, iters, spectral_norm, spectral_target, spectral_iters, lr_d, seed_d, weight_decay,
+              reduce=None, sums=None):
+    """The stages of one step over ``work`` [(plan, buffers, grad dtype carrier, param dtype
+    carrier, stochastic)]: per Sinkhorn iteration the row passes, then the column scales; per
+    power iteration the power passes, then w, v and the spectral scale; then the updates. With
+    ``reduce`` (sharded rows), each pass is followed by the column (and |u|^2) sums into
+    ``sums`` and ``reduce(sums, spectral=...)``, and the scales read the sums. Every pass over
+    G after the first walks against the one before where ZIGZAG is set."""
     from ..kernels import sinkgd as K
 
-    gdt, wdt = gs[0], ps[0]  # dtype carriers: the addresses come from the tables
-    rev = False  # every pass over G after the first walks against the one before (ZIGZAG)
+    rev = False
     for it in range(iters):
         first = it == 0  # r and c are still all ones: the kernels neither read nor need them
-        _row_stage(plan, bufs, gdt, eps, first, rev)
+        for plan, bufs, gdt, _, _ in _walk(work, rev):
+            _row_stage(plan, bufs, gdt, eps, first, rev)
+            if reduce is not None:
+                _colsum_stage(plan, bufs, sums, with_u=False)
         rev = K.ZIGZAG and not rev
-        _col_stage(plan, bufs, eps, first)
+        if reduce is not None:
+            reduce(sums, spectral=False)
+        for plan, bufs, _, _, _ in work:
+            _col_stage(plan, bufs, eps, first, sums)
     if spectral_norm:
         # power iteration on X = diag(r) G diag(c), never formed: per iteration one pass over G
         # (u = X v and the column partials of X^T u), then w = X^T u / |u| into v, then
         # v = w / |w| and the scale target / |w| (docs/SINKGD.md)
         for _ in range(spectral_iters):
-            _power_stage(plan, bufs, gdt, rev)
+            for plan, bufs, gdt, _, _ in _walk(work, rev):
+                _power_stage(plan, bufs, gdt, rev)
+                if reduce is not None:
+                    _colsum_stage(plan, bufs, sums, with_u=True)
             rev = K.ZIGZAG and not rev
-            _power_finish(plan, bufs, eps, spectral_target)
-    _update_stage(plan, bufs, gdt, wdt, lr.to(dev, torch.float32), seed.to(dev), weight_decay, stochastic,
-                  spectral_norm, rev)
+            if reduce is not None:
+                reduce(sums, spectral=True)
+            for plan, bufs, _, _, _ in work:
+                _power_finish(plan, bufs, eps, spectral_target, sums)
+    for plan, bufs, gdt, wdt, stochastic in _walk(work, rev):
+        _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, spectral_norm, rev)
+
+
+def _launch_group(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
+                  spectral_iters, stochastic, seed):
+    """The launches of one step of a matrix group (see _triton_group). Every buffer is made
+    here, per call: under a capture they belong to the graph's pool and nothing keeps them."""
+    dev = ps[0].device
+    # gs[0], ps[0]: dtype carriers (the addresses come from the tables)
+    work = [(plan, _Buffers(plan, iters, spectral_norm, dev), gs[0], ps[0], stochastic)]
+    _run_step(work, eps, iters, spectral_norm, spectral_target, spectral_iters, lr.to(dev, torch.float32),
+              seed.to(dev), weight_decay)
 
 
 def launch_sharded(groups, sums_len, reduce, *, lr, lr_scale, weight_decay, eps, iters, spectral_norm,
@@ -537,31 +561,9 @@ def launch_sharded(groups, sums_len, reduce, *, lr, lr_scale, weight_decay, eps,
     for ps, gs, vecs, shard, stochastic in groups:
         plan = cache.plan(ps, gs, lr_scale, base_width, width_exponent, vecs, shard)
         work.append((plan, _Buffers(plan, iters, spectral_norm, dev), gs[0], ps[0], stochastic))
-    from ..kernels import sinkgd as K
-
     sums = torch.zeros(max(sums_len, 1), dtype=torch.float32, device=dev)
-    rev = False
-    for it in range(iters):
-        first = it == 0
-        for plan, bufs, gdt, _, _ in _walk(work, rev):
-            _row_stage(plan, bufs, gdt, eps, first, rev)
-            _colsum_stage(plan, bufs, sums, with_u=False)
-        rev = K.ZIGZAG and not rev
-        reduce(sums, spectral=False)
-        for plan, bufs, _, _, _ in work:
-            _col_stage(plan, bufs, eps, first, sums)
-    if spectral_norm:
-        for _ in range(spectral_iters):
-            for plan, bufs, gdt, _, _ in _walk(work, rev):
-                _power_stage(plan, bufs, gdt, rev)
-                _colsum_stage(plan, bufs, sums, with_u=True)
-            rev = K.ZIGZAG and not rev
-            reduce(sums, spectral=True)
-            for plan, bufs, _, _, _ in work:
-                _power_finish(plan, bufs, eps, spectral_target, sums)
-    lr_d, seed_d = lr.to(dev, torch.float32), seed.to(dev)
-    for plan, bufs, gdt, wdt, stochastic in _walk(work, rev):
-        _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, spectral_norm, rev)
+    _run_step(work, eps, iters, spectral_norm, spectral_target, spectral_iters, lr.to(dev, torch.float32),
+              seed.to(dev), weight_decay, reduce, sums)
 
 
 def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
