@@ -819,6 +819,12 @@ def test_fallback_kwargs_lr_follows_an_lr_scheduler():
 def test_bad_hyperparameters_raise_naming_them(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SinkGD([torch.nn.Parameter(torch.randn(3, 4))], **kw)
+    # a param group's own settings are checked alike, at construction and in add_param_group
+    with pytest.raises(ValueError, match=msg):
+        SinkGD([{"params": [torch.nn.Parameter(torch.randn(3, 4))], **kw}])
+    opt = SinkGD([torch.nn.Parameter(torch.randn(3, 4))])
+    with pytest.raises(ValueError, match=msg):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, 5))], **kw})
 
 
 def test_sparse_gradient_on_the_adamw_side_raises_before_any_update():

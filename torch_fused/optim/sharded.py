@@ -34,8 +34,8 @@ Two implementations of the same step:
   its stochastic rounding by each element's index in the whole parameter (meta columns MG,
   EOFF, SALT), so the random bits are the unsharded step's. A world of 1 is bitwise the fused
   step; larger worlds sum the column partials in another order (fp32 rounding).
-- elsewhere (the CPU, a call with any float64 matrix, or ``FUSED = False``) PyTorch ops: fp32 math on the scale
-  vectors, the gradient read in row chunks of about ``CHUNK_ELEMS`` elements (no fp32 copy of
+- elsewhere (the CPU, a call with any float64 matrix, or ``FUSED = False``) PyTorch ops: fp32
+  math on the scale vectors, the gradient read in row chunks of about ``CHUNK_ELEMS`` elements (no fp32 copy of
   a whole gradient). Stochastic rounding of bf16 parameters (where the single-device op does
   it: a Triton device) reproduces the update kernel's random bits: Philox (Triton's
   ``tl.randint``, 10 rounds) keyed by the seed ``step * 1000003 + matrix index`` at the
@@ -49,6 +49,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from ..ops.sinkgd import SinkGDCache, launch_sharded
 
 CHUNK_ELEMS = 1 << 22  # gradient elements per row chunk of the local passes
 
@@ -544,7 +546,7 @@ def _torch_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_d
 # ``launch_sharded``), with the all-reduces between their launches; FUSED = False (or
 # TORCH_FUSED_SINKGD_SHARDED_FUSED=0) keeps the PyTorch ops everywhere.
 FUSED = os.environ.get("TORCH_FUSED_SINKGD_SHARDED_FUSED", "1") != "0"
-_PLANS = None  # the fused path's SinkGDCache (plans only), made on first use
+_PLANS = SinkGDCache(cuda_graphs=False)  # the fused path's plans (no graphs: collectives run between launches)
 
 
 def _fused_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_decay, eps, sinkhorn_iters,
@@ -554,11 +556,6 @@ def _fused_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_d
     laid out the same on every rank from the global shapes: first, per process group, the
     row-split matrices' column sums then their |u|^2 sums (the region its all-reduces cover),
     then the whole matrices' (local: a batch shard, Replicate())."""
-    global _PLANS
-    from ..ops import sinkgd as S
-
-    if _PLANS is None:
-        _PLANS = S.SinkGDCache(cuda_graphs=False)
     regions: dict = {}  # group name -> [start, end of the column sums, end]
     layout: dict = {}  # mat position -> (S_OFF, SU_OFF)
     at = 0
@@ -598,10 +595,10 @@ def _fused_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_d
             part = sums[start:end if spectral else cols_end]
             part.copy_(_all_reduce(part, name))
 
-    S.launch_sharded(work, at, reduce, lr=lr_d, lr_scale=lr_scale, weight_decay=weight_decay, eps=eps,
-                     iters=sinkhorn_iters, spectral_norm=spectral_norm, spectral_target=spectral_target,
-                     spectral_iters=spectral_iters, base_width=base_width, width_exponent=width_exponent,
-                     seed=step, cache=_PLANS)
+    launch_sharded(work, at, reduce, lr=lr_d, lr_scale=lr_scale, weight_decay=weight_decay, eps=eps,
+                   iters=sinkhorn_iters, spectral_norm=spectral_norm, spectral_target=spectral_target,
+                   spectral_iters=spectral_iters, base_width=base_width, width_exponent=width_exponent,
+                   seed=step, cache=_PLANS)
 
 
 def warm_start_is_sharded(p) -> bool:

@@ -78,10 +78,31 @@ def _functional_adamw():
 _ADAMW = _functional_adamw()
 
 
-def _check_fallback_kwargs(kw) -> None:
-    bad = sorted(set(kw) - set(ADAMW_GROUP_KEYS))
+def _check_group(group) -> None:
+    """A param group's settings (the optimizer's defaults filled in), each error naming its
+    argument; a tensor lr is read here once, never in a step."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"lr: expected a float or a 1-element tensor, got shape {tuple(lr.shape)}")
+        if not float(lr) >= 0:
+            raise ValueError(f"lr: expected >= 0, got a tensor holding {float(lr)}")
+    elif not lr >= 0:
+        raise ValueError(f"lr: expected >= 0, got {lr}")
+    it = group["sinkhorn_iters"]
+    if isinstance(it, bool) or not isinstance(it, int) or it < 0:
+        raise ValueError(f"sinkhorn_iters: expected an int >= 0, got {it!r}")
+    if not group["weight_decay"] >= 0:
+        raise ValueError(f"weight_decay: expected >= 0, got {group['weight_decay']}")
+    if group["base_width"] is not None and not group["base_width"] > 0:
+        raise ValueError(f"base_width: expected None or > 0, got {group['base_width']}")
+    bad = sorted(set(group["fallback_kwargs"] or {}) - set(ADAMW_GROUP_KEYS))
     if bad:
         raise ValueError(f"fallback_kwargs: SinkGD's AdamW takes {', '.join(ADAMW_GROUP_KEYS)}; got {', '.join(bad)}")
+    if group["spectral_target"] not in ("unit", "muon"):
+        raise ValueError(f"spectral_target: expected 'unit' or 'muon', got {group['spectral_target']!r}")
+    if not group["eps"] > 0:
+        raise ValueError(f"eps: expected > 0, got {group['eps']}")
 # the keys of a use_fallback group that set its AdamW (SinkGD.add_param_group)
 ADAMW_GROUP_KEYS = ("lr", "weight_decay", "eps", "betas")
 
@@ -147,24 +168,7 @@ class SinkGD(Optimizer):
     def __init__(self, params, lr=1e-3, *, sinkhorn_iters=5, lr_scale=0.05, weight_decay=0.0, eps=1e-8,
                  spectral_norm=False, spectral_target="unit", spectral_iters=1, base_width=None,
                  width_exponent=1.0, stochastic_round=False, fallback_kwargs=None):
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"lr: expected a float or a 1-element tensor, got shape {tuple(lr.shape)}")
-            if not float(lr) >= 0:  # read once here, never in a step
-                raise ValueError(f"lr: expected >= 0, got a tensor holding {float(lr)}")
-        elif not lr >= 0:
-            raise ValueError(f"lr: expected >= 0, got {lr}")
-        if isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 0:
-            raise ValueError(f"sinkhorn_iters: expected an int >= 0, got {sinkhorn_iters!r}")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay: expected >= 0, got {weight_decay}")
-        if base_width is not None and not base_width > 0:
-            raise ValueError(f"base_width: expected None or > 0, got {base_width}")
-        _check_fallback_kwargs(fallback_kwargs or {})
-        if spectral_target not in ("unit", "muon"):
-            raise ValueError(f"spectral_target: expected 'unit' or 'muon', got {spectral_target!r}")
-        if not eps > 0:
-            raise ValueError(f"eps: expected > 0, got {eps}")
+        # every group's settings, these defaults filled in, are checked in add_param_group
         defaults = dict(lr=lr, sinkhorn_iters=sinkhorn_iters, lr_scale=lr_scale, weight_decay=weight_decay,
                         eps=eps, spectral_norm=spectral_norm, spectral_target=spectral_target,
                         spectral_iters=spectral_iters, base_width=base_width, width_exponent=width_exponent,
@@ -196,14 +200,13 @@ class SinkGD(Optimizer):
                 st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
 
     def add_param_group(self, param_group):
-        if isinstance(param_group, dict) and "fallback_kwargs" in param_group:
-            _check_fallback_kwargs(param_group["fallback_kwargs"] or {})
         # an AdamW group (use_fallback=True) takes the AdamW settings it names itself; recorded
         # here, since the defaults fill every key in a moment (see _fallback_step)
         if isinstance(param_group, dict) and param_group.get("use_fallback"):
             param_group = dict(param_group)
             param_group.setdefault("adamw_keys", tuple(k for k in ADAMW_GROUP_KEYS if k in param_group))
         super().add_param_group(param_group)
+        _check_group(self.param_groups[-1])
 
     def _fallback_step(self, group, params, lr):
         """AdamW on ``params``: betas (0.9, 0.999), eps 1e-8, weight decay 0, lr the group's;
