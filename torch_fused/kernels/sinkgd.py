@@ -90,9 +90,10 @@ META_COLS = tl.constexpr(18)
 
 MAX_FUSED_N = 16384  # widest row a _sinkgd_rows_kernel program holds in registers
 # Alternate the direction of successive one-read passes over the gradient (the row passes, the
-# power passes, then the update; the wide rows' two-pass path keeps its order): a pass that walks the matrices backwards starts on the bytes the
-# previous pass read last, which may still sit in L2 (50 MB on an H100 / H200). The results are
-# bitwise the same either way (every partial has its own slot). TORCH_FUSED_SINKGD_ZIGZAG=1.
+# power passes, then the update; the wide rows' two-pass path keeps its order): a pass that walks
+# the matrices backwards starts on the bytes the previous pass read last, which may still sit in
+# L2 (50 MB on an H100 / H200). The results are bitwise the same either way (every partial has
+# its own slot). TORCH_FUSED_SINKGD_ZIGZAG=1.
 ZIGZAG = os.environ.get("TORCH_FUSED_SINKGD_ZIGZAG", "0") == "1"
 ROW_TILE = (8, 1024, 4)  # two-pass path, row sums: BM, BN, warps
 COL_TILE = (128, 64, 4)  # two-pass path, column sums
@@ -477,8 +478,9 @@ def _sinkgd_colsum_kernel(p_meta, p_first, n_mats, p_part, p_upart, p_sums,
     n = tl.load(row + N)
     n_parts = tl.load(row + N_PC)
     b, blk, blocks, o, msk = _column_block(local, n, BLOCK)
-    s, su = _sum_partials(p_part + tl.load(row + PC_OFF) + b * n_parts * n, p_upart + tl.load(row + U_OFF) + b * n_parts,
-                          n_parts, n, o, msk, WITH_U, BLOCK, PARTS)
+    p_p = p_part + tl.load(row + PC_OFF) + b * n_parts * n
+    p_u = p_upart + tl.load(row + U_OFF) + b * n_parts
+    s, su = _sum_partials(p_p, p_u, n_parts, n, o, msk, WITH_U, BLOCK, PARTS)
     tl.store(p_sums + tl.load(row + S_OFF) + b * n + o, s, mask=msk)
     if WITH_U:
         tl.store(p_sums + tl.load(row + SU_OFF) + b, su, mask=blk == 0)
@@ -494,15 +496,13 @@ def _sinkgd_power_cols_kernel(p_meta, p_first, n_mats, p_c, p_part, p_upart, p_w
     one |u|^2 at SU_OFF."""
     mat, local, row = _program_matrix(p_meta, p_first, n_mats, False)
     n = tl.load(row + N)
-    if SUMMED:
-        n_parts = 1
-    else:
-        n_parts = tl.load(row + N_PC)
     b, blk, blocks, o, msk = _column_block(local, n, BLOCK)
     if SUMMED:
+        n_parts = 1
         p_p = p_part + tl.load(row + S_OFF) + b * n
         p_u = p_upart + tl.load(row + SU_OFF) + b
     else:
+        n_parts = tl.load(row + N_PC)
         p_p = p_part + tl.load(row + PC_OFF) + b * n_parts * n
         p_u = p_upart + tl.load(row + U_OFF) + b * n_parts
     s, su = _sum_partials(p_p, p_u, n_parts, n, o, msk, True, BLOCK, PARTS)
