@@ -153,6 +153,8 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
     if modes is None:  # the fused kernels and the compiled chunk functions: on CUDA only
         modes = ["fused", "compiled"] if dev.type == "cuda" else ["eager"]
 
+    saved = (sharded.FUSED, sharded.COMPILE_CHUNKS)  # the module's settings, restored at the end
+
     def set_mode(mode):
         sharded.FUSED = mode == "fused"
         sharded.COMPILE_CHUNKS = mode == "compiled"
@@ -233,8 +235,7 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
         row["shard_vs_fused_share"] = (row["shard_ms"] / (row["fused_full_ms"] * local_params / n_params)
                                        if ok else None)
         report["rows"].append(row)
-    set_mode("fused")
-    sharded.COMPILE_CHUNKS = True
+    sharded.FUSED, sharded.COMPILE_CHUNKS = saved
     report["shard_modes"] = modes
     report["local_params"] = local_params
     report["columns"] = sum(n for _, _, n in shapes)
