@@ -18,8 +18,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 # terms). Measured worst case of the kernels and the reference: 1.4e-7 of that bound's unit.
 FWD_RTOL = {torch.float16: 4e-6, torch.bfloat16: 4e-6, torch.float32: 4e-6, torch.float64: 1e-12}
 # Gradients are rounded once to the logits dtype: one ulp of the element itself (the Triton
-# interpreter truncates to bf16, the GPU rounds to nearest), plus an fp32 floor relative to the
-# row's upstream gradient (sum |g| + |g_H|) / T that every element of the row is a multiple of.
+# interpreter truncates to bf16, the GPU rounds to nearest), which below the dtype's smallest
+# normal is the subnormal spacing, tiny * eps (fp16: 6e-8 under 6.1e-5, a gradient element such
+# as 1.3e-5 is stored to that absolute step), plus an fp32 floor relative to the row's upstream
+# gradient (sum |g| + |g_H|) / T that every element of the row is a multiple of.
 GRAD_RTOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 4e-6, torch.float64: 1e-10}
 GRAD_FLOOR = {torch.float16: 2e-6, torch.bfloat16: 2e-6, torch.float32: 2e-6, torch.float64: 1e-10}
 
@@ -78,18 +80,25 @@ def assert_logprob_close(out, ref, v, what, dtype=torch.float32):
 
 def assert_grad_close(dx, rdx, row_scale, dtype, what):
     """d logits vs the float64 autograd reference, element by element:
-    |dx - rdx| <= GRAD_RTOL[dtype] |rdx| + GRAD_FLOOR[dtype] * row_scale, where row_scale
-    ([..., 1], broadcast over V) is the row's (sum |g_logp| + |g_entropy|) / T."""
+    |dx - rdx| <= GRAD_RTOL[dtype] |rdx| + GRAD_FLOOR[dtype] * row_scale + tiny * eps (the
+    dtype's subnormal step), where row_scale ([..., 1], broadcast over V) is the row's
+    (sum |g_logp| + |g_entropy|) / T."""
     dx = dx.double().cpu()
     rdx = rdx.double().cpu()
     fin = torch.isfinite(rdx)
     assert bool(torch.isfinite(dx[fin]).all()), f"{what}: NaN/inf gradient where the reference is finite"
-    bound = GRAD_RTOL[dtype] * rdx.abs() + GRAD_FLOOR[dtype] * row_scale.double().cpu().expand_as(rdx)
+    fi = torch.finfo(dtype)
+    bound = (GRAD_RTOL[dtype] * rdx.abs() + GRAD_FLOOR[dtype] * row_scale.double().cpu().expand_as(rdx)
+             + fi.tiny * fi.eps)
     err = torch.where(fin, (dx - rdx).abs(), torch.zeros_like(dx))
     bad = err > bound
-    assert not bool(bad.any()), (
-        f"{what}: {int(bad.sum())} elements off, worst err {err.max().item():.3g} "
-        f"(bound there {bound.reshape(-1)[err.argmax()].item():.3g})")
+    if not bool(bad.any()):
+        return
+    worst = (err - bound).argmax()
+    raise AssertionError(
+        f"{what}: {int(bad.sum())} elements off; furthest over its bound: {dx.reshape(-1)[worst].item():.6g} "
+        f"against {rdx.reshape(-1)[worst].item():.6g} (err {err.reshape(-1)[worst].item():.3g}, "
+        f"bound {bound.reshape(-1)[worst].item():.3g})")
 
 
 def rel_err(a, b):

@@ -33,6 +33,7 @@ def small_chunks():
         mp.setitem(LL.CHUNK_BYTES, "cpu", 4 * 1000)
         mp.setitem(LL.CHUNK_BYTES, "cuda", 4 * 1000)
         mp.setattr(LL, "MIN_COLS", {})
+        mp.setattr(LL, "DLOGITS_MIN_COLS", {})
         mp.setattr(LL, "PART_BYTES", 4000)
         mp.setattr(KL, "CONFIG", {"stats": (16, 16, 16, 2, 1, 2), "dlogits": (16, 16, 16, 2, 1, 2),
                                   "stats_tma": (16, 16, 16, 2, 1, 2), "dlogits_tma": (16, 16, 16, 2, 1, 2)})

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 import torch_fused
 from torch_fused._library import INTERPRET
@@ -86,8 +86,14 @@ def test_forward_matches_float64_reference(device, c):
     assert bool((lp.cpu()[idx.cpu() == -100] == 0).all())
 
 
+# an fp16 gradient element of 1.3e-5, stored as a subnormal (its step is 6e-8, not 2^-10 of it)
+_SUBNORMAL_GRAD = dict(v=127, b=1, l=2, dtype=torch.float16, layout="contiguous", k=None, temperature=1.0, scale=0.5,
+                       neg_inf=0.0, ignore_frac=0.0, index_dtype=torch.int64, seed=2377)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @given(c=cases(), which=st.sampled_from(["logp", "entropy", "both", "selective"]))
+@example(c=_SUBNORMAL_GRAD, which="logp")
 def test_backward_matches_float64_reference(device, c, which):
     x, idx, shift = _build(c, device)
     x.requires_grad_(True)

@@ -453,7 +453,7 @@ def test_world_of_one_kernel_path_is_the_fused_step(device, config):
     batch of matrices, rows of both load classes, a matrix too wide for the one-read pass in
     the interpreter run."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from torch_fused.optim import sinkgd_step
@@ -476,8 +476,11 @@ def test_world_of_one_kernel_path_is_the_fused_step(device, config):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh(device, (1,))
-        ps = [distribute_tensor(w.clone(), mesh, [Shard(0)]) for w in ws]
-        dgs = [distribute_tensor(g, mesh, [Shard(0)]) for g in gs]
+        # from_local, not distribute_tensor: the latter scatters from rank 0, which the fake
+        # group never does (on CUDA the shards were left uninitialized)
+        ps = [DTensor.from_local(w.clone(), mesh, [Shard(0)], run_check=False) for w in ws]
+        dgs = [DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False) for g in gs]
+        assert all(torch.equal(p.to_local(), w) for p, w in zip(ps, ws))
         ref = [w.clone() for w in ws]
         vecs = [_warm_start(w) for w in ws] if cfg.get("spectral_norm") else None
         ref_vecs = [v.clone() for v in vecs] if vecs else None

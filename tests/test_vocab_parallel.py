@@ -225,6 +225,7 @@ def head_vocab_sharded_weight(ctx):
     # chunks, ids v_off + v0 of V
     LL.CHUNK_BYTES["cpu"] = 4 * (16 if INTERPRET else 8) * 10
     LL.MIN_COLS.clear()
+    LL.DLOGITS_MIN_COLS.clear()
     for i, (v, dtype, t, k, shift, has_bias, softcap, h_dtensor) in enumerate(HEAD_CASES):
         if INTERPRET and i not in (1, 2):  # softcap (fp32 d logits) and the in-place bf16 backward
             continue

@@ -118,7 +118,7 @@ def run(report, copy_gbps, quick=False):
 
 # Settings tried by --sweep: (passes with the logits GEMM in the Triton kernels, TMA on, tiles
 # (BM, BN, BK, GROUP_M, warps, stages) of the forward, of the backward, CHUNK_BYTES in MiB,
-# MIN_COLS)
+# MIN_COLS and DLOGITS_MIN_COLS)
 _T3, _T5 = (128, 256, 64, 8, 8, 3), (256, 128, 64, 8, 8, 3)
 _BOTH = ("forward", "backward")
 SWEEP = [((), True, _T3, _T3, 128, 2048), (_BOTH, True, _T3, _T3, 128, 2048), (_BOTH, True, _T3, _T3, 160, 2048),
@@ -132,7 +132,8 @@ def sweep(copy_gbps, shape=None):
 
     res = []
     shapes = [tuple(shape)] if shape else SHAPES
-    saved = (set(LL.FUSED_GEMM), dict(KL.CONFIG), LL.TMA, dict(LL.CHUNK_BYTES), dict(LL.MIN_COLS))
+    saved = (set(LL.FUSED_GEMM), dict(KL.CONFIG), LL.TMA, dict(LL.CHUNK_BYTES), dict(LL.MIN_COLS),
+             dict(LL.DLOGITS_MIN_COLS))
     try:
         for n, hd, v in shapes:
             g = torch.Generator(device="cuda").manual_seed(0)
@@ -159,7 +160,7 @@ def sweep(copy_gbps, shape=None):
                 LL.TMA = tma
                 KL.CONFIG = {"stats": t_fwd, "dlogits": t_bwd, "stats_tma": t_fwd, "dlogits_tma": t_bwd}
                 LL.CHUNK_BYTES["cuda"] = chunk_mib << 20
-                LL.MIN_COLS["cuda"] = min_cols
+                LL.MIN_COLS["cuda"] = LL.DLOGITS_MIN_COLS["cuda"] = min_cols
                 cfg = (passes, tma, t_fwd, t_bwd, chunk_mib, min_cols)
                 try:
                     out = fwdbwd()
@@ -188,7 +189,7 @@ def sweep(copy_gbps, shape=None):
             torch.cuda.empty_cache()
     finally:
         LL.FUSED_GEMM, KL.CONFIG, LL.TMA = saved[:3]
-        for d, old in zip((LL.CHUNK_BYTES, LL.MIN_COLS), saved[3:]):
+        for d, old in zip((LL.CHUNK_BYTES, LL.MIN_COLS, LL.DLOGITS_MIN_COLS), saved[3:]):
             d.clear()
             d.update(old)
     return res

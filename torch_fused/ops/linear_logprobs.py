@@ -63,6 +63,13 @@ CHUNK_BYTES = {"cuda": 128 << 20, "cpu": 4 << 20}
 # H = 3584: 470 MB a chunk); at very many tokens the chunks grow past the budget instead
 # (N = 32768: 2048 columns, 256 MiB). Narrower forward chunks were slower too.
 MIN_COLS = {"cuda": 2048}
+# The same for the fused backward's w.dtype d logits chunks (FUSED_GEMM), which hold no fp32
+# logits: from 16384 tokens on its budget would give fewer than 8192 columns, and the d hidden
+# traffic of the extra chunks cost more than the larger chunk (bf16: 256 MiB at N = 16384,
+# 512 MiB at N = 32768; the budget's 8192 columns at N = 8192 are unchanged). The lm_head sweep
+# (python -m torch_fused.bench --sweep --only lm_head) measured 2-4% less forward+backward time
+# at N = 16384 and 32768 with 8192 columns than with 2048.
+DLOGITS_MIN_COLS = {"cuda": 8192}
 # The passes ("forward", "backward") whose logits GEMMs run inside the Triton kernels
 # (kernels/lm_head.py) for bf16 / fp16 weights without a softcap; the others: cuBLAS GEMMs
 # into fp32 chunks, then the statistics / d logits kernels.
@@ -415,7 +422,7 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
     # Triton path, bf16 / fp16: d logits written over their own fp32 logits chunk
     in_place = bwd_fn is _bwd_triton and softcap is None and w.dtype in (torch.bfloat16, torch.float16)
     step = _chunk_cols(dev, n, w.element_size() if fused else 4 if in_place else 4 + w.element_size(),
-                       min_cols=MIN_COLS.get(dev.type, 1))
+                       min_cols=(DLOGITS_MIN_COLS if fused else MIN_COLS).get(dev.type, 1))
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
         b_c = bias[v0:v1] if bias is not None else None
