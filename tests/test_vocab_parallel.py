@@ -556,7 +556,8 @@ def test_merge_shift_is_the_kernels_rounded_difference(device):
     """The merge's shift on the GPU path, round(a c) - round(b c) in fp32, is bitwise the fp32
     products' difference in eager, and the same under torch.compile: no product fused into the
     subtraction (an fma would be off by up to half an ulp of a c, ~5e-4 at |a c| ~ 1.4e4; the
-    CPU's inductor code does not fuse, CUDA's Triton code may)."""
+    CPU's inductor code does not fuse, CUDA's Triton code did, even of fp64 products cast back
+    to fp32)."""
     from torch_fused.parallel import _shift
 
     g = torch.Generator().manual_seed(0)
@@ -568,6 +569,7 @@ def test_merge_shift_is_the_kernels_rounded_difference(device):
     torch._dynamo.reset()
     compiled = torch.compile(lambda x, y: _shift(x, y, c, False), fullgraph=True)
     assert torch.equal(compiled(a, b), want)
+    torch.library.opcheck(torch.ops.fused._merge_shift, (a, b, c))
     # the inputs tell the two forms apart: the unrounded product's difference is not the same
     c32 = float(torch.tensor(c, dtype=torch.float32))
     assert not torch.equal(((a.double() - b.double()) * c32).float(), want)

@@ -46,7 +46,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import reference
-from ._library import INTERPRET, LN2, LOG2E, TRITON_DEVICES, acc_dtype, check
+from ._library import INTERPRET, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, check
 from .meta import linear_logprobs as meta_ll
 from .meta import logprobs as meta_lp
 from .meta.logprobs import row_shape
@@ -215,14 +215,28 @@ def _exact_shift(t: torch.Tensor, dt: torch.dtype) -> bool:
 
 def _shift(a, b, c: float, exact: bool):
     """(a - b) c in the units of the local sums: see kernels/logprobs.py, _shift_diff. The
-    kernels' form is round(a c) - round(b c) in fp32 (c rounded to fp32 as the kernels take it).
-    The products are made exactly in fp64 and rounded by an explicit cast, so that a compiler
-    (inductor under torch.compile) cannot fuse a product into the subtraction as an fma, which
-    would use the exact a c (off by up to half an ulp of it, 5e-4 at |a c| ~ 1.4e4)."""
+    kernels' form is round(a c) - round(b c) in fp32 (c rounded to fp32 as the kernels take it),
+    computed by the custom op ``fused::_merge_shift``: a compiler (inductor under torch.compile)
+    sees no product to fuse into the subtraction as an fma, which would use the exact a c (off
+    by up to half an ulp of it, 5e-4 at |a c| ~ 1.4e4). Casts are no such barrier: inductor's
+    Triton code for an fp64 product cast back to fp32 still came out fused on CUDA."""
     if exact:
         return (a - b) * c
+    return torch.ops.fused._merge_shift(a, b, c)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::_merge_shift", mutates_args=())
+def _merge_shift(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
+    """round(a c) - round(b c) in fp32 (float32 a and b, broadcast; c rounded to fp32), each
+    product rounded before the subtraction."""
     c32 = struct.unpack("f", struct.pack("f", c))[0]
-    return (a.double() * c32).float() - (b.double() * c32).float()
+    return torch.sub(torch.mul(a, c32), torch.mul(b, c32))
+
+
+@_merge_shift.register_fake
+def _(a, b, c):
+    return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=torch.promote_types(a.dtype, b.dtype),
+                       device=a.device)
 
 
 def local_index(index2: torch.Tensor, v_off: int, v_local: int) -> torch.Tensor:
