@@ -16,6 +16,7 @@ is kept (see ``_device_tensor``).
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import threading
@@ -390,6 +391,34 @@ def _walk(launches, rev):
     return reversed(launches) if rev else launches
 
 
+# A pass's launches over different row-width buckets (and the wide path) touch different
+# matrices: under a CUDA graph capture they become parallel branches of the graph (the first
+# on the capturing stream, the rest on a side stream, forked and joined by events), so that one
+# launch's tail of programs overlaps the next launch instead of leaving SMs idle.
+# TORCH_FUSED_SINKGD_BRANCHES=0 keeps them in one stream.
+BRANCHES = os.environ.get("TORCH_FUSED_SINKGD_BRANCHES", "1") != "0"
+_SIDE_STREAMS: dict = {}
+
+
+def _branches(fns, dev) -> None:
+    """Calls the launch closures ``fns``: as parallel graph branches while a CUDA graph is being
+    captured (see BRANCHES), else one after another on the current stream."""
+    if len(fns) < 2 or not BRANCHES or dev.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        for fn in fns:
+            fn()
+        return
+    cur = torch.cuda.current_stream(dev)
+    side = _SIDE_STREAMS.get(dev)
+    if side is None:
+        side = _SIDE_STREAMS[dev] = torch.cuda.Stream(dev)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        for fn in fns[1:]:
+            fn()
+    fns[0]()
+    cur.wait_stream(side)
+
+
 class _Buffers:
     """A step's scale vectors and partials for one plan (fp32, made per call: under a capture
     they belong to the graph's pool and nothing keeps them)."""
@@ -416,20 +445,28 @@ def _row_stage(plan, bufs, gdt, eps, first, rev=False):
     from ..kernels import sinkgd as K
 
     r, c, part_r, part_c = bufs.r, bufs.c, bufs.part_r, bufs.part_c
-    for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in _walk(plan.fused, rev):
-        K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gdt, r, c, part_c, eps, ONES_R=first,
-                                       ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align,
-                                       EVEN_N=even, REVERSE=rev, num_warps=warps)
+    fns = [functools.partial(K._sinkgd_rows_kernel[(grid,)], t_meta, t_first, n_mats, gdt, r, c, part_c, eps,
+                             ONES_R=first, ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align, EVEN_N=even,
+                             REVERSE=rev, num_warps=warps)
+           for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in _walk(plan.fused, rev)]
     if plan.wide is not None:
-        rbm, rbn, rw = K.ROW_TILE
-        cbm, cbn, cw = K.COL_TILE
-        align, ((m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c)) = plan.wide
-        K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
-                                      ONES_R=first, ONES_C=first, ALIGN=align, num_warps=rw)
-        K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=K.SCALE_BLOCK,
-                                       PARTS=K.SCALE_PARTS, ONES=first, SUMMED=False)
-        K._sinkgd_sums_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
-                                      ONES_R=False, ONES_C=first, ALIGN=align, num_warps=cw)
+        fns.append(functools.partial(_wide_rows, plan, r, c, part_r, part_c, gdt, eps, first))
+    _branches(fns, r.device)
+
+
+def _wide_rows(plan, r, c, part_r, part_c, gdt, eps, first):
+    """The two-pass path's launches of one Sinkhorn iteration (rows wider than MAX_FUSED_N)."""
+    from ..kernels import sinkgd as K
+
+    rbm, rbn, rw = K.ROW_TILE
+    cbm, cbn, cw = K.COL_TILE
+    align, ((m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c)) = plan.wide
+    K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
+                                  ONES_R=first, ONES_C=first, ALIGN=align, num_warps=rw)
+    K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=K.SCALE_BLOCK,
+                                   PARTS=K.SCALE_PARTS, ONES=first, SUMMED=False)
+    K._sinkgd_sums_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
+                                  ONES_R=False, ONES_C=first, ALIGN=align, num_warps=cw)
 
 
 def _col_stage(plan, bufs, eps, first, sums=None):
@@ -456,18 +493,26 @@ def _power_stage(plan, bufs, gdt, rev=False):
     from ..kernels import sinkgd as K
 
     r, c, part_r, part_c, part_u = bufs.r, bufs.c, bufs.part_r, bufs.part_c, bufs.part_u
-    for (block_n, rb, bm, warps), align, even, (f_meta, f_first, f_mats, f_grid) in _walk(plan.fused, rev):
-        K._sinkgd_power_rows_kernel[(f_grid,)](f_meta, f_first, f_mats, gdt, r, c, part_c, part_u,
-                                               BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align, EVEN_N=even,
-                                               REVERSE=rev, num_warps=warps)
+    fns = [functools.partial(K._sinkgd_power_rows_kernel[(grid,)], t_meta, t_first, n_mats, gdt, r, c, part_c,
+                             part_u, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align, EVEN_N=even, REVERSE=rev,
+                             num_warps=warps)
+           for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in _walk(plan.fused, rev)]
     if plan.wide is not None:
-        rbm, rbn, rw = K.ROW_TILE
-        cbm, cbn, cw = K.COL_TILE
-        align, ((m_s, f_s, n_s, g_s), _, (m_c, f_c, n_c, g_c)) = plan.wide
-        K._sinkgd_power_tiles_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, part_c, part_u, AXIS=0,
-                                             BM=rbm, BN=rbn, PART_TILE=rbn, ALIGN=align, num_warps=rw)
-        K._sinkgd_power_tiles_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_r, part_c, part_u, AXIS=1,
-                                             BM=cbm, BN=cbn, PART_TILE=rbn, ALIGN=align, num_warps=cw)
+        fns.append(functools.partial(_wide_power, plan, r, c, part_r, part_c, part_u, gdt))
+    _branches(fns, r.device)
+
+
+def _wide_power(plan, r, c, part_r, part_c, part_u, gdt):
+    """The power pass's two launches for rows wider than MAX_FUSED_N."""
+    from ..kernels import sinkgd as K
+
+    rbm, rbn, rw = K.ROW_TILE
+    cbm, cbn, cw = K.COL_TILE
+    align, ((m_s, f_s, n_s, g_s), _, (m_c, f_c, n_c, g_c)) = plan.wide
+    K._sinkgd_power_tiles_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, part_c, part_u, AXIS=0,
+                                         BM=rbm, BN=rbn, PART_TILE=rbn, ALIGN=align, num_warps=rw)
+    K._sinkgd_power_tiles_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_r, part_c, part_u, AXIS=1,
+                                         BM=cbm, BN=cbn, PART_TILE=rbn, ALIGN=align, num_warps=cw)
 
 
 def _power_finish(plan, bufs, eps, spectral_target, sums=None):
