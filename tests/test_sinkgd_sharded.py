@@ -506,27 +506,36 @@ def test_world_of_one_kernel_path_is_the_fused_step(device, config):
 @NEEDS_TRITON
 @pytest.mark.parametrize("device", list(TRITON_DEVICES) or ["cuda"])
 def test_philox_matches_triton_randint(device):
-    """philox_noise(sr_seed(step, salt), offsets) is tl.randint(int32(step) * 1000003 + salt,
-    offsets) as the update kernel calls it, including seeds that wrap to negative int32."""
+    """philox_words(sr_seed(step, salt), offsets) is tl.randint4x(int32(step) * 1000003 + salt,
+    offsets) as the update kernel calls it (all four words), including seeds that wrap to
+    negative int32; sr_noise picks word (e >> 1) & 3 of counter e >> 3, low half for even e."""
     import triton
     import triton.language as tl
 
-    from torch_fused.optim.sharded import philox_noise, sr_seed
+    from torch_fused.optim.sharded import philox_words, sr_noise, sr_seed
 
     @triton.jit
     def randint_kernel(p_seed, out, n, salt, B: tl.constexpr):
         o = tl.program_id(0) * B + tl.arange(0, B)
         seed = tl.load(p_seed).to(tl.int32) * 1000003 + salt
-        tl.store(out + o, tl.randint(seed, o.to(tl.uint32)), mask=o < n)
+        w0, w1, w2, w3 = tl.randint4x(seed, o.to(tl.uint32))
+        tl.store(out + o, w0, mask=o < n)
+        tl.store(out + n + o, w1, mask=o < n)
+        tl.store(out + 2 * n + o, w2, mask=o < n)
+        tl.store(out + 3 * n + o, w3, mask=o < n)
 
     n = 200
     for step, salt in ((0.0, 0), (1.0, 3), (3001.0, 1), (1e6, 7)):
         st = torch.tensor(step, device=device)
-        out = torch.empty(n, dtype=torch.int32, device=device)
+        out = torch.empty(4 * n, dtype=torch.int32, device=device)
         randint_kernel[(triton.cdiv(n, 64),)](st, out, n, salt, B=64)
-        want = out.to(torch.int64) & 0xFFFFFFFF
-        got = philox_noise(sr_seed(st, salt), torch.arange(n, dtype=torch.int64, device=device))
-        assert torch.equal(got, want), f"step {step} salt {salt}: {(got != want).sum().item()} of {n} differ"
+        want = (out.to(torch.int64) & 0xFFFFFFFF).reshape(4, n)
+        got = torch.stack(philox_words(sr_seed(st, salt), torch.arange(n, dtype=torch.int64, device=device)))
+        assert torch.equal(got, want), f"step {step} salt {salt}: {(got != want).sum().item()} of {4 * n} differ"
+        e = torch.arange(8 * n, dtype=torch.int64, device=device)
+        noise = sr_noise(sr_seed(st, salt), e)
+        word = want[(e >> 1) & 3, e >> 3]
+        assert torch.equal(noise, torch.where(e % 2 == 0, word & 0xFFFF, word >> 16))
 
 
 @NEEDS_TRITON

@@ -588,11 +588,27 @@ def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_lr,
         # bf16 stochastic rounding: add 16 random bits below bf16's mantissa, then truncate.
         # seed: the optimizer's step counter (a device scalar: no sync, no recompile), salted by
         # the matrix's index (SALT). Non-finite values are left to round to nearest.
-        # the noise of an element is keyed by its index in the whole parameter: a row shard
-        # (MG > m rows, EOFF) draws the bits its elements get in the unsharded step
+        # the noise of an element is keyed by its index e in the whole parameter: a row shard
+        # (MG > m rows, EOFF) draws the bits its elements get in the unsharded step. One
+        # Philox call (counter e >> 3) gives four 32-bit words, the bits of eight elements:
+        # element e takes word (e >> 1) & 3, its low half for even e, its high half for odd
+        # (optim/sharded.py::sr_noise, the same bits in PyTorch).
         seed = tl.load(p_seed).to(tl.int32) * 1000003 + tl.load(row + SALT).to(tl.int32)
         g_base = base + b * (tl.load(row + MG) - m) * n + tl.load(row + EOFF)
-        noise = (tl.randint(seed, g_base.to(tl.uint32) + t_off.to(tl.uint32)) & 0xFFFF).to(tl.uint32)
+        if ALIGN % 8 == 0 and BN % 8 == 0:
+            # n is a multiple of 8, so every row of the tile starts a group of eight: one call
+            # per group, its words spread over the group's elements
+            grp = (g_base // 8 + tl.arange(0, BM)[:, None] * (n32 // 8)
+                   + tl.arange(0, BN // 8)[None, :]).to(tl.uint32)
+            w0, w1, w2, w3 = tl.randint4x(seed, grp)
+            words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [BM, BN // 8, 4])
+            noise = tl.reshape(tl.join(words & 0xFFFF, words >> 16), [BM, BN]).to(tl.uint32)
+        else:
+            e = g_base + t_off
+            w0, w1, w2, w3 = tl.randint4x(seed, (e >> 3).to(tl.uint32))
+            sel = (e >> 1) & 3
+            word = tl.where(sel == 0, w0, tl.where(sel == 1, w1, tl.where(sel == 2, w2, w3)))
+            noise = tl.where((e & 1) == 0, word & 0xFFFF, word >> 16).to(tl.uint32)
         bits = new.to(tl.uint32, bitcast=True)
         rounded = ((bits + noise) & 0xFFFF0000).to(tl.float32, bitcast=True)
         fin = (new == new) & (tl.abs(new) < float("inf"))
@@ -651,8 +667,8 @@ def compile_cases():
     upd = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_gdt": "*fp16", "p_wdt": "*bf16",
            "p_r": "*fp32", "p_c": "*fp32", "p_lr": "*fp32", "p_fac": "*fp32", "p_spec": "*fp32",
            "wd": "fp32", "p_seed": "*fp32"}
-    for sr in (False, True):
-        yield (f"sinkgd_update sr={sr}", _sinkgd_update_kernel, upd,
-               {"STOCHASTIC": sr, "HAS_SPEC": sr, "BM": UPD_TILE[0], "BN": UPD_TILE[1], "ALIGN": 1 if sr else 8,
+    for sr, align in ((False, 8), (True, 1), (True, 8)):  # SR: per-element and per-group noise
+        yield (f"sinkgd_update sr={sr} align={align}", _sinkgd_update_kernel, upd,
+               {"STOCHASTIC": sr, "HAS_SPEC": sr, "BM": UPD_TILE[0], "BN": UPD_TILE[1], "ALIGN": align,
                 "REVERSE": sr},
                UPD_TILE[2])

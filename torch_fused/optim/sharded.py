@@ -38,8 +38,8 @@ Two implementations of the same step:
   math on the scale vectors, the gradient read in row chunks of about ``CHUNK_ELEMS`` elements (no fp32 copy of
   a whole gradient). Stochastic rounding of bf16 parameters (where the single-device op does
   it: a Triton device) reproduces the update kernel's random bits: Philox (Triton's
-  ``tl.randint``, 10 rounds) keyed by the seed ``step * 1000003 + matrix index`` at the
-  element's index in the WHOLE parameter (``philox_noise``, ``update_salts``).
+  ``tl.randint4x``, 10 rounds) keyed by the seed ``step * 1000003 + matrix index``, one call
+  per eight elements of the WHOLE parameter (``sr_noise``, ``update_salts``).
 """
 
 from __future__ import annotations
@@ -204,11 +204,11 @@ def _mul32(a: int, b: torch.Tensor):
     return hi, lo
 
 
-def philox_noise(seed: torch.Tensor, offset: torch.Tensor, rounds: int = 10) -> torch.Tensor:
-    """Triton's ``tl.randint(seed, offset)`` for an int32 seed (a 0-dim int64 tensor holding
-    it, possibly negative) and uint32 offsets (an int64 tensor of values in [0, 2^32)): the
-    first word of Philox-4x32 with counter (offset, 0, 0, 0) and key (the seed as uint64: low
-    word, high word). Returns int64 values in [0, 2^32)."""
+def philox_words(seed: torch.Tensor, offset: torch.Tensor, rounds: int = 10):
+    """Triton's ``tl.randint4x(seed, offset)`` for an int32 seed (a 0-dim int64 tensor holding
+    it, possibly negative) and uint32 offsets (an int64 tensor of values in [0, 2^32)): the four
+    words of Philox-4x32 with counter (offset, 0, 0, 0) and key (the seed as uint64: low word,
+    high word). Returns four int64 tensors of values in [0, 2^32)."""
     k0 = seed & _M32
     k1 = torch.where(seed < 0, _M32, 0)  # int32 -> uint64 sign-extends
     c0, c1, c2, c3 = offset, torch.zeros_like(offset), torch.zeros_like(offset), torch.zeros_like(offset)
@@ -218,7 +218,18 @@ def philox_noise(seed: torch.Tensor, offset: torch.Tensor, rounds: int = 10) -> 
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0 = (k0 + _PHILOX_KEY_A) & _M32
         k1 = (k1 + _PHILOX_KEY_B) & _M32
-    return c0
+    return c0, c1, c2, c3
+
+
+def sr_noise(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The update kernel's 16 random bits of the elements at ``index`` (int64, their indices in
+    the whole parameter): the Philox words at counter index >> 3 (mod 2^32), word
+    (index >> 1) & 3, its low half for an even index and its high half for an odd one.
+    Returns int64 values in [0, 2^16)."""
+    words = philox_words(seed, (index >> 3) & _M32)
+    sel = (index >> 1) & 3
+    word = torch.where(sel == 0, words[0], torch.where(sel == 1, words[1], torch.where(sel == 2, words[2], words[3])))
+    return torch.where((index & 1) == 0, word & 0xFFFF, word >> 16)
 
 
 def sr_seed(step: torch.Tensor, salt: int) -> torch.Tensor:
@@ -232,7 +243,7 @@ def stochastic_round_bf16(new: torch.Tensor, seed: torch.Tensor, index: torch.Te
     """fp32 ``new`` with 16 random bits (Philox at ``index``, the elements' indices in the whole
     parameter) added below bf16's mantissa and truncated, as the update kernel does; non-finite
     values are left to round to nearest. Returns fp32 values exact in bf16 (or non-finite)."""
-    noise = philox_noise(seed, index & _M32) & 0xFFFF
+    noise = sr_noise(seed, index)
     bits = new.view(torch.int32).to(torch.int64) & _M32
     rounded = (bits + noise) & 0xFFFF0000
     rounded = torch.where(rounded >= (1 << 31), rounded - (1 << 32), rounded).to(torch.int32).view(torch.float32)
