@@ -512,6 +512,39 @@ def test_cached_plan_follows_new_gradients_and_hyperparameters(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_repeated_call_still_checks_tensors_that_changed(device):
+    """A cache skips the per-tensor checks of a call whose tensors match a checked one (same
+    addresses, shapes, dtypes, devices, contiguity): a tensor that differs in any of those at
+    the same address (a reshaped gradient, a transposed parameter, a vector of another shape)
+    still gets the full checks' error, and the valid call keeps giving the reference result."""
+    cache = SinkGDCache()
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(6, 10, generator=gen).to(device)
+    g = torch.randn(6, 10, generator=gen).to(device)
+    v = torch.randn(1, 10, generator=gen).abs().to(device) + 0.1
+    kw = dict(lr=0.3, sinkhorn_iters=2, spectral_norm=True, spectral_target="muon", cache=cache)
+    for _ in range(3):
+        w0, v0 = w.clone(), v.clone()
+        sinkgd_step([w], [g], spectral_vecs=[v], **kw)
+        ref_w, ref_v = ref_sinkgd(w0.cpu(), g.cpu(), 0.3, iters=2, spectral=True, target="muon", v=v0.cpu())
+        torch.testing.assert_close(w.cpu().double(), ref_w, rtol=1e-5, atol=1e-6)
+    if device == "cuda" or INTERPRET:  # the Triton path ran: the checked call is remembered
+        assert len(cache.calls) == 1
+    with pytest.raises(RuntimeError, match=r"grads\[0\]: shape \(10, 6\)"):
+        sinkgd_step([w], [g.view(10, 6)], spectral_vecs=[v], **kw)
+    with pytest.raises(RuntimeError, match=r"params\[0\]: expected a contiguous parameter"):
+        sinkgd_step([w.view(10, 6).t()], [g], spectral_vecs=[v], **kw)
+    with pytest.raises(RuntimeError, match=r"spectral_vecs\[0\]: expected float32 of shape \(1, 10\)"):
+        sinkgd_step([w], [g], spectral_vecs=[v.view(2, 5)], **kw)
+    with pytest.raises(RuntimeError, match=r"spectral_vecs\[0\]: expected float32"):
+        sinkgd_step([w], [g], spectral_vecs=[v.view(torch.int32)], **kw)
+    w0, v0 = w.clone(), v.clone()
+    sinkgd_step([w], [g], spectral_vecs=[v], **kw)
+    ref_w, _ = ref_sinkgd(w0.cpu(), g.cpu(), 0.3, iters=2, spectral=True, target="muon", v=v0.cpu())
+    torch.testing.assert_close(w.cpu().double(), ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_each_optimizer_owns_its_plans(device):
     """Plans live in the optimizer's own cache: two optimizers never share or evict each
     other's, and a copied optimizer starts with an empty one."""

@@ -27,8 +27,9 @@ def _vecs_valid(params, spectral_vecs) -> bool:
                for p, v in zip(params, spectral_vecs))
 
 
-def check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
-                 spectral_iters, eps, seed) -> None:
+def check_sinkgd_scalars(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
+                         spectral_iters, eps, seed) -> None:
+    """check_sinkgd's checks of everything but the per-parameter tensors."""
     check(len(params) == len(grads),
           lambda: f"grads: expected one gradient per parameter ({len(params)}), got {len(grads)}")
     check(lr.dim() == 0, lambda: f"lr: expected a 0-dim tensor, got shape {tuple(lr.shape)}")
@@ -41,6 +42,12 @@ def check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm
         check(len(spectral_vecs) == len(params),
               lambda: f"spectral_vecs: expected one vector per parameter ({len(params)}), got {len(spectral_vecs)}")
         check(spectral_iters >= 1, lambda: f"spectral_iters: expected >= 1, got {spectral_iters}")
+
+
+def check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
+                 spectral_iters, eps, seed) -> None:
+    check_sinkgd_scalars(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
+                         spectral_iters, eps, seed)
     if _all_valid(params, grads) and (not spectral_norm or _vecs_valid(params, spectral_vecs)):
         return  # the common case, checked in one pass; the loop below names what is wrong
     for i, (p, g) in enumerate(zip(params, grads)):

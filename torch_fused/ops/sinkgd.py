@@ -195,6 +195,19 @@ def _plan_key(ps, gs, lr_scale, base_width, width_exponent, vecs=(), shard=None)
             tuple((p.data_ptr(), g.data_ptr(), p.shape, p.dtype, g.dtype, p.device) for p, g in zip(ps, gs)))
 
 
+def _call_key(params, grads, vecs, lr_scale, base_width, width_exponent):
+    """What makes two calls of _step the same for its checks, grouping and plans: every
+    tensor's address, shape, dtype, device and contiguity, the lr-shape settings and the tile
+    constants. None where a tensor has no storage (a sparse one: the full checks name it)."""
+    try:
+        return (tuple([(p.data_ptr(), g.data_ptr(), p.shape, g.shape, p.dtype, g.dtype, p.device, g.device,
+                        g.is_contiguous(), p.is_contiguous()) for p, g in zip(params, grads)]),
+                tuple([(v.data_ptr(), v.shape, v.dtype, v.device, v.is_contiguous()) for v in vecs]),
+                len(params), len(grads), len(vecs), lr_scale, base_width, width_exponent, _tile_settings())
+    except RuntimeError:
+        return None
+
+
 class _HostStaging:
     """Pinned host memory for the work tables of plans built while a CUDA graph is captured.
     The capture records each table's copy as a memcpy node that reads this memory again at
@@ -288,6 +301,9 @@ class SinkGDCache:
         # plans a capture found here: a graph made elsewhere (torch.compile's) reads their
         # tables at every replay, so they are never evicted (clear() drops them)
         self.captured: dict = {}
+        # calls already checked and grouped: _call_key -> [(param dtype, indices, plan)] (see
+        # _step); dropped whenever a plan is evicted, so every plan here is one of self.plans
+        self.calls: dict = {}
 
     def plan(self, ps, gs, lr_scale, base_width, width_exponent, vecs=(), shard=None) -> _Plan:
         key = _plan_key(ps, gs, lr_scale, base_width, width_exponent, vecs, shard)
@@ -299,6 +315,7 @@ class SinkGDCache:
             plan = self.plans[key] = _Plan(ps, gs, lr_scale, base_width, width_exponent, vecs, shard)
             if len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
+                self.calls.clear()
         elif capturing:
             self.captured[key] = plan
         elif key in self.plans:
@@ -320,6 +337,7 @@ class SinkGDCache:
     def clear(self) -> None:
         self.plans.clear()
         self.captured.clear()
+        self.calls.clear()
 
 
 # The op's own plans (calls without a SinkGDCache: torch.compile'd steps, the keyword function
@@ -358,6 +376,15 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
     gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
     held = [v if v.is_contiguous() else v.contiguous() for v in vecs]
     plan = (cache if cache is not None else _OP_CACHE).plan(ps, gs, lr_scale, base_width, width_exponent, held)
+    _run_group(plan, ps, gs, vecs, held, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
+               spectral_iters, stochastic, seed, cache)
+    return plan
+
+
+def _run_group(plan, ps, gs, vecs, held, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
+               spectral_iters, stochastic, seed, cache):
+    """_triton_group's launches (or graph replay) with its plan found; ``held``: the spectral
+    vectors as the kernels update them (contiguous), ``vecs`` the caller's."""
     args = (ps, gs, held, lr, weight_decay, eps, iters, spectral_norm, spectral_target, spectral_iters,
             stochastic, seed)
     dev = ps[0].device
@@ -614,9 +641,27 @@ def launch_sharded(groups, sums_len, reduce, *, lr, lr_scale, weight_decay, eps,
 def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
           spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, use_triton,
           cache=None):
+    store = (cache if cache is not None else _OP_CACHE) if use_triton else None
+    call_key = None
+    if store is not None:
+        call_key = _call_key(params, grads, spectral_vecs if spectral_norm else (), lr_scale, base_width,
+                             width_exponent)
+        known = store.calls.get(call_key) if call_key is not None else None
+        if known is not None:
+            # the same tensors as a call that passed every check: only the scalars are checked
+            meta.check_sinkgd_scalars(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm,
+                                      spectral_target, spectral_iters, eps, seed)
+            for pdt, idx, plan in known:
+                ps = [params[i] for i in idx]
+                vs = [spectral_vecs[i] for i in idx] if spectral_norm else []
+                _run_group(plan, ps, [grads[i] for i in idx], vs, vs, lr, weight_decay, eps, sinkhorn_iters,
+                           spectral_norm, spectral_target, spectral_iters,
+                           bool(stochastic_round) and pdt == torch.bfloat16, seed, cache)
+            return
     meta.check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
                       spectral_iters, eps, seed)
     groups: dict = {}
+    reference_path = False
     for i, (p, g) in enumerate(zip(params, grads)):
         if p.numel() == 0:
             continue
@@ -624,6 +669,7 @@ def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhor
             groups.setdefault((p.device, p.dtype, g.dtype), []).append(i)  # one plan per device
             continue
         # the reference path (CPU, and float64 anywhere)
+        reference_path = True
         w3 = _as3d(p)  # a view: p is contiguous
         g3 = _as3d(g.contiguous())
         b, m, n = w3.shape
@@ -635,11 +681,21 @@ def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhor
             s = torch.ones(b, dtype=torch.float32, device=p.device)
         coef_x, coef_w = _coefs(lr.to(p.device), n, lr_scale, weight_decay, base_width, width_exponent, s)
         reference.sinkgd_update_(w3, g3, r, c, coef_x, coef_w)
+    known = []
     for (_, pdt, _), idx in groups.items():
-        _triton_group([params[i] for i in idx], [grads[i] for i in idx],
-                      [spectral_vecs[i] for i in idx] if spectral_norm else [], lr, lr_scale, weight_decay, eps,
-                      sinkhorn_iters, spectral_norm, spectral_target, spectral_iters, base_width, width_exponent,
-                      bool(stochastic_round) and pdt == torch.bfloat16, seed, cache)
+        plan = _triton_group([params[i] for i in idx], [grads[i] for i in idx],
+                             [spectral_vecs[i] for i in idx] if spectral_norm else [], lr, lr_scale, weight_decay,
+                             eps, sinkhorn_iters, spectral_norm, spectral_target, spectral_iters, base_width,
+                             width_exponent, bool(stochastic_round) and pdt == torch.bfloat16, seed, cache)
+        known.append((pdt, idx, plan))
+    if (call_key is not None and not reference_path and call_key[0]
+            and all(k[-1] and k[-2] for k in call_key[0]) and all(k[-1] for k in call_key[1])
+            and all(any(plan is q for q in store.plans.values()) for _, _, plan in known)):
+        # every group's plan is kept by the store and every tensor is contiguous (the kernels
+        # read them as given): the next call with the same key skips the checks and grouping
+        if len(store.calls) >= store.max_plans:
+            store.calls.clear()
+        store.calls[call_key] = known
 
 
 @torch.library.custom_op(f"{NAMESPACE}::sinkgd_step", mutates_args=("params", "spectral_vecs"))

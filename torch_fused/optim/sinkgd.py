@@ -253,23 +253,27 @@ class SinkGD(Optimizer):
         torch.compile this runs eagerly (as torch.optim's own ``_init_group``), so the state
         tensors are ordinary allocations with static addresses, not outputs of a compiled
         graph, which inductor's CUDA graphs would keep in their memory pool."""
-        for p in group["params"]:
-            if p.grad is None:
+        state, fallback, spectral = self.state, group["use_fallback"], group["spectral_norm"]
+        for p in group["params"]:  # host work per parameter per step: kept to a few lookups
+            g = p.grad
+            if g is None:
                 continue
-            st = self.state[p]
-            if p.dim() < 2 or group["use_fallback"]:
+            if fallback or p.dim() < 2:
                 small.append(p)
+                st = state[p]
                 if "exp_avg" not in st:
                     st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 continue
             mats.append(p)
-            grads.append(p.grad)
-            if group["spectral_norm"]:
-                if "spectral_v" not in st:
-                    st["spectral_v"] = _warm_start(p)
-                vecs.append(st["spectral_v"])
+            grads.append(g)
+            if spectral:
+                st = state[p]
+                v = st.get("spectral_v")
+                if v is None:
+                    v = st["spectral_v"] = _warm_start(p)
+                vecs.append(v)
         if mats:
             # the group's step count lives with its first matrix, whichever matrices have a
             # gradient in this step (a count that moved would restart the seed)
