@@ -109,6 +109,8 @@ ROWS_BM = 64
 ROWS_MIN_PROGRAMS = 4  # per SM, see rows_bm
 ROWS_MAX_PARTIALS = 1024  # per column of a matrix, see rows_bm
 ROWS_RB = 1
+ROWS_PIPE = 3
+SCALE_PIPE = 3
 
 
 def rows_config(n: int) -> tuple[int, int, int, int]:
@@ -177,7 +179,8 @@ def _tile_coords(local, m, n, BM: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
                         ONES_R: tl.constexpr, ONES_C: tl.constexpr, BLOCK_N: tl.constexpr, RB: tl.constexpr,
-                        BM: tl.constexpr, ALIGN: tl.constexpr, EVEN_N: tl.constexpr, REVERSE: tl.constexpr):
+                        BM: tl.constexpr, ALIGN: tl.constexpr, EVEN_N: tl.constexpr, REVERSE: tl.constexpr,
+                        PIPE: tl.constexpr):
     """One SR-Sinkhorn row step and the column partials that follow it, for BM whole rows.
     EVEN_N: every row of the launch is BLOCK_N long.
     ONES_R / ONES_C: r / c are still all ones (the first iteration): not read. ALIGN: see
@@ -224,12 +227,16 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
         m_ld = o_r >= 0  # a constant-true [RB, 1] mask: no per-element column test
     if not ONES_C:
         b_c = tl.load(p_cb + o_n, mask=m_ld, other=0.0)
-    g_next = tl.load(p_g + t_off, mask=(o_r < n_rows) & m_ld, other=0.0)
-    for k in range(0, tl.cdiv(n_rows, RB)):
+    if PIPE == 0:
+        g_next = tl.load(p_g + t_off, mask=(o_r < n_rows) & m_ld, other=0.0)
+    for k in tl.range(0, tl.cdiv(n_rows, RB), num_stages=PIPE if PIPE > 0 else None):
         rows = k * RB + o_r
         m_r = rows < n_rows
-        b_g = g_next
-        g_next = tl.load(p_g + (k + 1) * RB * n + t_off, mask=(rows + RB < n_rows) & m_ld, other=0.0)
+        if PIPE == 0:
+            b_g = g_next
+            g_next = tl.load(p_g + (k + 1) * RB * n + t_off, mask=(rows + RB < n_rows) & m_ld, other=0.0)
+        else:
+            b_g = tl.load(p_g + k * RB * n + t_off, mask=m_r & m_ld, other=0.0)
         y = b_g.to(tl.float32)
         if not ONES_C:
             y = y * b_c
@@ -299,14 +306,14 @@ def _column_block(local, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _sum_partials(p_p, p_u, n_parts, length, o, msk, WITH_U: tl.constexpr, BLOCK: tl.constexpr,
-                  PARTS: tl.constexpr):
+                  PARTS: tl.constexpr, PIPE: tl.constexpr):
     """For BLOCK entries o (of ``length``): the sum of each entry's n_parts partials (partial k
     at p_p + k * length + o) and, with WITH_U, of the n_parts scalars at p_u; PARTS partials
     per trip (a [PARTS, BLOCK] tile), always in the same order: deterministic."""
     o_k = tl.arange(0, PARTS)
     acc2 = tl.zeros([PARTS, BLOCK], dtype=tl.float32)
     acc_u = tl.zeros([PARTS], dtype=tl.float32)
-    for k in range(0, n_parts, PARTS):
+    for k in tl.range(0, n_parts, PARTS, num_stages=PIPE if PIPE > 0 else None):
         ks = k + o_k
         acc2 += tl.load(p_p + ks[:, None] * length + o[None, :], mask=(ks < n_parts)[:, None] & msk[None, :],
                         other=0.0)
@@ -318,7 +325,7 @@ def _sum_partials(p_p, p_u, n_parts, length, o, msk, WITH_U: tl.constexpr, BLOCK
 @triton.jit
 def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
                          AXIS: tl.constexpr, PART_TILE: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
-                         ONES: tl.constexpr, SUMMED: tl.constexpr):
+                         ONES: tl.constexpr, SUMMED: tl.constexpr, PIPE: tl.constexpr):
     """AXIS=0: r <- r sqrt(n) / max(row norm, eps), from row partials of PART_TILE-wide tiles;
     AXIS=1: c <- c sqrt(m) / max(col norm, eps), from the N_PC column partials the meta row
     names. ONES: the vector is still all ones (first iteration): written, not read. A program
@@ -350,7 +357,7 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
     o = (local % blocks) * BLOCK + tl.arange(0, BLOCK)
     msk = o < length
     acc, _ = _sum_partials(p_part + poff + b * n_parts * length, p_part, n_parts, length, o, msk, False, BLOCK,
-                           PARTS)
+                           PARTS, PIPE)
     p_v = p_vec + off + b * length + o
     if ONES:
         v = target / tl.maximum(tl.sqrt(acc), eps)
@@ -363,7 +370,7 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
 @triton.jit
 def _sinkgd_power_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, p_upart,
                               BLOCK_N: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr,
-                              EVEN_N: tl.constexpr, REVERSE: tl.constexpr):
+                              EVEN_N: tl.constexpr, REVERSE: tl.constexpr, PIPE: tl.constexpr):
     """One power-iteration pass over BM whole rows of X = diag(r) G diag(c) (X never formed):
     u_i = r_i sum_j G_ij (c_j v_j) from the row it holds, then the row's column terms
     G_ij (r_i u_i) into a per-program column accumulator (one partial per (program, column),
@@ -404,12 +411,16 @@ def _sinkgd_power_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, 
     cv = tl.load(p_cb + o_n, mask=m_ld, other=0.0) * tl.load(p_vb + o_n, mask=m_ld, other=0.0)
     acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
     usq = tl.zeros([RB, 1], dtype=tl.float32)
-    g_next = tl.load(p_g + t_off, mask=(o_r < n_rows) & m_ld, other=0.0)
-    for k in range(0, tl.cdiv(n_rows, RB)):
+    if PIPE == 0:
+        g_next = tl.load(p_g + t_off, mask=(o_r < n_rows) & m_ld, other=0.0)
+    for k in tl.range(0, tl.cdiv(n_rows, RB), num_stages=PIPE if PIPE > 0 else None):
         rows = k * RB + o_r
         m_r = rows < n_rows
-        b_g = g_next
-        g_next = tl.load(p_g + (k + 1) * RB * n + t_off, mask=(rows + RB < n_rows) & m_ld, other=0.0)
+        if PIPE == 0:
+            b_g = g_next
+            g_next = tl.load(p_g + (k + 1) * RB * n + t_off, mask=(rows + RB < n_rows) & m_ld, other=0.0)
+        else:
+            b_g = tl.load(p_g + k * RB * n + t_off, mask=m_r & m_ld, other=0.0)
         g = b_g.to(tl.float32)
         d = tl.sum(g * cv, axis=1, keep_dims=True)
         r = tl.load(p_rb + rows, mask=m_r, other=0.0)
@@ -468,7 +479,7 @@ def _sinkgd_power_tiles_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
 
 @triton.jit
 def _sinkgd_colsum_kernel(p_meta, p_first, n_mats, p_part, p_upart, p_sums,
-                          WITH_U: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr):
+                          WITH_U: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, PIPE: tl.constexpr):
     """Sharded rows (optim/sharded.py): a rank's column sums, finished over its N_PC column
     partials in a fixed order, into the sums buffer at S_OFF [B, n] (and with WITH_U, the
     block-0 program's |u|^2 sum of the N_PC |u|^2 partials at SU_OFF [B]), for the all-reduce
@@ -480,7 +491,7 @@ def _sinkgd_colsum_kernel(p_meta, p_first, n_mats, p_part, p_upart, p_sums,
     b, blk, blocks, o, msk = _column_block(local, n, BLOCK)
     p_p = p_part + tl.load(row + PC_OFF) + b * n_parts * n
     p_u = p_upart + tl.load(row + U_OFF) + b * n_parts
-    s, su = _sum_partials(p_p, p_u, n_parts, n, o, msk, WITH_U, BLOCK, PARTS)
+    s, su = _sum_partials(p_p, p_u, n_parts, n, o, msk, WITH_U, BLOCK, PARTS, PIPE)
     tl.store(p_sums + tl.load(row + S_OFF) + b * n + o, s, mask=msk)
     if WITH_U:
         tl.store(p_sums + tl.load(row + SU_OFF) + b, su, mask=blk == 0)
@@ -488,7 +499,8 @@ def _sinkgd_colsum_kernel(p_meta, p_first, n_mats, p_part, p_upart, p_sums,
 
 @triton.jit
 def _sinkgd_power_cols_kernel(p_meta, p_first, n_mats, p_c, p_part, p_upart, p_wpart, eps,
-                              BLOCK: tl.constexpr, PARTS: tl.constexpr, SUMMED: tl.constexpr):
+                              BLOCK: tl.constexpr, PARTS: tl.constexpr, SUMMED: tl.constexpr,
+                              PIPE: tl.constexpr):
     """w_j = c_j sum(column partials of j) / max(|u|, eps) for BLOCK columns of one batch entry
     (|u|^2 from the N_PC |u|^2 partials), written into the warm-start vector v, plus the
     block's sum of w_j^2 (WQ_OFF). Every sum in a fixed order: deterministic. SUMMED (sharded
@@ -505,7 +517,7 @@ def _sinkgd_power_cols_kernel(p_meta, p_first, n_mats, p_c, p_part, p_upart, p_w
         n_parts = tl.load(row + N_PC)
         p_p = p_part + tl.load(row + PC_OFF) + b * n_parts * n
         p_u = p_upart + tl.load(row + U_OFF) + b * n_parts
-    s, su = _sum_partials(p_p, p_u, n_parts, n, o, msk, True, BLOCK, PARTS)
+    s, su = _sum_partials(p_p, p_u, n_parts, n, o, msk, True, BLOCK, PARTS, PIPE)
     u_norm = tl.maximum(tl.sqrt(su), eps)
     c = tl.load(p_c + tl.load(row + C_OFF) + b * n + o, mask=msk, other=0.0)
     w = c * s / u_norm
@@ -625,7 +637,7 @@ def compile_cases():
         for ones in (False, True):
             yield (f"sinkgd_rows n={n} ones={ones}", _sinkgd_rows_kernel, rows,
                    {"ONES_R": ones, "ONES_C": ones, "BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8,
-                    "EVEN_N": n == block_n, "REVERSE": ones}, w)
+                    "EVEN_N": n == block_n, "REVERSE": ones, "PIPE": ROWS_PIPE}, w)
     sums = dict(rows)
     del sums["eps"]
     for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):
@@ -639,18 +651,18 @@ def compile_cases():
         for ones in (False, True):
             yield (f"sinkgd_scale axis={axis} ones={ones}", _sinkgd_scale_kernel, scale,
                    {"AXIS": axis, "PART_TILE": ROW_TILE[1], "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS,
-                    "ONES": ones, "SUMMED": False}, 4)
+                    "ONES": ones, "SUMMED": False, "PIPE": SCALE_PIPE}, 4)
     yield ("sinkgd_scale axis=1 summed", _sinkgd_scale_kernel, scale,
            {"AXIS": 1, "PART_TILE": ROW_TILE[1], "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS, "ONES": False,
-            "SUMMED": True}, 4)
+            "SUMMED": True, "PIPE": SCALE_PIPE}, 4)
     for with_u in (False, True):
         yield (f"sinkgd_colsum with_u={with_u}", _sinkgd_colsum_kernel,
                {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_part": "*fp32", "p_upart": "*fp32",
-                "p_sums": "*fp32"}, {"WITH_U": with_u, "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS}, 4)
+                "p_sums": "*fp32"}, {"WITH_U": with_u, "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS, "PIPE": SCALE_PIPE}, 4)
     for n in (4096, 14336):
         block_n, rb, bm, w = rows_config(n)
         yield (f"sinkgd_power_rows n={n}", _sinkgd_power_rows_kernel, dict(sums, p_upart="*fp32"),
-               {"BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8, "EVEN_N": True, "REVERSE": n == 4096}, w)
+               {"BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8, "EVEN_N": True, "REVERSE": n == 4096, "PIPE": ROWS_PIPE}, w)
     tiles = dict(sums, p_cpart="*fp32", p_upart="*fp32")
     for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):
         yield (f"sinkgd_power_tiles axis={axis}", _sinkgd_power_tiles_kernel, tiles,
@@ -659,7 +671,7 @@ def compile_cases():
         yield (f"sinkgd_power_cols summed={summed}", _sinkgd_power_cols_kernel,
                {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_c": "*fp32", "p_part": "*fp32",
                 "p_upart": "*fp32", "p_wpart": "*fp32", "eps": "fp32"},
-               {"BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS, "SUMMED": summed}, 4)
+               {"BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS, "SUMMED": summed, "PIPE": SCALE_PIPE}, 4)
     for muon in (False, True):
         yield (f"sinkgd_power_norm muon={muon}", _sinkgd_power_norm_kernel,
                {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_wpart": "*fp32", "p_spec": "*fp32",
