@@ -98,7 +98,7 @@ ZIGZAG = os.environ.get("TORCH_FUSED_SINKGD_ZIGZAG", "0") == "1"
 ROW_TILE = (8, 1024, 4)  # two-pass path, row sums: BM, BN, warps
 COL_TILE = (128, 64, 4)  # two-pass path, column sums
 UPD_TILE = (32, 256, 4)  # [BM, BN] tiles of the update: BN 256 divides the common widths (768, 3072)
-SCALE_BLOCK = 64  # _sinkgd_scale_kernel: entries per program
+SCALE_BLOCK = 32  # _sinkgd_scale_kernel: entries per program
 SCALE_PARTS = 64  # and partials per trip
 # _sinkgd_rows_kernel tiles (rows_config), chosen by a tile sweep on an H200: elements per
 # thread and row, the most warps a program gets, rows per program, rows per trip. A plan
@@ -109,8 +109,18 @@ ROWS_BM = 64
 ROWS_MIN_PROGRAMS = 4  # per SM, see rows_bm
 ROWS_MAX_PARTIALS = 1024  # per column of a matrix, see rows_bm
 ROWS_RB = 1
+# The row and power passes' loads are software pipelined by Triton (tl.range num_stages, staged
+# through shared memory: more bytes in flight than registers allow; H200: a 768-wide pass 66 ->
+# 56 us, a 4096-wide one 115 -> 102 us) where ROWS_PIPE stages of a trip fit in
+# ROWS_PIPE_BYTES; else (and with ROWS_PIPE = 0) the kernels prefetch one trip in registers.
 ROWS_PIPE = 3
-SCALE_PIPE = 3
+ROWS_PIPE_BYTES = 64 << 10
+
+
+def rows_pipe(block_n: int, rb: int, elem_bytes: int) -> int:
+    """The PIPE constexpr of a row or power pass over [rb, block_n] trips of elem_bytes-wide
+    gradient elements (see ROWS_PIPE)."""
+    return ROWS_PIPE if ROWS_PIPE * rb * block_n * elem_bytes <= ROWS_PIPE_BYTES else 0
 
 
 def rows_config(n: int) -> tuple[int, int, int, int]:
@@ -216,8 +226,10 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
     m_n = m_n[None, :]
     t_off = o_r * n32 + o_n  # in-trip offsets: BM * n < 2**31
     acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
-    # software pipelined: the next trip's rows are in flight during this trip's reduction (two
-    # or three trips ahead, and c re-read every trip instead of held, measured slower). The trip
+    # software pipelined: with PIPE (rows_pipe) by Triton, PIPE - 1 trips' loads staged through
+    # shared memory ahead of this one; else the next trip's rows are loaded into registers
+    # during this trip's reduction (two or three trips ahead in registers, and c re-read every
+    # trip instead of held, measured slower). The trip
     # is issue-bound as much as memory-bound, so per element it does only a convert, y = g c,
     # q = y^2, a sum and one fma: r stays out of the elementwise work, since
     # |r g c| = r |g c| for the row norm and (r_new g c)^2 = r_new^2 q for the column terms.
@@ -306,14 +318,14 @@ def _column_block(local, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _sum_partials(p_p, p_u, n_parts, length, o, msk, WITH_U: tl.constexpr, BLOCK: tl.constexpr,
-                  PARTS: tl.constexpr, PIPE: tl.constexpr):
+                  PARTS: tl.constexpr):
     """For BLOCK entries o (of ``length``): the sum of each entry's n_parts partials (partial k
     at p_p + k * length + o) and, with WITH_U, of the n_parts scalars at p_u; PARTS partials
     per trip (a [PARTS, BLOCK] tile), always in the same order: deterministic."""
     o_k = tl.arange(0, PARTS)
     acc2 = tl.zeros([PARTS, BLOCK], dtype=tl.float32)
     acc_u = tl.zeros([PARTS], dtype=tl.float32)
-    for k in tl.range(0, n_parts, PARTS, num_stages=PIPE if PIPE > 0 else None):
+    for k in range(0, n_parts, PARTS):
         ks = k + o_k
         acc2 += tl.load(p_p + ks[:, None] * length + o[None, :], mask=(ks < n_parts)[:, None] & msk[None, :],
                         other=0.0)
@@ -325,7 +337,7 @@ def _sum_partials(p_p, p_u, n_parts, length, o, msk, WITH_U: tl.constexpr, BLOCK
 @triton.jit
 def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
                          AXIS: tl.constexpr, PART_TILE: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
-                         ONES: tl.constexpr, SUMMED: tl.constexpr, PIPE: tl.constexpr):
+                         ONES: tl.constexpr, SUMMED: tl.constexpr):
     """AXIS=0: r <- r sqrt(n) / max(row norm, eps), from row partials of PART_TILE-wide tiles;
     AXIS=1: c <- c sqrt(m) / max(col norm, eps), from the N_PC column partials the meta row
     names. ONES: the vector is still all ones (first iteration): written, not read. A program
@@ -357,7 +369,7 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
     o = (local % blocks) * BLOCK + tl.arange(0, BLOCK)
     msk = o < length
     acc, _ = _sum_partials(p_part + poff + b * n_parts * length, p_part, n_parts, length, o, msk, False, BLOCK,
-                           PARTS, PIPE)
+                           PARTS)
     p_v = p_vec + off + b * length + o
     if ONES:
         v = target / tl.maximum(tl.sqrt(acc), eps)
@@ -479,7 +491,7 @@ def _sinkgd_power_tiles_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
 
 @triton.jit
 def _sinkgd_colsum_kernel(p_meta, p_first, n_mats, p_part, p_upart, p_sums,
-                          WITH_U: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, PIPE: tl.constexpr):
+                          WITH_U: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr):
     """Sharded rows (optim/sharded.py): a rank's column sums, finished over its N_PC column
     partials in a fixed order, into the sums buffer at S_OFF [B, n] (and with WITH_U, the
     block-0 program's |u|^2 sum of the N_PC |u|^2 partials at SU_OFF [B]), for the all-reduce
@@ -491,7 +503,7 @@ def _sinkgd_colsum_kernel(p_meta, p_first, n_mats, p_part, p_upart, p_sums,
     b, blk, blocks, o, msk = _column_block(local, n, BLOCK)
     p_p = p_part + tl.load(row + PC_OFF) + b * n_parts * n
     p_u = p_upart + tl.load(row + U_OFF) + b * n_parts
-    s, su = _sum_partials(p_p, p_u, n_parts, n, o, msk, WITH_U, BLOCK, PARTS, PIPE)
+    s, su = _sum_partials(p_p, p_u, n_parts, n, o, msk, WITH_U, BLOCK, PARTS)
     tl.store(p_sums + tl.load(row + S_OFF) + b * n + o, s, mask=msk)
     if WITH_U:
         tl.store(p_sums + tl.load(row + SU_OFF) + b, su, mask=blk == 0)
@@ -499,8 +511,7 @@ def _sinkgd_colsum_kernel(p_meta, p_first, n_mats, p_part, p_upart, p_sums,
 
 @triton.jit
 def _sinkgd_power_cols_kernel(p_meta, p_first, n_mats, p_c, p_part, p_upart, p_wpart, eps,
-                              BLOCK: tl.constexpr, PARTS: tl.constexpr, SUMMED: tl.constexpr,
-                              PIPE: tl.constexpr):
+                              BLOCK: tl.constexpr, PARTS: tl.constexpr, SUMMED: tl.constexpr):
     """w_j = c_j sum(column partials of j) / max(|u|, eps) for BLOCK columns of one batch entry
     (|u|^2 from the N_PC |u|^2 partials), written into the warm-start vector v, plus the
     block's sum of w_j^2 (WQ_OFF). Every sum in a fixed order: deterministic. SUMMED (sharded
@@ -517,7 +528,7 @@ def _sinkgd_power_cols_kernel(p_meta, p_first, n_mats, p_c, p_part, p_upart, p_w
         n_parts = tl.load(row + N_PC)
         p_p = p_part + tl.load(row + PC_OFF) + b * n_parts * n
         p_u = p_upart + tl.load(row + U_OFF) + b * n_parts
-    s, su = _sum_partials(p_p, p_u, n_parts, n, o, msk, True, BLOCK, PARTS, PIPE)
+    s, su = _sum_partials(p_p, p_u, n_parts, n, o, msk, True, BLOCK, PARTS)
     u_norm = tl.maximum(tl.sqrt(su), eps)
     c = tl.load(p_c + tl.load(row + C_OFF) + b * n + o, mask=msk, other=0.0)
     w = c * s / u_norm
@@ -637,7 +648,7 @@ def compile_cases():
         for ones in (False, True):
             yield (f"sinkgd_rows n={n} ones={ones}", _sinkgd_rows_kernel, rows,
                    {"ONES_R": ones, "ONES_C": ones, "BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8,
-                    "EVEN_N": n == block_n, "REVERSE": ones, "PIPE": ROWS_PIPE}, w)
+                    "EVEN_N": n == block_n, "REVERSE": ones, "PIPE": rows_pipe(block_n, rb, 2)}, w)
     sums = dict(rows)
     del sums["eps"]
     for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):
@@ -651,18 +662,18 @@ def compile_cases():
         for ones in (False, True):
             yield (f"sinkgd_scale axis={axis} ones={ones}", _sinkgd_scale_kernel, scale,
                    {"AXIS": axis, "PART_TILE": ROW_TILE[1], "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS,
-                    "ONES": ones, "SUMMED": False, "PIPE": SCALE_PIPE}, 4)
+                    "ONES": ones, "SUMMED": False}, 4)
     yield ("sinkgd_scale axis=1 summed", _sinkgd_scale_kernel, scale,
            {"AXIS": 1, "PART_TILE": ROW_TILE[1], "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS, "ONES": False,
-            "SUMMED": True, "PIPE": SCALE_PIPE}, 4)
+            "SUMMED": True}, 4)
     for with_u in (False, True):
         yield (f"sinkgd_colsum with_u={with_u}", _sinkgd_colsum_kernel,
                {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_part": "*fp32", "p_upart": "*fp32",
-                "p_sums": "*fp32"}, {"WITH_U": with_u, "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS, "PIPE": SCALE_PIPE}, 4)
+                "p_sums": "*fp32"}, {"WITH_U": with_u, "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS}, 4)
     for n in (4096, 14336):
         block_n, rb, bm, w = rows_config(n)
         yield (f"sinkgd_power_rows n={n}", _sinkgd_power_rows_kernel, dict(sums, p_upart="*fp32"),
-               {"BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8, "EVEN_N": True, "REVERSE": n == 4096, "PIPE": ROWS_PIPE}, w)
+               {"BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8, "EVEN_N": True, "REVERSE": n == 4096, "PIPE": rows_pipe(block_n, rb, 2)}, w)
     tiles = dict(sums, p_cpart="*fp32", p_upart="*fp32")
     for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):
         yield (f"sinkgd_power_tiles axis={axis}", _sinkgd_power_tiles_kernel, tiles,
@@ -671,7 +682,7 @@ def compile_cases():
         yield (f"sinkgd_power_cols summed={summed}", _sinkgd_power_cols_kernel,
                {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_c": "*fp32", "p_part": "*fp32",
                 "p_upart": "*fp32", "p_wpart": "*fp32", "eps": "fp32"},
-               {"BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS, "SUMMED": summed, "PIPE": SCALE_PIPE}, 4)
+               {"BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS, "SUMMED": summed}, 4)
     for muon in (False, True):
         yield (f"sinkgd_power_norm muon={muon}", _sinkgd_power_norm_kernel,
                {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_wpart": "*fp32", "p_spec": "*fp32",

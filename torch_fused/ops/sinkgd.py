@@ -187,7 +187,7 @@ def _tile_settings() -> tuple:
     from ..kernels import sinkgd as K
 
     return (K.ZIGZAG, K.MAX_FUSED_N, K.ROW_TILE, K.COL_TILE, K.UPD_TILE, K.SCALE_BLOCK, K.ROWS_ELEMS, K.ROWS_MAX_WARPS,
-            K.ROWS_BM, K.ROWS_MIN_PROGRAMS, K.ROWS_MAX_PARTIALS, K.ROWS_RB, K.ROWS_PIPE, K.SCALE_PARTS, K.SCALE_PIPE)
+            K.ROWS_BM, K.ROWS_MIN_PROGRAMS, K.ROWS_MAX_PARTIALS, K.ROWS_RB, K.ROWS_PIPE, K.ROWS_PIPE_BYTES, K.SCALE_PARTS)
 
 
 def _plan_key(ps, gs, lr_scale, base_width, width_exponent, vecs=(), shard=None) -> tuple:
@@ -474,7 +474,7 @@ def _row_stage(plan, bufs, gdt, eps, first, rev=False):
     r, c, part_r, part_c = bufs.r, bufs.c, bufs.part_r, bufs.part_c
     fns = [functools.partial(K._sinkgd_rows_kernel[(grid,)], t_meta, t_first, n_mats, gdt, r, c, part_c, eps,
                              ONES_R=first, ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align, EVEN_N=even,
-                             REVERSE=rev, PIPE=K.ROWS_PIPE, num_warps=warps)
+                             REVERSE=rev, PIPE=K.rows_pipe(block_n, rb, gdt.element_size()), num_warps=warps)
            for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in _walk(plan.fused, rev)]
     if plan.wide is not None:
         fns.append(functools.partial(_wide_rows, plan, r, c, part_r, part_c, gdt, eps, first))
@@ -491,7 +491,7 @@ def _wide_rows(plan, r, c, part_r, part_c, gdt, eps, first):
     K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
                                   ONES_R=first, ONES_C=first, ALIGN=align, num_warps=rw)
     K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=K.SCALE_BLOCK,
-                                   PARTS=K.SCALE_PARTS, ONES=first, SUMMED=False, PIPE=K.SCALE_PIPE)
+                                   PARTS=K.SCALE_PARTS, ONES=first, SUMMED=False)
     K._sinkgd_sums_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
                                   ONES_R=False, ONES_C=first, ALIGN=align, num_warps=cw)
 
@@ -503,7 +503,7 @@ def _col_stage(plan, bufs, eps, first, sums=None):
     t_meta, t_first, n_mats, grid = plan.cscale
     K._sinkgd_scale_kernel[(grid,)](t_meta, t_first, n_mats, bufs.c, bufs.part_c if sums is None else sums, eps,
                                     AXIS=1, PART_TILE=K.COL_TILE[0], BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS,
-                                    ONES=first, SUMMED=sums is not None, PIPE=K.SCALE_PIPE)
+                                    ONES=first, SUMMED=sums is not None)
 
 
 def _colsum_stage(plan, bufs, sums, with_u):
@@ -512,8 +512,7 @@ def _colsum_stage(plan, bufs, sums, with_u):
 
     t_meta, t_first, n_mats, grid = plan.cscale
     K._sinkgd_colsum_kernel[(grid,)](t_meta, t_first, n_mats, bufs.part_c, bufs.part_u if with_u else bufs.part_c,
-                                     sums, WITH_U=with_u, BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS,
-                                     PIPE=K.SCALE_PIPE)
+                                     sums, WITH_U=with_u, BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS)
 
 
 def _power_stage(plan, bufs, gdt, rev=False):
@@ -523,7 +522,7 @@ def _power_stage(plan, bufs, gdt, rev=False):
     r, c, part_r, part_c, part_u = bufs.r, bufs.c, bufs.part_r, bufs.part_c, bufs.part_u
     fns = [functools.partial(K._sinkgd_power_rows_kernel[(grid,)], t_meta, t_first, n_mats, gdt, r, c, part_c,
                              part_u, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align, EVEN_N=even, REVERSE=rev,
-                             PIPE=K.ROWS_PIPE, num_warps=warps)
+                             PIPE=K.rows_pipe(block_n, rb, gdt.element_size()), num_warps=warps)
            for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in _walk(plan.fused, rev)]
     if plan.wide is not None:
         fns.append(functools.partial(_wide_power, plan, r, c, part_r, part_c, part_u, gdt))
@@ -551,8 +550,7 @@ def _power_finish(plan, bufs, eps, spectral_target, sums=None):
     t_meta, t_first, n_mats, grid = plan.cscale
     part, upart = (bufs.part_c, bufs.part_u) if sums is None else (sums, sums)
     K._sinkgd_power_cols_kernel[(grid,)](t_meta, t_first, n_mats, bufs.c, part, upart, bufs.part_w, eps,
-                                         BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS, SUMMED=sums is not None,
-                                         PIPE=K.SCALE_PIPE)
+                                         BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS, SUMMED=sums is not None)
     K._sinkgd_power_norm_kernel[(grid,)](t_meta, t_first, n_mats, bufs.part_w, bufs.spec, eps,
                                          MUON=spectral_target == "muon", BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS)
 
