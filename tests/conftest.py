@@ -38,6 +38,9 @@ if INTERPRET:
     from torch_fused.kernels import mask_reduce as _mrk
 
     _lpk.pick_block = lambda v, elem_size, kind="fwd": (16, 1)
+    # backward rows wider than 48 columns split into segments of 48 (three 16-column blocks), the
+    # last one ragged, so the segmented launch runs in every backward test past that width
+    _lpk.BWD_SEGMENT = 48
     # mask_reduce: [2, 2, 4] trips (U=2 rows of 2 per thread), the pipelined loop for even reduce
     # lengths, the plain one for odd ones
     _mrk._shipped_pick_blocks = _mrk.pick_blocks

@@ -111,6 +111,20 @@ MUTANTS: list[Mutant] = [
         ],
         LOGPROBS_TESTS,
     ),
+    # 1b. the backward's row segments scatter the log-prob gradient at the row's column instead
+    #     of the segment's (the segment's first column left out of the index offset)
+    Mutant(
+        "bwd-segment-offset-triton", "1b segment's index offset dropped", "torch_fused/kernels/logprobs.py", TRITON,
+        [("            _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,\n"
+          "                          v_off + c0,",
+          "            _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,\n"
+          "                          v_off,"),
+         ("        _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,\n"
+          "                      v_off + c0,",
+          "        _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,\n"
+          "                      v_off,")],
+        LOGPROBS_TESTS,
+    ),
     # 2. temperature missing from the backward: d logits = d z instead of d z / T
     Mutant(
         "bwd-no-temperature-ref", "2 temperature missing from the backward", "torch_fused/reference.py", CPU,

@@ -284,6 +284,7 @@ def _logprobs_entropy_backward_kernel(
     scale,  # c = log2(e) / T
     inv_t,  # 1 / T
     ignore_index,
+    segs, seg_len,  # each row's columns in segs segments of seg_len (a multiple of BLOCK_V), one per program
     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr, EXACT_SHIFT: tl.constexpr,
     T_FROM_PTR: tl.constexpr, HAS_DT: tl.constexpr, ZERO_TAIL: tl.constexpr, IN_PLACE: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -299,19 +300,28 @@ def _logprobs_entropy_backward_kernel(
     the whole gradient is written by one launch. With IN_PLACE, d x overwrites the logits: row r
     of d x (narrower elements) starts at the bytes of row r of x, so its block k lies in bytes of
     x blocks <= k; a barrier before each block's stores orders every warp's loads of those bytes
-    before them (another warp's thread holds them)."""
-    row = tl.program_id(0).to(tl.int64)
+    before them (another warp's thread holds them).
+
+    A row's columns are split into segs segments of seg_len columns, one program each (program
+    row * segs + seg), so a launch of a few long rows still ends in short programs: one program
+    per 304 KB row of a 151936-wide vocabulary left a tail of half a row's time at 8192 rows.
+    A segment is the V slice above with the whole row's statistics. HAS_DT and IN_PLACE launches
+    keep one segment (their per-row sum, their in-row overlap of d x and x)."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // segs
+    c0 = (pid % segs) * seg_len  # the segment's first column
+    v_seg = tl.minimum(V - c0, seg_len).to(tl.int32)
     if ZERO_TAIL:
         if row >= n_rows:
-            _zero_row(_row_base(p_dz, row - n_rows, dz_inner, dz_outer, dz_stride), V, BLOCK_V)
+            _zero_row(_row_base(p_dz, row - n_rows, dz_inner, dz_outer, dz_stride) + c0, v_seg, BLOCK_V)
         else:
-            _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K, v_off, V_total,
-                          inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
+            _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,
+                          v_off + c0, V_total, inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
                           scale, inv_t, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, T_FROM_PTR,
                           HAS_DT, IN_PLACE, BLOCK_V, BLOCK_K)
     else:
-        _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K, v_off, V_total,
-                      inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
+        _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,
+                      v_off + c0, V_total, inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
                       scale, inv_t, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, T_FROM_PTR,
                       HAS_DT, IN_PLACE, BLOCK_V, BLOCK_K)
 
@@ -393,6 +403,21 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
 _CONFIGS = {"fwd": (1024, 2), "fwd_ent": (1024, 2), "bwd": (2048, 4)}
 
 
+# The backward's columns per program (segments of a row, see _logprobs_entropy_backward_kernel):
+# about this many, a multiple of its BLOCK_V; 0: one program per row.
+BWD_SEGMENT = 32768
+
+
+def backward_segments(v: int, block_v: int) -> tuple[int, int]:
+    """(segs, seg_len) of the backward over rows of v columns: about BWD_SEGMENT columns each,
+    a multiple of block_v, the row split into equal segments (the last one shorter)."""
+    if BWD_SEGMENT <= 0 or v <= BWD_SEGMENT:
+        return 1, max(v, 1)
+    per = triton.cdiv(v, triton.cdiv(v, BWD_SEGMENT))
+    seg_len = triton.cdiv(per, block_v) * block_v
+    return triton.cdiv(v, seg_len), seg_len
+
+
 def pick_block(v: int, elem_size: int, kind: str = "fwd") -> tuple[int, int]:
     """(BLOCK_V, num_warps) for a row of v elements of elem_size bytes; kind is 'fwd'
     (log-probs only), 'fwd_ent' (with the entropy) or 'bwd'."""
@@ -417,7 +442,8 @@ def compile_cases():
            "p_ent": "*fp32", "p_dx": "*fp16", "p_dz": "*fp16", "p_temp": "*fp32", "p_xdx": "*fp32", "V": "i32",
            "K": "i32", "n_rows": "i32", "inner_size": "i32", "stride_outer": "i64", "stride_inner": "i64",
            "v_off": "i32", "V_total": "i32", "dx_inner": "i32", "dx_outer": "i64", "dx_stride": "i64", "dz_inner": "i32", "dz_outer": "i64",
-           "dz_stride": "i64", "scale": "fp32", "inv_t": "fp32", "ignore_index": "i32"}
+           "dz_stride": "i64", "scale": "fp32", "inv_t": "fp32", "ignore_index": "i32", "segs": "i32",
+           "seg_len": "i32"}
     merge = {"p_x": "*fp32", "p_idx": "*i64", "p_run": "*fp32", "p_u": "*fp32", "p_mo": "*fp32", "V": "i32",
              "K": "i32", "stride_row": "i64", "v_off": "i32", "first": "i32", "scale": "fp32"}
     yield ("lp_chunk_merge", _chunk_merge_kernel, merge,

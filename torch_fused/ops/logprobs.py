@@ -158,15 +158,16 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
     has_gh = grad_entropy is not None
     gh = grad_entropy.reshape(rows).contiguous() if has_gh else stats
     block_v, warps = K.pick_block(v, x.element_size(), "bwd")
-    K._logprobs_entropy_backward_kernel[(rows + tail_rows,)](
+    in_place = out is not None and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    segs, seg_len = (1, v) if has_dt or in_place else K.backward_segments(v, block_v)
+    K._logprobs_entropy_backward_kernel[((rows + tail_rows) * segs,)](
         x, idx, glp, gh, stats, entropy if has_gh else stats, dx, tail,
         temperature_t if has_dt else stats, xdx if has_dt else stats,
         v, k, rows, inner, s_outer, s_inner, v_off, v if v_total is None else v_total,
         d_inner, d_outer, d_stride, z_inner, z_outer, z_stride,
-        LOG2E / temperature, 1.0 / temperature, ignore_index,
+        LOG2E / temperature, 1.0 / temperature, ignore_index, segs, seg_len,
         HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1, EXACT_SHIFT=INTERPRET,
-        T_FROM_PTR=has_dt, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0,
-        IN_PLACE=out is not None and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(),
+        T_FROM_PTR=has_dt, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0, IN_PLACE=in_place,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
         num_warps=warps,
     )
