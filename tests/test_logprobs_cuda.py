@@ -108,3 +108,36 @@ def test_linear_logprobs_default_chunks_cuda(tma, monkeypatch):
     dh, dw = torch.autograd.grad((lp.double() * g1).sum() + (ent.double() * g1).sum(), (h, w))
     rdh, rdw = torch.autograd.grad((rlp * g1).sum() + (rent * g1).sum(), (hr, wr))
     assert rel_err(dh, rdh) < 8e-3 and rel_err(dw, rdw) < 8e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_segmented_backward_shift_top_k_cuda(dtype):
+    """The backward's row segments (kernels/logprobs.py BWD_SEGMENT) with the shipped settings:
+    V = 40000 gives two segments, the last ragged against the block; shift=True (the zero rows
+    come from the same launch), three ids per row, one of them ignore_index, ids on the first and
+    last column and at the segment border, temperature 0.8; against float64."""
+    from torch_fused.kernels import logprobs as K
+
+    v, k, t = 40000, 3, 0.8
+    segs, seg_len = K.backward_segments(v, K.pick_block(v, torch.tensor([], dtype=dtype).element_size(), "bwd")[0])
+    assert segs == 2 and v % seg_len != 0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(3, 6, v, device="cuda", generator=g) * 3).to(dtype).requires_grad_(True)
+    idx = torch.randint(0, v, (3, 5, k), device="cuda", generator=g)
+    idx[0, 0] = torch.tensor([0, v - 1, seg_len])
+    idx[1, :, 2] = seg_len - 1
+    idx[2, 1, 0] = -100
+    lp, ent = torch_fused.logprobs_and_entropy(x, idx, temperature=t, shift=True)
+    g_lp = torch.randn(lp.shape, device="cuda", generator=g)
+    g_ent = torch.randn(ent.shape, device="cuda", generator=g)
+    (dx,) = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), x)
+    xr = x.detach().cpu().double().requires_grad_(True)
+    rlp, rent = ref_logprobs_entropy(xr[:, :-1], idx.cpu(), t)
+    assert_logprob_close(lp, rlp, v, "logp", dtype)
+    assert_logprob_close(ent, rent, v, "entropy", dtype)
+    gl, ge = g_lp.cpu().double(), g_ent.cpu().double()
+    (rdx,) = torch.autograd.grad((rlp * gl).sum() + (rent * ge).sum(), xr)
+    scale = torch.zeros(3, 6, 1, dtype=torch.float64)
+    scale[:, :-1] = ((gl * (idx.cpu() != -100)).abs().sum(-1) + ge.abs())[..., None] / t
+    assert (dx[:, -1] == 0).all()
+    assert_grad_close(dx[:, :-1], rdx[:, :-1], scale[:, :-1], dtype, "d logits")
