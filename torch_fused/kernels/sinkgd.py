@@ -98,7 +98,7 @@ ZIGZAG = os.environ.get("TORCH_FUSED_SINKGD_ZIGZAG", "0") == "1"
 ROW_TILE = (8, 1024, 4)  # two-pass path, row sums: BM, BN, warps
 COL_TILE = (128, 64, 4)  # two-pass path, column sums
 UPD_TILE = (32, 256, 4)  # [BM, BN] tiles of the update: BN 256 divides the common widths (768, 3072)
-SCALE_BLOCK = 32  # _sinkgd_scale_kernel: entries per program
+SCALE_BLOCK = 32  # _sinkgd_scale_kernel: entries per program (H200, GPT-2 small L=5: 0.949x fused AdamW, 0.982x with 64)
 SCALE_PARTS = 64  # and partials per trip
 # _sinkgd_rows_kernel tiles (rows_config), chosen by a tile sweep on an H200: elements per
 # thread and row, the most warps a program gets, rows per program, rows per trip. A plan
