@@ -119,7 +119,7 @@ def test_segmented_backward_shift_top_k_cuda(dtype):
     from torch_fused.kernels import logprobs as K
 
     v, k, t = 40000, 3, 0.8
-    segs, seg_len = K.backward_segments(v, K.pick_block(v, torch.tensor([], dtype=dtype).element_size(), "bwd")[0])
+    segs, seg_len = K.backward_segments(v, K.pick_block(v, dtype.itemsize, "bwd")[0])
     assert segs == 2 and v % seg_len != 0
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(3, 6, v, device="cuda", generator=g) * 3).to(dtype).requires_grad_(True)

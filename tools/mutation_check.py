@@ -115,11 +115,7 @@ MUTANTS: list[Mutant] = [
     #     of the segment's (the segment's first column left out of the index offset)
     Mutant(
         "bwd-segment-offset-triton", "1b segment's index offset dropped", "torch_fused/kernels/logprobs.py", TRITON,
-        [("            _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,\n"
-          "                          v_off + c0,",
-          "            _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,\n"
-          "                          v_off,"),
-         ("        _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,\n"
+        [("        _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,\n"
           "                      v_off + c0,",
           "        _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,\n"
           "                      v_off,")],

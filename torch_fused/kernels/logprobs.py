@@ -312,18 +312,16 @@ def _logprobs_entropy_backward_kernel(
     c0 = (pid % segs) * seg_len  # the segment's first column
     v_seg = tl.minimum(V - c0, seg_len).to(tl.int32)
     if ZERO_TAIL:
-        if row >= n_rows:
-            _zero_row(_row_base(p_dz, row - n_rows, dz_inner, dz_outer, dz_stride) + c0, v_seg, BLOCK_V)
-        else:
-            _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,
-                          v_off + c0, V_total, inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
-                          scale, inv_t, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, T_FROM_PTR,
-                          HAS_DT, IN_PLACE, BLOCK_V, BLOCK_K)
+        live = row < n_rows
     else:
+        live = True  # a constant: the zero-row branch below is not compiled
+    if live:
         _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,
                       v_off + c0, V_total, inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
                       scale, inv_t, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, T_FROM_PTR,
                       HAS_DT, IN_PLACE, BLOCK_V, BLOCK_K)
+    else:
+        _zero_row(_row_base(p_dz, row - n_rows, dz_inner, dz_outer, dz_stride) + c0, v_seg, BLOCK_V)
 
 
 @triton.jit
