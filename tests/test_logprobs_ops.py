@@ -208,3 +208,49 @@ def test_bad_input_clear_error(name, make, msg, mode):
             g = torch.compile(g, fullgraph=True, backend="aot_eager")
         with pytest.raises(Exception, match=msg):
             g(logits)
+
+
+def _plain(fn, x, idx, w=None):
+    """The plain PyTorch formula of each public function, float64 (x: logits, or hidden with w)."""
+    z = x.double() @ w.double().t() if w is not None else x.double()
+    z = torch.log_softmax(z, -1)
+    lp = z.gather(-1, idx[..., None]).squeeze(-1)
+    ent = -(z.exp() * z).sum(-1)
+    return {"selective_log_softmax": (lp,), "entropy_from_logits": (ent,)}.get(fn, (lp, ent))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", ["selective_log_softmax", "entropy_from_logits", "logprobs_and_entropy",
+                                "linear_logprobs_and_entropy"])
+def test_outputs_can_be_modified_in_place(device, fn):
+    """Outputs behave like the plain formula's: not views, writable in place, and a write into
+    one (the entropy the backward uses included) changes the gradient exactly as it changes the
+    plain formula's (the written element contributes nothing)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 37, generator=g).to(device).requires_grad_(True)
+    w = torch.randn(37, 8, generator=g).to(device).requires_grad_(True)
+    h = torch.randn(2, 3, 8, generator=g).to(device).requires_grad_(True)
+    idx = torch.randint(0, 37, (2, 3), generator=g).to(device)
+    if fn == "linear_logprobs_and_entropy":
+        ours = torch_fused.linear_logprobs_and_entropy(h, w, idx)
+        ins, xd = (h, w), (h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True))
+        plain = _plain(fn, xd[0], idx, xd[1])
+    else:
+        call = getattr(torch_fused, fn)
+        ours = call(x) if fn == "entropy_from_logits" else call(x, idx)
+        ins, xd = (x,), (x.detach().double().requires_grad_(True),)
+        plain = _plain(fn, xd[0], idx)
+    ours = ours if isinstance(ours, tuple) else (ours,)
+    for o, p in zip(ours, plain):
+        assert not o._is_view(), "an output is a view"
+        o[0, 1] = 0.0  # the element then contributes nothing downstream
+        with torch.no_grad():
+            p[0, 1] = 0.0
+    gs = [torch.randn(o.shape, generator=g) for o in ours]
+    got = torch.autograd.grad(sum((o * gg.to(device)).sum() for o, gg in zip(ours, gs)), ins)
+    # the plain formula with the same writes: p * mask, differentiated
+    keep = torch.ones(2, 3, dtype=torch.float64)
+    keep[0, 1] = 0
+    want = torch.autograd.grad(sum((p * keep * gg.double()).sum() for p, gg in zip(plain, gs)), xd)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.cpu().double(), b, rtol=1e-4, atol=1e-5)

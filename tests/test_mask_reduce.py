@@ -39,7 +39,7 @@ def mr_cases(draw):
     return dict(
         shape=shape, dim=dim,
         dtype=draw(st.sampled_from(FLOATS)),
-        mask=draw(st.sampled_from([None, "bool", "int"])), mpat=pattern(),
+        mask=draw(st.sampled_from([None, "bool", "int", "float"])), mpat=pattern(),
         scale=draw(st.sampled_from([None, torch.float32, torch.bfloat16])), spat=pattern(),
         x_layout=draw(st.sampled_from(["contiguous", "transposed", "sliced"])),
         out_dtype=draw(st.sampled_from([None, torch.float32])),
@@ -76,8 +76,11 @@ def test_mask_reduce_matches_float64_reference(device, c):
     x = _x(shape, c["dtype"], c["x_layout"], gen, device).requires_grad_(True)
     mask = mfull = scale = sfull = None
     if c["mask"]:
-        mk = (lambda s: torch.rand(s, generator=gen) < 0.6) if c["mask"] == "bool" else \
-             (lambda s: torch.randint(0, 3, s, generator=gen, dtype=torch.int32))
+        mk = {"bool": lambda s: torch.rand(s, generator=gen) < 0.6,
+              "int": lambda s: torch.randint(0, 3, s, generator=gen, dtype=torch.int32),
+              # a float mask selects (nonzero and NaN keep), never weights
+              "float": lambda s: torch.tensor([0.0, 0.5, -1.0, float("nan")])[
+                  torch.randint(0, 4, s, generator=gen)]}[c["mask"]]
         mask, mfull = _operand(shape, *c["mpat"], mk, device)
     if c["scale"]:
         sk = lambda s: torch.rand(s, generator=gen).to(c["scale"])  # noqa: E731
@@ -323,7 +326,8 @@ BAD = [
     (lambda: (torch.zeros(2, 2, 2, 2, 2), 1, None, None), r"x: expected 1 to 4 dims, got 5"),
     (lambda: (torch.zeros(3, 4), 2, None, None), r"dim: expected a dim of x in \[-2, 2\), got 2"),
     (lambda: (torch.zeros(3, 4), 1, torch.ones(3, 5, dtype=torch.bool), None), r"mask: shape \(3, 5\) does not broadcast"),
-    (lambda: (torch.zeros(3, 4), 1, torch.ones(3, 4), None), r"mask: expected a bool or integer dtype"),
+    (lambda: (torch.zeros(3, 4), 1, torch.ones(3, 4, dtype=torch.complex64), None),
+     r"mask: expected a bool, integer or floating dtype, got torch.complex64"),
     (lambda: (torch.zeros(3, 4), 1, None, torch.ones(3, 4, dtype=torch.long)), r"scale: expected a floating dtype"),
 ]
 

@@ -144,3 +144,120 @@ def test_errors_name_the_callers_arguments(fn, args, msg, mode):
         f = torch.compile(f, fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match=msg):
         f(*tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# The helpers under torch.compile(fullgraph=True) with Inductor (the backend users run), against
+# float64 formulas: mask dtypes, broadcast shapes, views made inside and outside the graph, size-0
+# dims, every aggregation mode and masked_mean over every dim. A compiled graph lays out the
+# tensors it makes as it likes; the helpers must never depend on their strides.
+# ---------------------------------------------------------------------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+MASK_KINDS = ["bool", "int32", "uint8", "float32", "bfloat16", "float64"]
+# (name, shape of the stored mask given B and L, how the mask reaches the helper)
+MASK_FORMS = ["full", "[B,1]", "[1,L]", "[L]", "[B,1] expanded", "[L] expanded", "[B,1] expanded in graph",
+              "[L] expanded in graph", "full transposed"]
+FNS = [("agg", m) for m in AGG_MODES] + [("mean", None), ("mean", 0), ("mean", 1), ("mean", -1)]
+
+
+def _mask_for(form, b, l, kind, g):
+    shape = {"[B,1]": (b, 1), "[1,L]": (1, l), "[L]": (l,)}.get(form.split(" ")[0], (b, l))
+    if form == "full transposed":
+        keep = (torch.rand(l, b, generator=g) > 0.4).t()
+    else:
+        keep = torch.rand(shape, generator=g) > 0.4
+    vals = torch.tensor([1.0, 0.5, -2.0, float("nan")])[torch.randint(0, 4, keep.shape, generator=g)]
+    if kind == "bool":
+        m = keep
+    elif kind.startswith("float") or kind == "bfloat16":
+        m = torch.where(keep, vals, torch.zeros(())).to(getattr(torch, kind))
+    else:
+        m = torch.where(keep, torch.randint(1, 5, keep.shape, generator=g), 0).to(getattr(torch, kind))
+    if form == "full transposed":
+        m = m.t().contiguous().t()  # a non-contiguous [B, L] input
+    if form in ("[B,1] expanded", "[L] expanded"):
+        m = m.expand(b, l)
+    return m
+
+
+def _truth(fn, arg, loss, mask):
+    """float64 result of the helper's documented formula on keep = broadcast(mask) != 0."""
+    keep = (torch.broadcast_to(mask, loss.shape) != 0).double()
+    v = loss.double() * keep
+    if fn == "mean":
+        if arg is None:
+            return v.sum() / keep.sum().clamp_min(1)
+        return v.sum(arg) / keep.sum(arg).clamp_min(1)
+    s, n = v.sum(1), keep.sum(1)
+    if arg == "token-mean":
+        return s.sum() / n.sum().clamp_min(1)
+    if arg == "seq-mean-token-mean":
+        rows = n > 0
+        return (s[rows] / n[rows]).sum() / rows.sum().clamp_min(1)
+    if arg == "seq-mean-token-sum":
+        return s.sum() / max(loss.shape[0], 1)
+    return s.sum() / max(loss.shape[1], 1)
+
+
+@settings(max_examples=30)
+@given(b=st.integers(0, 4), l=st.integers(0, 6), kind=st.sampled_from(MASK_KINDS),
+       form=st.sampled_from(MASK_FORMS), fn=st.sampled_from(FNS), seed=st.integers(0, 2**16))
+def test_helpers_compiled_with_inductor_match_float64(b, l, kind, form, fn, seed):
+    g = torch.Generator().manual_seed(seed)
+    loss = torch.randn(b, l, generator=g)
+    mask = _mask_for(form, b, l, kind, g)
+    name, arg = fn
+    in_graph = form.endswith("in graph")
+
+    def f(x, m):
+        if in_graph:
+            m = m.expand(b, l) if m.dim() == 2 else m[None].expand(b, l)
+        if name == "agg":
+            return torch_fused.aggregate_loss(x, m, arg)
+        return torch_fused.masked_mean(x, m, arg)
+
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True)(loss, mask)
+    truth = _truth(name, arg, loss, torch.broadcast_to(mask, loss.shape))
+    torch.testing.assert_close(out.double(), truth, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(f(loss, mask).double(), truth, rtol=1e-5, atol=1e-6)  # eager
+
+
+def test_reported_compiled_broadcast_float_masks():
+    """The two reported cases: a [B, 1] float mask through token-mean, an [L] float mask through
+    masked_mean over dim 0, compiled with Inductor (it gave 0.0276 for 0.0368, and 56 for 14)."""
+    torch._dynamo.reset()
+    loss = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1.0], [0.0], [1.0], [1.0]])
+    got = torch.compile(lambda x, m: torch_fused.aggregate_loss(x, m, "token-mean"), fullgraph=True)(loss, mask)
+    torch.testing.assert_close(got.double(), _truth("agg", "token-mean", loss, mask))
+    v = torch.arange(24.0).reshape(4, 6)
+    m = torch.tensor([1.0, 0, 1, 1, 0, 1])
+    got = torch.compile(lambda x, m: torch_fused.masked_mean(x, m, 0), fullgraph=True)(v, m)
+    torch.testing.assert_close(got, torch.tensor([9.0, 0.0, 11.0, 12.0, 0.0, 14.0]))
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_empty_stride0_mask(mode):
+    """An empty float mask with a stride-0 dim: no out-of-bounds view (it crashed the process
+    under compile), the documented 0 result."""
+    f = lambda x, m: torch_fused.aggregate_loss(x, m, "token-mean")  # noqa: E731
+    if mode == "compiled":
+        torch._dynamo.reset()
+        f = torch.compile(f, fullgraph=True)
+    assert f(torch.randn(2, 0), torch.ones(2, 1).expand(2, 0)).item() == 0.0
+    assert torch_fused.masked_mean(torch.randn(0, 3), torch.ones(1, 3).expand(0, 3), 0).tolist() == [0.0] * 3
+
+
+def test_masked_mean_dim_changing_between_compiled_calls():
+    """dim is an int that changes between calls: Dynamo makes it dynamic after the first change;
+    the check on it must still compile (it failed on torch._check's message closure)."""
+    torch._dynamo.reset()
+    v = torch.arange(24.0).reshape(4, 6)
+    m = torch.tensor([1.0, 0, 1, 1, 0, 1]).expand(4, 6)
+    f = torch.compile(lambda x, m, d: torch_fused.masked_mean(x, m, d), fullgraph=True, backend="aot_eager")
+    for d in (0, 1, -1, 0, -2):
+        torch.testing.assert_close(f(v, m, d).double(), _truth("mean", d, v, m))
+    with pytest.raises(Exception, match=r"dim: expected a dim of values in \[-2, 2\), got 5"):
+        f(v, m, 5)

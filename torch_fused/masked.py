@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ._library import FLOAT_DTYPES, acc_dtype
-from .meta.mask_reduce import MASK_DTYPES, _check, check_mask_reduce
+from ._library import acc_dtype
+from .meta.mask_reduce import _check, check_mask_reduce
 from .reference import stored_view
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -78,24 +78,11 @@ def mask_reduce_cost(x: torch.Tensor, dim: int, mask: torch.Tensor | None = None
 
 
 def _count(mask: torch.Tensor, shape, dim: int) -> torch.Tensor:
-    """Number of mask != 0 entries along dim, shaped like the reduction; float32. Works on the
-    stored elements only."""
-    m = stored_view(mask, shape)
-    d = dim % len(shape)
-    c = (m != 0).sum(d, dtype=torch.float32)
-    if m.shape[d] == 1:
-        c = c * shape[d]
-    out_shape = tuple(shape[:d]) + tuple(shape[d + 1:])
-    return torch.broadcast_to(c, out_shape)
-
-
-def _keep(values: torch.Tensor, mask: torch.Tensor, dim: int, name: str) -> torch.Tensor:
-    """The mask checked against ``values`` (errors name the caller's argument ``name``) and, if
-    floating, turned into ``mask != 0`` on its stored elements only (still a broadcast view)."""
-    check_mask_reduce(values, dim, mask, None, None, x_name=name, mask_dtypes=MASK_DTYPES + FLOAT_DTYPES)
-    if mask.dtype.is_floating_point:
-        mask = torch.broadcast_to(stored_view(mask, values.shape) != 0, values.shape)
-    return mask
+    """Number of mask != 0 entries along dim, shaped like the reduction; float32. One op
+    (fused::_mask_count) that reads the stored elements only: the helpers never read the strides
+    of a tensor themselves, since under torch.compile a mask may be an intermediate whose layout
+    the compiler chooses."""
+    return torch.ops.fused._mask_count(mask, list(shape), dim)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -115,8 +102,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     if dim is None and values.dim() == 0:
         values = values.reshape(1)
         mask = mask.reshape(1) if mask.dim() == 0 else mask
-    d = values.dim() - 1 if dim is None else dim
-    mask = _keep(values, mask, d, "values")
+    d = values.dim() - 1 if dim is None else int(dim)  # a structural constant: a dim that changes recompiles
+    check_mask_reduce(values, d, mask, None, None, x_name="values")
     shape = tuple(values.shape)
     total = mask_reduce(values, d, mask, out_dtype=out_dtype)
     count = _count(mask, shape, d)
@@ -145,7 +132,7 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-me
     if mode not in AGG_MODES:
         raise ValueError(f"mode: expected one of {AGG_MODES}, got {mode!r}")
     _check(loss.dim() == 2, lambda: f"loss: expected a [B, L] tensor, got shape {tuple(loss.shape)}")
-    mask = _keep(loss, mask, 1, "loss")
+    check_mask_reduce(loss, 1, mask, None, None, x_name="loss")
     out_dtype = acc_dtype(loss.dtype)
     shape = tuple(loss.shape)
     s = mask_reduce(loss, 1, mask, out_dtype=out_dtype)  # [B]

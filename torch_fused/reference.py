@@ -97,11 +97,15 @@ def logprobs_entropy_forward(
     if idx2 is not None and logits.device.type == "cpu":
         check_index_range(idx2, v, ignore_index)
     x2 = logits.reshape(rows, v)
-    stats = torch.empty(rows, 2, dtype=dt, device=logits.device)
-    ent = torch.empty(rows if compute_entropy else 0, dtype=dt, device=logits.device)
-    logp = None
+    # outputs allocated in their final shapes (never returned as views: a caller may write into
+    # them) and filled through flat views
+    stats_out = torch.empty(*lead, 2, dtype=dt, device=logits.device)
+    ent_out = torch.empty(lead if compute_entropy else (0,), dtype=dt, device=logits.device)
+    stats, ent = stats_out.view(rows, 2), ent_out.view(-1)
+    logp_out = logp = None
     if idx2 is not None:
-        logp = torch.empty(idx2.shape, dtype=dt, device=logits.device)
+        logp_out = torch.empty(index.shape, dtype=dt, device=logits.device)
+        logp = logp_out.view(idx2.shape)
     c = LOG2E / temperature
     for a, b in _chunks(rows, v):
         x = x2[a:b].double()
@@ -122,8 +126,9 @@ def logprobs_entropy_forward(
             g = (torch.gather(d, 1, ib.clamp(0, max(v - 1, 0))) - log2s[:, None]) * LN2
             g = torch.where(valid, g, torch.full_like(g, float("nan")))
             logp[a:b] = torch.where(ib == ignore_index, torch.zeros_like(g), g).to(dt)
-    logp_out = logp.reshape(index.shape) if logp is not None else stats.new_empty(0)
-    return logp_out, ent.reshape(lead) if compute_entropy else ent, stats.reshape(*lead, 2)
+    if logp_out is None:
+        logp_out = stats.new_empty(0)
+    return logp_out, ent_out, stats_out
 
 
 def logprobs_entropy_backward(
@@ -216,7 +221,14 @@ def compact(t: torch.Tensor) -> torch.Tensor:
     """The stored elements of a broadcast view: every stride-0 dim shrunk to size 1.
 
     Same data, no copy; broadcasting it against the original shape gives the view back, so
-    elementwise work on it (``compact(mask) != 0``) costs the stored size, not the logical one."""
+    elementwise work on it (``compact(mask) != 0``) costs the stored size, not the logical one.
+    An empty view is returned as it is (its storage may hold nothing to shrink to).
+
+    Reads ``t``'s strides: call it only where ``t`` is a real tensor (an op's implementation, or
+    eager code on the user's own inputs), never on a tensor a compiled graph made, whose layout
+    the compiler chooses."""
+    if t.numel() == 0:
+        return t
     size = [1 if st == 0 else s for s, st in zip(t.shape, t.stride())]
     return t.as_strided(size, t.stride())
 
@@ -224,6 +236,18 @@ def compact(t: torch.Tensor) -> torch.Tensor:
 def stored_view(t: torch.Tensor | None, shape) -> torch.Tensor | None:
     """``t`` broadcast to ``shape``, as its stored elements only (see :func:`compact`)."""
     return None if t is None else compact(torch.broadcast_to(t, shape))
+
+
+def mask_count(mask: torch.Tensor, shape, dim: int) -> torch.Tensor:
+    """Number of ``mask != 0`` entries along ``dim`` of ``mask`` broadcast to ``shape``, shaped
+    like the reduction (``shape`` without ``dim``); float32, counted on the stored elements."""
+    m = stored_view(mask, shape)
+    d = dim % len(shape)
+    c = (m != 0).sum(d, dtype=torch.float32)
+    if m.shape[d] == 1:
+        c = c * shape[d]
+    out_shape = tuple(shape[:d]) + tuple(shape[d + 1:])
+    return torch.broadcast_to(c, out_shape).contiguous()
 
 
 def mask_reduce_forward(x, dim, mask=None, scale=None, out_dtype=None):

@@ -11,7 +11,9 @@ import torch
 
 from .._library import FLOAT_DTYPES
 
-MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+# One rule for fused::mask_reduce and the helpers over it: an element is kept where mask != 0,
+# whatever the mask's dtype (a float mask selects, it never weights; NaN keeps its element).
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + FLOAT_DTYPES
 
 
 def _check(cond, message) -> None:
@@ -24,7 +26,11 @@ def _check(cond, message) -> None:
         return
     if cond is False:
         raise RuntimeError(message())  # what torch._check raises
-    torch._check(cond, message)  # a SymBool while tracing: recorded, not evaluated here
+    # A SymBool while tracing: a check on a dynamic int (a ``dim`` that changed between calls)
+    # or size. Deciding it here guards the compiled graph on the outcome, and a failure raises
+    # the message itself; torch._check would need a closure of constants only.
+    if not cond:
+        raise RuntimeError(message())
 
 
 def _broadcastable(shape, target) -> bool:
@@ -36,8 +42,7 @@ def _broadcastable(shape, target) -> bool:
     return True
 
 
-def check_mask_reduce(x, dim, mask, scale, out_dtype, *, x_name: str = "x",
-                      mask_dtypes: tuple = MASK_DTYPES) -> int:
+def check_mask_reduce(x, dim, mask, scale, out_dtype, *, x_name: str = "x") -> int:
     """Validate and return dim normalized to [0, x.dim()). Messages name x as ``x_name``, so a
     helper that reduces its ``loss`` argument reports ``loss``."""
     _check(x.dtype in FLOAT_DTYPES,
@@ -45,8 +50,8 @@ def check_mask_reduce(x, dim, mask, scale, out_dtype, *, x_name: str = "x",
     _check(1 <= x.dim() <= 4, lambda: f"{x_name}: expected 1 to 4 dims, got {x.dim()} (shape {tuple(x.shape)})")
     _check(-x.dim() <= dim < x.dim(),
            lambda: f"dim: expected a dim of {x_name} in [{-x.dim()}, {x.dim()}), got {dim}")
-    mask_kind = "bool, integer or floating" if any(d.is_floating_point for d in mask_dtypes) else "bool or integer"
-    for name, t, dtypes, kind in (("mask", mask, mask_dtypes, mask_kind), ("scale", scale, FLOAT_DTYPES, "floating")):
+    mask_kind = "bool, integer or floating"
+    for name, t, dtypes, kind in (("mask", mask, MASK_DTYPES, mask_kind), ("scale", scale, FLOAT_DTYPES, "floating")):
         if t is None:
             continue
         _check(t.dtype in dtypes, lambda: f"{name}: expected a {kind} dtype, got {t.dtype}")
@@ -68,3 +73,8 @@ def mask_reduce_fake(x, dim, mask=None, scale=None, out_dtype=None):
 def mask_reduce_backward_fake(grad, x, dim, mask=None, scale=None):
     check_mask_reduce(x, dim, mask, scale, None)
     return x.new_empty(x.shape)
+
+
+def mask_count_fake(mask, shape, dim):
+    d = dim % len(shape)
+    return mask.new_empty(tuple(shape[:d]) + tuple(shape[d + 1:]), dtype=torch.float32)

@@ -516,7 +516,8 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)
     ctx.args = (temperature, ignore_index, shift, logit_scale, softcap)
-    ctx.save_for_backward(hidden, weight, index, bias, stats, ent)
+    # the entropy is an output the caller may modify in place: the backward keeps its own copy (O(rows))
+    ctx.save_for_backward(hidden, weight, index, bias, stats, ent.detach().clone())
 
 
 def _backward(ctx, g_logp, g_ent, _g_stats):

@@ -192,7 +192,9 @@ def _setup_context(ctx, inputs, output):
     ctx.ignore_index = ignore_index
     ctx.compute_entropy = compute_entropy
     ctx.shift = shift
-    ctx.save_for_backward(logits, index, stats, ent, temperature_t)
+    # the entropy is an output the caller may modify in place: the backward keeps its own copy
+    # (O(rows)), so the outputs behave as the plain formula's do
+    ctx.save_for_backward(logits, index, stats, ent.detach().clone() if compute_entropy else ent, temperature_t)
 
 
 def _backward(ctx, g_logp, g_ent, _g_stats):

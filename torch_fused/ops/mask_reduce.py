@@ -38,6 +38,16 @@ def mask_reduce_backward(
     return reference.mask_reduce_backward(grad, x, dim, mask, scale)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::_mask_count", mutates_args=())
+def mask_count(mask: torch.Tensor, shape: list[int], dim: int) -> torch.Tensor:
+    """float32 count of ``mask != 0`` along ``dim`` of ``mask`` broadcast to ``shape`` (the
+    masked helpers' denominators), counted on the mask's stored elements. An op, so that the
+    strides it reads are always those of a real tensor, never of a compiled graph's intermediate;
+    one plain-PyTorch implementation serves every device (its work is the stored mask's size)."""
+    return reference.mask_count(mask, shape, dim)
+
+
+mask_count.register_fake(meta.mask_count_fake)
 mask_reduce.register_fake(meta.mask_reduce_fake)
 mask_reduce_backward.register_fake(meta.mask_reduce_backward_fake)
 
