@@ -3,6 +3,8 @@ pinned schemas and input errors (eager and compiled alike)."""
 
 from __future__ import annotations
 
+import math
+
 import expecttest
 import pytest
 import torch
@@ -254,3 +256,58 @@ def test_outputs_can_be_modified_in_place(device, fn):
     want = torch.autograd.grad(sum((p * keep * gg.double()).sum() for p, gg in zip(plain, gs)), xd)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.cpu().double(), b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_extreme_temperatures_give_the_limits(device, as_tensor):
+    """Any positive finite temperature: below T_MIN / above T_MAX it acts as the nearer end,
+    where the results are the limits (one-hot / uniform) to fp32 accuracy, the same on every
+    path (the kernels' log2(e) / T overflowed or went subnormal: NaN)."""
+    from torch_fused._library import T_MAX, T_MIN
+
+    g = torch.Generator().manual_seed(3)
+    v = 37
+    x = torch.randn(2, 3, v, generator=g).to(device)
+    idx = torch.randint(0, v, (2, 3), generator=g).to(device)
+    top = x.argmax(-1)
+
+    def run(t):
+        t = torch.tensor(t, device=device, dtype=torch.float64) if as_tensor else t
+        return torch_fused.logprobs_and_entropy(x, idx, temperature=t)
+
+    for cold in (1e-39, 1e-45, 1e-300):
+        lp, ent = run(cold)
+        lp_end, ent_end = run(T_MIN)
+        assert torch.equal(lp, lp_end) and torch.equal(ent, ent_end)
+        assert bool((ent == 0).all())
+        assert bool(torch.where(idx == top, lp == 0, lp < -1e29).all())
+    for hot in (1e38, 3e38, 1e300):
+        lp, ent = run(hot)
+        torch.testing.assert_close(ent, torch.full_like(ent, math.log(v)), rtol=1e-6, atol=0)
+        torch.testing.assert_close(lp, torch.full_like(lp, -math.log(v)), rtol=1e-6, atol=0)
+        assert torch.equal(lp, run(T_MAX)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_temperature_gradient_ignores_a_constant_logit_offset(device):
+    """d T depends on the logits only through their differences within a row: rows shifted by a
+    constant 1e4 (all-equal rows included) give the same d T (the unshifted sum of x dx lost it)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 8, 33, generator=g).double()
+    x[0] = 0.0  # all-equal rows: d T is exactly 0
+    idx = torch.randint(0, 33, (4, 8), generator=g).to(device)
+    gl, ge = torch.randn(4, 8, generator=g).to(device), torch.randn(4, 8, generator=g).to(device)
+    grads = []
+    for off in (0.0, 1e4):
+        t = torch.tensor(0.7, device=device, requires_grad=True)
+        lp, ent = torch_fused.logprobs_and_entropy((x + off).float().to(device), idx, temperature=t)
+        (dt,) = torch.autograd.grad((lp * gl).sum() + (ent * ge).sum(), t)
+        grads.append(dt.item())
+    # 1e4 + N(0, 1) in fp32 keeps the differences to about 1e-3 * ulp(1e4): tolerance from that
+    assert abs(grads[1] - grads[0]) <= 2e-3 * (abs(grads[0]) + 1), grads
+    xe = torch.zeros(2, 5, 33, device=device) + 1e4
+    t = torch.tensor(1.3, device=device, requires_grad=True)
+    lp, ent = torch_fused.logprobs_and_entropy(xe, torch.zeros(2, 5, dtype=torch.long, device=device), temperature=t)
+    (dt,) = torch.autograd.grad(lp.sum() + ent.sum(), t)
+    assert abs(dt.item()) < 1e-6, dt.item()

@@ -882,3 +882,47 @@ def test_spectral_warm_start_of_an_empty_matrix():
     p.grad, q.grad = torch.zeros(0, 4), torch.randn(3, 4)
     opt.step()
     assert opt.state[p]["spectral_v"].shape == (1, 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spectral", [False, True])
+@pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16])
+def test_huge_gradients_give_the_finite_normalized_step(device, spectral, gdtype):
+    """SinkGD normalizes the gradient, so scaling it by 2^k (exact in every float dtype) must not
+    change the step: the row and column norms are computed scaled, and a gradient whose squares
+    overflow fp32 (entries past about 1.8e19 / sqrt(n)) is neither skipped (W unchanged) nor NaN.
+    Rows up to 48 wide take the kernels' one-read row pass (the interpreter's MAX_FUSED_N is 64)."""
+    g0 = torch.Generator().manual_seed(7)
+    w = torch.randn(2, 24, 48, generator=g0).to(device)
+    g = torch.randn(2, 24, 48, generator=g0).to(gdtype).to(device)
+    v = torch.randn(2, 48, generator=g0).to(device)
+    deltas = []
+    for k in (0, 80, 120):
+        wk, vk = w.clone(), v.clone()
+        sinkgd_step([wk], [g * 2.0**k], lr=0.5, spectral_norm=spectral, spectral_vecs=[vk] if spectral else None)
+        assert bool(torch.isfinite(wk).all()), f"non-finite W at a gradient scale of 2^{k}"
+        deltas.append((wk - w).double().cpu())
+    assert deltas[0].abs().max() > 1e-3
+    for k, d in zip((80, 120), deltas[1:]):
+        # W's own rounding (one fp32 ulp of |W| < 8) is the floor; a skipped step would miss by ~1e-2
+        torch.testing.assert_close(d, deltas[0], rtol=1e-4, atol=8 * torch.finfo(torch.float32).eps,
+                                   msg=lambda m: f"gradient scale 2^{k}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spectral", [False, True])
+def test_float64_step_is_float64(device, spectral):
+    """A float64 parameter is stepped in float64: lr=0 leaves it bitwise unchanged (it moved by
+    about 1e-7 when the step was rounded through float32), and a step matches the float64 formula
+    to float64 accuracy."""
+    g0 = torch.Generator().manual_seed(8)
+    w = torch.randn(3, 16, 12, generator=g0, dtype=torch.float64).to(device)
+    g = torch.randn(3, 16, 12, generator=g0, dtype=torch.float64).to(device)
+    v = torch.randn(3, 12, generator=g0).to(device)
+    w0 = w.clone()
+    sinkgd_step([w], [g], lr=0.0, spectral_norm=spectral, spectral_vecs=[v.clone()] if spectral else None)
+    assert torch.equal(w, w0)
+    vv = v.clone()
+    sinkgd_step([w], [g], lr=0.25, spectral_norm=spectral, spectral_vecs=[vv] if spectral else None)
+    ref, _ = ref_sinkgd(w0.cpu(), g.cpu(), 0.25, spectral=spectral, v=v.cpu())
+    torch.testing.assert_close(w.cpu(), ref, rtol=0, atol=1e-13)

@@ -302,6 +302,33 @@ MUTANTS: list[Mutant] = [
         [("    r0 = tl.cast(r0, tl.int64)\n", "")],
         MASK_TESTS,
     ),
+    # 13. the masked helpers reading the strides of a tensor the compiled graph made: a float mask
+    # turned into mask != 0 through its stored elements (as_strided on a broadcast view), and the
+    # counts taken the same way outside an op (Inductor lays such intermediates out as it likes)
+    Mutant(
+        "masked-helpers-intermediate-strides", "13 masked helpers reading a graph intermediate's strides",
+        "torch_fused/masked.py", CPU,
+        [("    check_mask_reduce(loss, 1, mask, None, None, x_name=\"loss\")\n",
+          "    check_mask_reduce(loss, 1, mask, None, None, x_name=\"loss\")\n"
+          "    if mask.dtype.is_floating_point:  # MUTANT: strides of a traced view\n"
+          "        mask = torch.broadcast_to(stored_view(mask, loss.shape) != 0, loss.shape)\n"),
+         ("    check_mask_reduce(values, d, mask, None, None, x_name=\"values\")\n",
+          "    check_mask_reduce(values, d, mask, None, None, x_name=\"values\")\n"
+          "    if mask.dtype.is_floating_point:  # MUTANT: strides of a traced view\n"
+          "        mask = torch.broadcast_to(stored_view(mask, values.shape) != 0, values.shape)\n"),
+         ("    return torch.ops.fused._mask_count(mask, list(shape), dim)\n",
+          "    from .reference import mask_count  # MUTANT: outside an op\n"
+          "    return mask_count(mask, shape, dim)\n")],
+        ["tests/test_masked.py"],
+    ),
+    # 14. SinkGD's row pass squaring the gradient unscaled: rows whose squares overflow fp32 get
+    # r = 0 (the step silently skipped)
+    Mutant(
+        "sinkgd-row-norm-unscaled-triton", "14 SinkGD row norm squared unscaled",
+        "torch_fused/kernels/sinkgd.py", TRITON,
+        [("        if tl.max(ssq) > SSQ_SCALED:\n", "        if tl.max(ssq) < 0.0:  # MUTANT: never scaled\n")],
+        SINKGD_TESTS,
+    ),
 ]
 
 

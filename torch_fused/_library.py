@@ -88,6 +88,19 @@ def rows_strides(x: torch.Tensor) -> tuple[int, int, int] | None:
     return None
 
 
+# Temperatures act within [T_MIN, T_MAX]: a value outside (positive and finite, as checked) acts as
+# the nearer end. There the results equal their limits (one-hot / uniform) to fp32 accuracy for
+# logits up to about 1e4 apart, and the kernels' scale log2(e) / T stays a normal fp32 number
+# (past about 1e38 it became inf or subnormal: NaN outputs).
+T_MIN = 2.0**-100
+T_MAX = 2.0**100
+
+
+def kernel_temperature(t: float) -> float:
+    """The temperature the kernels and the reference use for a checked float ``t``."""
+    return min(max(t, T_MIN), T_MAX)
+
+
 LOG2E = 1.4426950408889634  # log2(e): the kernels work in base 2
 LN2 = 0.6931471805599453  # ln(2): back to nats
 

@@ -46,7 +46,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import reference
-from ._library import INTERPRET, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, check
+from ._library import INTERPRET, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, check, kernel_temperature
 from .meta import linear_logprobs as meta_ll
 from .meta import logprobs as meta_lp
 from .meta.logprobs import row_shape
@@ -383,7 +383,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             reference.check_index_range(index, layout.v, ignore_index)  # as the single-device CPU path
         parts = logits_partials(x, index, layout.v_off, temperature, want_ent, shift)
         world = _all_gather(parts, layout) if parts.numel() else parts.new_empty(layout.world, *parts.shape)
-        logp, ent, stats = _finish(world, index, lead, ignore_index, layout, LOG2E / temperature,
+        logp, ent, stats = _finish(world, index, lead, ignore_index, layout, LOG2E / kernel_temperature(temperature),
                                    _exact_shift(x, dt), want_ent, dt)
         ctx.set_materialize_grads(False)
         ctx.args = (layout, temperature, ignore_index, want_ent, shift)

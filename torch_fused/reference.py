@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ._library import LN2, LOG2E, acc_dtype
+from ._library import LN2, LOG2E, T_MAX, T_MIN, acc_dtype, kernel_temperature
 
 # Rows per chunk are chosen so that one chunk's float temporaries stay near this many elements.
 _CHUNK_ELEMS = 1 << 21
@@ -52,11 +52,11 @@ def _temperature_value(temperature: float, temperature_t: torch.Tensor | None) -
     """The temperature as a Python float; a tensor one is read here (the reference path only:
     the kernels read it on the device) and must be positive."""
     if temperature_t is None:
-        return temperature
+        return kernel_temperature(temperature)
     t = float(temperature_t)
     if not (t > 0 and math.isfinite(t)):
         raise ValueError(f"temperature: expected a positive finite number, got {t}")
-    return t
+    return kernel_temperature(t)
 
 
 def temperature_grad(xdx_rows: torch.Tensor, temperature_t: torch.Tensor | None) -> torch.Tensor:
@@ -64,7 +64,7 @@ def temperature_grad(xdx_rows: torch.Tensor, temperature_t: torch.Tensor | None)
     a fixed order); an empty tensor when the temperature is a float."""
     if temperature_t is None:
         return xdx_rows.new_empty(0)
-    return -(xdx_rows.sum() / temperature_t.float())
+    return -(xdx_rows.sum() / temperature_t.float().clamp(T_MIN, T_MAX))
 
 
 def logprobs_entropy_forward(
@@ -204,7 +204,8 @@ def logprobs_entropy_backward(
         dx = dz * inv_t
         out[a:b] = dx.to(out_dtype)
         if temperature_t is not None:  # -inf logits have dx = 0: keep their 0 * inf out
-            xdx += torch.where(dx != 0, x2[a:b].double() * dx, torch.zeros_like(dx)).sum()
+            # sum x dx = sum (x - m) dx (a row's dx sums to zero): no error from a constant offset
+            xdx += torch.where(dx != 0, (x2[a:b].double() - st[a:b, :1]) * dx, torch.zeros_like(dx)).sum()
     if temperature_t is None:
         dtemp = torch.empty(0, dtype=acc_dtype(logits.dtype), device=logits.device)
     else:
@@ -315,57 +316,71 @@ def mask_reduce_backward(grad, x, dim, mask=None, scale=None):
 # ---------------------------------------------------------------------------------------------
 # SinkGD
 # ---------------------------------------------------------------------------------------------
+def _scaled_norm(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """l2 norm of x over dim, computed scaled (divided by the largest |x| before squaring), so
+    any finite x gives a finite norm: an fp32 sum of squares overflows past about 1.8e19."""
+    a = x.abs().amax(dim, keepdim=True)
+    a = torch.where(a > 0, a, torch.ones_like(a))
+    return (x / a).square().sum(dim).sqrt() * a.squeeze(dim)
+
+
 def sinkgd_scales(g: torch.Tensor, iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and column scales r [B, m], c [B, n] with X = diag(r) G diag(c) after ``iters``
-    SR-Sinkhorn iterations (rows to l2 norm sqrt(n), then columns to sqrt(m)); fp32 math on a
-    [B, m, n] gradient. The scales are clamped at 1e30 so that a (near-)zero row or column, whose
-    scale would grow by sqrt(n)/eps every iteration, never overflows into inf * 0 = NaN."""
+    SR-Sinkhorn iterations (rows to l2 norm sqrt(n), then columns to sqrt(m)) on a [B, m, n]
+    gradient; float32 math (float64 for a float64 gradient), norms computed scaled. The scales
+    are clamped at 1e30 so that a (near-)zero row or column, whose scale would grow by
+    sqrt(n)/eps every iteration, never overflows into inf * 0 = NaN."""
     b, m, n = g.shape
-    gf = g.float()
-    r = torch.ones(b, m, dtype=torch.float32, device=g.device)
-    c = torch.ones(b, n, dtype=torch.float32, device=g.device)
+    dt = acc_dtype(g.dtype)
+    gf = g.to(dt)
+    r = torch.ones(b, m, dtype=dt, device=g.device)
+    c = torch.ones(b, n, dtype=dt, device=g.device)
 
-    def x2():  # (r_i g_ij c_j)^2: X stays bounded even where r or c is huge, r^2 alone need not
-        return (r[:, :, None] * gf * c[:, None, :]).square()
+    def x():  # r_i g_ij c_j: X stays bounded even where r or c is huge, r alone need not
+        return r[:, :, None] * gf * c[:, None, :]
 
     for _ in range(iters):
-        r = (r * math.sqrt(n) / x2().sum(2).sqrt().clamp_min(eps)).clamp_max(1e30)
-        c = (c * math.sqrt(m) / x2().sum(1).sqrt().clamp_min(eps)).clamp_max(1e30)
+        r = (r * math.sqrt(n) / _scaled_norm(x(), 2).clamp_min(eps)).clamp_max(1e30)
+        c = (c * math.sqrt(m) / _scaled_norm(x(), 1).clamp_min(eps)).clamp_max(1e30)
     return r, c
 
 
-def _mv(g: torch.Tensor, x: torch.Tensor, transpose: bool) -> torch.Tensor:
-    """[B, m, n] gradient times a [B, n] (or, transposed, [B, m]) fp32 vector, in row chunks so
-    that no fp32 copy of the whole gradient exists."""
+def _xmv(g: torch.Tensor, r: torch.Tensor, c: torch.Tensor, vec: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """X vec (or X^T vec) for X = diag(r) G diag(c), [B, m, n], in row chunks so that no copy of
+    the whole gradient exists; r and c are applied to each chunk before the products, so the
+    sums stay finite whatever the gradient's magnitude. In r's dtype."""
     b, m, n = g.shape
+    dt = r.dtype
     step = max(1, _CHUNK_ELEMS // max(n, 1))
-    if transpose:
-        out = torch.zeros(b, n, dtype=torch.float32, device=g.device)
-        for a in range(0, m, step):
-            out += torch.einsum("bmn,bm->bn", g[:, a:a + step].float(), x[:, a:a + step])
-        return out
-    out = torch.empty(b, m, dtype=torch.float32, device=g.device)
+    out = (torch.zeros if transpose else torch.empty)(b, n if transpose else m, dtype=dt, device=g.device)
     for a in range(0, m, step):
-        out[:, a:a + step] = torch.einsum("bmn,bn->bm", g[:, a:a + step].float(), x)
+        xc = r[:, a:a + step, None] * g[:, a:a + step].to(dt) * c[:, None, :]
+        if transpose:
+            out += torch.einsum("bmn,bm->bn", xc, vec[:, a:a + step])
+        else:
+            out[:, a:a + step] = torch.einsum("bmn,bn->bm", xc, vec)
     return out
 
 
 def sinkgd_spectral_scale(g, r, c, v, iters: int, target: float, eps: float) -> torch.Tensor:
     """Power iteration on X = diag(r) G diag(c), warm-started from v [B, n] (updated in place):
     repeat iters: u = X v / max(|X v|, eps); w = X^T u; sigma = |w|; v = w / max(sigma, eps).
-    Returns target / max(sigma, eps) per matrix, [B]."""
-    sigma = torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
+    Returns target / max(sigma, eps) per matrix, [B], in r's dtype."""
+    sigma = torch.zeros(g.shape[0], dtype=r.dtype, device=g.device)
     for _ in range(iters):
-        u = r * _mv(g, c * v, False)
+        u = _xmv(g, r, c, v.to(r.dtype), False)
         u = u / u.norm(dim=1, keepdim=True).clamp_min(eps)
-        w = c * _mv(g, r * u, True)
+        w = _xmv(g, r, c, u, True)
         sigma = w.norm(dim=1)
         v.copy_(w / sigma[:, None].clamp_min(eps))
     return target / sigma.clamp_min(eps)
 
 
 def sinkgd_update_(w, g, r, c, coef_x, coef_w) -> None:
-    """w <- w - coef_x[b] * (r_i c_j g_ij) - coef_w * w, in fp32, stored in w's dtype."""
-    x = r[:, :, None] * g.float() * c[:, None, :]
-    new = w.float() - coef_x[:, None, None] * x - coef_w * w.float()
+    """w <- w - coef_x[b] * (r_i c_j g_ij) - coef_w * w, in float32 (float64 for a float64 w or
+    g: a float64 parameter is never rounded through float32), stored in w's dtype."""
+    dt = torch.promote_types(acc_dtype(w.dtype), r.dtype)
+    x = r[:, :, None].to(dt) * g.to(dt) * c[:, None, :].to(dt)
+    wf = w.to(dt)
+    new = wf - coef_x[:, None, None].to(dt) * x - coef_w.to(dt) * wf
     w.copy_(new.to(w.dtype))

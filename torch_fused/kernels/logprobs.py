@@ -31,10 +31,12 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .._library import LN2 as _LN2, LOG2E as _LOG2E
+from .._library import LN2 as _LN2, LOG2E as _LOG2E, T_MAX as _T_MAX, T_MIN as _T_MIN
 
 # constexpr globals: usable inside @triton.jit
 LOG2E_C = tl.constexpr(_LOG2E)
+T_MIN_C = tl.constexpr(_T_MIN)
+T_MAX_C = tl.constexpr(_T_MAX)
 LN2 = tl.constexpr(_LN2)
 
 
@@ -143,8 +145,10 @@ def _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR: tl.constexpr):
     require grad. A non-positive T read from memory gives NaN (it cannot be checked without a
     sync)."""
     if T_FROM_PTR:
-        t = tl.load(p_temp).to(tl.float32)
+        t = tl.load(p_temp)
         t = tl.where(t > 0.0, t, float("nan"))
+        # _library.kernel_temperature, in T's own dtype (a float64 1e-300 is positive) (NaN stays NaN)
+        t = tl.minimum(tl.maximum(t, T_MIN_C), T_MAX_C).to(tl.float32)
         return LOG2E_C / t, 1.0 / t
     else:
         return scale, inv_t
@@ -261,7 +265,9 @@ def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s
         keep = b_dx != 0.0
         if MASKED:
             keep = keep & (o < V)
-        return tl.sum(tl.where(keep, b_x * b_dx, 0.0), axis=0)
+        # sum_j x_j dx_j = sum_j (x_j - m) dx_j, since a row's dx sums to zero: the shifted form
+        # keeps a constant logit offset (rows near 1e4) out of the rounding
+        return tl.sum(tl.where(keep, (b_x.to(tl.float32) - m) * b_dx, 0.0), axis=0)
     else:
         return 0.0
 

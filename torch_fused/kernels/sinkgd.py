@@ -88,6 +88,10 @@ S_OFF = tl.constexpr(16)  # the finished column sums [B, n] in the sums buffer (
 SU_OFF = tl.constexpr(17)  # and the finished |u|^2 sums [B]
 META_COLS = tl.constexpr(18)
 
+SCALE_MAX = tl.constexpr(1e30)  # the clamp of every r and c (see reference.sinkgd_scales)
+SQRT_FP32_MAX = tl.constexpr(1.8e19)  # about sqrt(fp32 max): a clamp whose square stays finite
+SSQ_SCALED = tl.constexpr(1e37)  # a row sum of squares above this (or inf) is recomputed scaled
+
 MAX_FUSED_N = 16384  # widest row a _sinkgd_rows_kernel program holds in registers
 # Alternate the direction of successive one-read passes over the gradient (the row passes, the
 # power passes, then the update; the wide rows' two-pass path keeps its order): a pass that walks
@@ -253,15 +257,26 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
         if not ONES_C:
             y = y * b_c
         q = y * y
-        norm = tl.sqrt(tl.sum(q, axis=1, keep_dims=True))
+        ssq = tl.sum(q, axis=1, keep_dims=True)
+        # y scaled by its row's largest |y| (a = max |y|) where a row's squares overflow fp32
+        # (entries past about 1.8e19 / sqrt(n)): the row norm a sqrt(sum (y/a)^2) and column
+        # terms (r_new a)^2 (y/a)^2 stay finite. A scalar branch, taken by the rare trip only.
+        a = tl.full([RB, 1], 1.0, tl.float32)
+        if tl.max(ssq) > SSQ_SCALED:
+            a = tl.max(tl.abs(y), axis=1, keep_dims=True)
+            a = tl.where(a > 0, a, 1.0)
+            y = y / a
+            q = y * y
+            ssq = tl.sum(q, axis=1, keep_dims=True)
+        norm = a * tl.sqrt(ssq)
         if ONES_R:
             r_old = tl.full([RB, 1], 1.0, tl.float32)
         else:
             r_old = tl.load(p_rb + rows, mask=m_r, other=1.0)
             norm = r_old * norm
-        r_new = tl.minimum(r_old * target / tl.maximum(norm, eps), 1e30)
+        r_new = tl.minimum(r_old * target / tl.maximum(norm, eps), SCALE_MAX)
         tl.store(p_rb + rows, r_new, mask=m_r)
-        r_sq = tl.minimum(r_new, 1.8e19)  # a zero row's r_new = 1e30 meets q = 0: keep r_new^2 finite
+        r_sq = tl.minimum(r_new * a, SQRT_FP32_MAX)  # a zero row's r_new = 1e30 meets q = 0: keep r_new^2 finite
         acc += q * (r_sq * r_sq)
     col = tl.sum(acc, axis=0, keep_dims=True)
     tl.store(p_pc + o_n, col, mask=m_n)

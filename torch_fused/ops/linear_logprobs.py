@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from .._library import INTERPRET, LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, new_output
+from .._library import (INTERPRET, LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, kernel_temperature,
+                        new_output)
 from .. import reference
 from ..meta import linear_logprobs as meta
 from ..meta.logprobs import row_shape
@@ -150,7 +151,7 @@ def _logits_chunk(h2, w, bias, logit_scale, softcap):
 
 
 def _effective_temperature(temperature, logit_scale, softcap):
-    return temperature if softcap is not None else temperature / logit_scale
+    return kernel_temperature(temperature if softcap is not None else temperature / logit_scale)
 
 
 def _shift_c(a, b, c, dt, exact=False):

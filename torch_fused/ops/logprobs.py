@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .._library import INTERPRET, LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, new_output, rows_strides
+from .._library import (INTERPRET, LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, kernel_temperature, new_output,
+                        rows_strides)
 from .. import reference
 from ..meta import logprobs as meta
 
@@ -105,7 +106,7 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
     K._logprobs_entropy_forward_kernel[(rows,)](
         x, idx, logp, ent, stats, temperature_t if temperature_t is not None else stats,
         v, k, inner, s_outer, s_inner,
-        LOG2E / temperature, ignore_index,
+        LOG2E / kernel_temperature(temperature), ignore_index,
         HAS_INDEX=index is not None, HAS_ENT=compute_entropy, EXACT_SHIFT=INTERPRET,
         T_FROM_PTR=temperature_t is not None,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)), EPT=16 // x.element_size(),
@@ -165,7 +166,7 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
         temperature_t if has_dt else stats, xdx if has_dt else stats,
         v, k, rows, inner, s_outer, s_inner, v_off, v if v_total is None else v_total,
         d_inner, d_outer, d_stride, z_inner, z_outer, z_stride,
-        LOG2E / temperature, 1.0 / temperature, ignore_index, segs, seg_len,
+        LOG2E / kernel_temperature(temperature), 1.0 / kernel_temperature(temperature), ignore_index, segs, seg_len,
         HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1, EXACT_SHIFT=INTERPRET,
         T_FROM_PTR=has_dt, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0, IN_PLACE=in_place,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),

@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from .._library import NAMESPACE, TRITON_DEVICES, cdiv, n_sm
+from .._library import NAMESPACE, TRITON_DEVICES, acc_dtype, cdiv, n_sm
 from .. import reference
 from ..meta import sinkgd as meta
 
@@ -44,11 +44,12 @@ def _spectral_target(spectral_target, m, n) -> float:
     return 1.0 if spectral_target == "unit" else math.sqrt(m / n)
 
 
-def _coefs(lr, n, lr_scale, weight_decay, base_width, width_exponent, spectral_scale):
-    """eta = lr * _lr_factor(...); returns (eta * s [B], eta * wd) as fp32 device tensors: no
-    host sync, and a tensor lr that changes never recompiles."""
-    eta = lr.to(torch.float32) * _lr_factor(n, lr_scale, base_width, width_exponent)
-    return eta * spectral_scale, (eta * weight_decay).reshape(1)
+def _coefs(lr, n, lr_scale, weight_decay, base_width, width_exponent, spectral_scale, dtype=torch.float32):
+    """eta = lr * _lr_factor(...); returns (eta * s [B], eta * wd) as device tensors of dtype
+    (float32; float64 for a float64 step): no host sync, and a tensor lr that changes never
+    recompiles."""
+    eta = lr.to(dtype) * _lr_factor(n, lr_scale, base_width, width_exponent)
+    return eta * spectral_scale.to(dtype), (eta * weight_decay).reshape(1)
 
 
 class _Plan:
@@ -679,7 +680,8 @@ def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhor
             s = reference.sinkgd_spectral_scale(g3, r, c, spectral_vecs[i], spectral_iters, target, eps)
         else:
             s = torch.ones(b, dtype=torch.float32, device=p.device)
-        coef_x, coef_w = _coefs(lr.to(p.device), n, lr_scale, weight_decay, base_width, width_exponent, s)
+        coef_x, coef_w = _coefs(lr.to(p.device), n, lr_scale, weight_decay, base_width, width_exponent, s,
+                                torch.promote_types(acc_dtype(p.dtype), r.dtype))
         reference.sinkgd_update_(w3, g3, r, c, coef_x, coef_w)
     known = []
     for (_, pdt, _), idx in groups.items():
