@@ -1,7 +1,7 @@
 """GRPO with TRL's GRPOTrainer, its log-prob computations routed to torch_fused.
 
     pip install -e '.[trl]'          # TRL 1.16.0 (tested: 1.13.0, 1.14.2, 1.16.0), transformers, datasets, ...
-    python examples/grpo_trl.py --model Qwen/Qwen2.5-0.5B-Instruct --fused-lm-head
+    python examples/grpo_trl.py --model Qwen/Qwen2.5-0.5B-Instruct
     python examples/grpo_trl.py --tiny --max-steps 2      # offline: a tiny random model, on CPU
 
 --model is any causal LM on the Hugging Face Hub or a local path (downloaded by transformers on
@@ -11,11 +11,11 @@ that the script runs as it is; put your reward functions in its place.
 
 What patch() changes: TRL's selective_log_softmax, entropy_from_logits and
 selective_log_softmax_and_entropy (where the installed TRL has them) become the fused ops. In TRL
-1.16 GRPOTrainer computes every log-prob through its chunked lm_head, which only --fused-lm-head
-routes (to torch_fused.linear_logprobs_and_entropy): off by default, since on an H200 it is not
-faster than TRL's yet (1.46-1.55x the bare GEMMs against 1.46-1.49x), though it holds 256-769 MiB
-of extra memory where TRL's holds 2.5-2.8 GB. With TRL 1.13 and 1.14 GRPOTrainer works on
-materialized logits, and the default patch() routes them.
+1.16 GRPOTrainer computes every log-prob through its chunked lm_head, which patch() routes to
+torch_fused.linear_logprobs_and_entropy (faster than TRL's head, with a fraction of its memory:
+docs/BENCHMARKS.md); --no-fused-lm-head leaves that head to TRL. With TRL 1.13 and 1.14
+GRPOTrainer works on materialized logits, and patch() routes them. patch() prints one line
+saying what it routed and what it left to TRL.
 
 The script ends by checking that every logged loss is finite, and raises otherwise.
 """
@@ -33,8 +33,8 @@ def parse_args(argv=None):
                    help="Hub dataset with a 'prompt' column (default: %(default)s)")
     p.add_argument("--tiny", action="store_true",
                    help="no download: a tiny random Qwen2 and a word-level tokenizer built here, a few prompts (CPU)")
-    p.add_argument("--fused-lm-head", action="store_true",
-                   help="also route TRL's chunked lm_head to torch_fused.linear_logprobs_and_entropy")
+    p.add_argument("--no-fused-lm-head", dest="fused_lm_head", action="store_const", const=False, default=None,
+                   help="leave TRL's chunked lm_head to TRL (default: routed wherever TRL has the form it adapts)")
     p.add_argument("--no-patch", action="store_true", help="TRL's own path, for comparison")
     p.add_argument("--max-steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=8, help="per device; a multiple of --num-generations")

@@ -150,7 +150,7 @@ def test_grpo_trl_example(tmp_path, monkeypatch):
                  "linear_logprobs_and_entropy"):
         fn = getattr(torch_fused, name)
         monkeypatch.setattr(torch_fused, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
-    res = load("grpo_trl").main(["--tiny", "--cpu", "--max-steps", "2", "--fused-lm-head", "--batch-size", "4",
+    res = load("grpo_trl").main(["--tiny", "--cpu", "--max-steps", "2", "--batch-size", "4",
                                  "--num-generations", "2", "--max-completion-length", "8",
                                  "--output-dir", str(tmp_path / "out")])
     assert len(res["losses"]) == 2 and all(math.isfinite(x) for x in res["losses"])

@@ -926,3 +926,18 @@ def test_float64_step_is_float64(device, spectral):
     sinkgd_step([w], [g], lr=0.25, spectral_norm=spectral, spectral_vecs=[vv] if spectral else None)
     ref, _ = ref_sinkgd(w0.cpu(), g.cpu(), 0.25, spectral=spectral, v=v.cpu())
     torch.testing.assert_close(w.cpu(), ref, rtol=0, atol=1e-13)
+
+
+def test_vectors_at_sinkgds_lr_warn():
+    """SinkGD's lr is several times an AdamW lr: parameters with fewer than 2 dims sent to AdamW
+    at that lr warn, naming the way out; an explicit AdamW lr (or sinkgd_param_groups) does not."""
+    import warnings
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2, bias=False))
+    with pytest.warns(UserWarning, match=r"3 parameter\(s\) with fewer than 2 dims .* lr=0\.01.*fallback_kwargs"):
+        SinkGD(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SinkGD(model.parameters(), lr=1e-2, fallback_kwargs={"lr": 1e-3})
+        SinkGD(sinkgd_param_groups(model, lr=1e-3), lr=1e-2)
+        SinkGD([p for p in model.parameters() if p.dim() == 2], lr=1e-2)

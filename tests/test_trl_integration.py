@@ -152,15 +152,17 @@ def _assert_same_training(run, ref, *, exact=False):
             assert _rel(d, ref_d) < 2e-4, f"{n}: update differs from TRL's by {_rel(d, ref_d):.2e} (relative)"
 
 
-def test_grpo_patch_default(trl_run, tmp_path, calls):
+def test_grpo_patch_default(trl_run, tmp_path, calls, capsys):
     tf_trl.patch()
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"torch_fused.integrations.trl: TRL {VERSION}: routed "), line
     run = _grpo_run(tmp_path)
     if HAS_FUSED_HEAD:
         # TRL 1.16 computes GRPO's log-probs in its chunked lm_head only: the default patch()
-        # routes nothing of it, and the run is TRL's, bit for bit
-        assert sum(calls.values()) == 0, calls
-        assert trl_utils._ChunkedLogProbFunction is ORIG["_ChunkedLogProbFunction"]
-        _assert_same_training(run, trl_run, exact=True)
+        # routes it (the loss's log-probs and entropy, once per step)
+        assert "ChunkedLogProbFunction" in line and "left to TRL" not in line, line
+        assert calls["linear_logprobs_and_entropy"] >= 2, calls
+        _assert_same_training(run, trl_run)
     else:
         # TRL 1.13 / 1.14: GRPOTrainer scores materialized logits (1.13: selective_log_softmax and
         # entropy_from_logits; 1.14: selective_log_softmax_and_entropy with temperature and row_mask)
@@ -171,12 +173,15 @@ def test_grpo_patch_default(trl_run, tmp_path, calls):
 
 
 @pytest.mark.skipif(not HAS_FUSED_HEAD, reason=f"TRL {VERSION} has no fused lm_head path")
-def test_grpo_patch_fused_lm_head(trl_run, tmp_path, calls):
-    tf_trl.patch(fused_lm_head=True)
+def test_grpo_patch_without_the_lm_head_route(trl_run, tmp_path, calls, capsys):
+    tf_trl.patch(fused_lm_head=False)
+    assert "left to TRL: the chunked lm_head (fused_lm_head=False)" in capsys.readouterr().err
     run = _grpo_run(tmp_path)
-    # the loss's log-probs and entropy, once per step (num_iterations=1 reuses them as the old ones)
-    assert calls["linear_logprobs_and_entropy"] >= 2, calls
-    _assert_same_training(run, trl_run)
+    # TRL 1.16 computes GRPO's log-probs in its chunked lm_head only: with that route off nothing
+    # of it reaches torch_fused, and the run is TRL's, bit for bit
+    assert sum(calls.values()) == 0, calls
+    assert trl_utils._ChunkedLogProbFunction is ORIG["_ChunkedLogProbFunction"]
+    _assert_same_training(run, trl_run, exact=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -392,14 +397,15 @@ def test_patch_unpatch_idempotent():
     assert "trl.trainer.utils.selective_log_softmax" in names and "trl.trainer.utils.entropy_from_logits" in names
     if HAS_FUSED_HEAD:
         assert "trl.trainer.utils.selective_log_softmax_and_entropy" in names
-        assert not any("ChunkedLogProb" in n for n in names), "the lm_head route must be opt-in"
+    # the lm_head route is on by default wherever TRL has the form it adapts (1.16)
+    assert any("ChunkedLogProb" in n for n in names) == HAS_FUSED_HEAD
     # a module imported after patch() takes the patched names; unpatch() restores it too
     late = importlib.import_module("trl.trainer.grpo_trainer")
-    tf_trl.patch(fused_lm_head=HAS_FUSED_HEAD)  # other options: unpatch, then patch again
-    assert any("ChunkedLogProb" in n for n in tf_trl.patched_names()) == HAS_FUSED_HEAD
+    tf_trl.patch(fused_lm_head=False)  # other options: unpatch, then patch again
+    assert not any("ChunkedLogProb" in n for n in tf_trl.patched_names())
     with tf_trl.patched():
-        assert not any("ChunkedLogProb" in n for n in tf_trl.patched_names())
-    assert tf_trl.is_patched() and any("ChunkedLogProb" in n for n in tf_trl.patched_names()) == HAS_FUSED_HEAD
+        assert any("ChunkedLogProb" in n for n in tf_trl.patched_names()) == HAS_FUSED_HEAD
+    assert tf_trl.is_patched() and not any("ChunkedLogProb" in n for n in tf_trl.patched_names())
     tf_trl.unpatch()
     tf_trl.unpatch()
     assert not tf_trl.is_patched() and tf_trl.patched_names() == []

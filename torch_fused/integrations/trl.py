@@ -35,21 +35,20 @@ gradient) where TRL's fallback raises and its kernel reads out of bounds; a row 
 logits (masked vocabulary) has a finite entropy where TRL's PyTorch fallback gives NaN; and the
 results are the fp32-accurate values, rounded once to TRL's output dtype.
 
-The lm_head route (``fused_lm_head=True``) is off by default. In TRL 1.16, ``GRPOTrainer`` (and
-the DPO, KTO, RLOO and SFT trainers) compute every per-token log-prob through TRL's chunked lm_head
-(``add_fused_lm_head`` -> ``trl.trainer.utils._ChunkedLogProbFunction``), never through the logits
-functions, so there the default ``patch()`` leaves those trainers' numbers untouched and only
-``fused_lm_head=True`` changes them (the logits functions serve TRL's experimental trainers and
-user code). In TRL 1.13 and 1.14, ``GRPOTrainer`` works on materialized logits (1.13:
-``selective_log_softmax`` and ``entropy_from_logits``; 1.14: ``selective_log_softmax_and_entropy``
-with ``temperature`` and ``row_mask``) and the default ``patch()`` routes them. Their
-``_ChunkedLogProbFunction`` has two outputs (1.14's GRPOTrainer runs it with ``use_liger_kernel``)
-and is not routed: ``fused_lm_head=True`` raises there.
+The lm_head route. In TRL 1.16, ``GRPOTrainer`` (and the DPO, KTO, RLOO and SFT trainers) compute
+every per-token log-prob through TRL's chunked lm_head (``add_fused_lm_head`` ->
+``trl.trainer.utils._ChunkedLogProbFunction``), never through the logits functions, so there the
+default ``patch()`` routes that chunked head (``fused_lm_head=False`` leaves it, and with it those
+trainers' numbers, to TRL; the logits functions serve TRL's experimental trainers and user code).
+In TRL 1.13 and 1.14, ``GRPOTrainer`` works on materialized logits (1.13: ``selective_log_softmax``
+and ``entropy_from_logits``; 1.14: ``selective_log_softmax_and_entropy`` with ``temperature`` and
+``row_mask``) and the default ``patch()`` routes them. Their ``_ChunkedLogProbFunction`` has two
+outputs (1.14's GRPOTrainer runs it with ``use_liger_kernel``) and is left to TRL (the default says
+so at patch time); ``fused_lm_head=True`` raises there.
 
-Why the lm_head route is opt-in: measured on an H200 (forward+backward against the bare GEMMs of
-the same run), ours is 1.46-1.55x and TRL's 1.46-1.49x, not faster yet, while ours holds 256-769
-MiB of extra memory against TRL's 2.5-2.8 GB (an fp32 d weight accumulator). The route becomes
-the default once it is measured faster; until then it is the memory option. Under
+The lm_head route is on by default where TRL has the form it adapts (TRL 1.16): measured in one
+run against TRL's chunked head, ours is faster at every benchmark shape with a fraction of the
+memory (docs/BENCHMARKS.md, "Fused lm_head", holds the figures and the command). Under
 autocast the route casts ``lm_head.weight`` to the autocast dtype in one piece (TRL casts chunk by
 chunk): with fp32 weights under bf16 autocast that is one bf16 copy of the weight. Calls with
 DeepSpeed ZeRO-3 parameters (whose backward must re-gather the weight) or a non-positive logit
@@ -397,8 +396,11 @@ def _import_optional(name):
         return None
 
 
-def _plan(fused_lm_head: bool, strict: bool, version: str):
-    """[(adapter, original, label)] for the installed TRL; raises where strict demands."""
+def _plan(fused_lm_head: bool | None, strict: bool, version: str, left: list | None = None):
+    """[(adapter, original, label)] for the installed TRL; raises where strict demands.
+    fused_lm_head None: route the chunked lm_head where it has the supported form, else leave it
+    to TRL (the reason appended to ``left``)."""
+    left = [] if left is None else left
     import trl.trainer.utils as utils
 
     kernels = _import_optional("trl.kernels")
@@ -427,9 +429,11 @@ def _plan(fused_lm_head: bool, strict: bool, version: str):
         add("trl.kernels.selective_log_softmax_and_entropy",
             getattr(kernels, "selective_log_softmax_and_entropy", None), (_selective_log_softmax_and_entropy_kernel,))
 
-    if fused_lm_head:
+    if fused_lm_head or fused_lm_head is None:
         cls = getattr(kernels, "ChunkedLogProbFunction", None) if kernels is not None else None
         cls = cls or getattr(utils, "_ChunkedLogProbFunction", None)
+        if cls is None and fused_lm_head is None:
+            return plan  # nothing to route: this TRL's trainers score materialized logits
         if cls is None:
             raise ValueError(f"patch(fused_lm_head=True): TRL {version} has no chunked lm_head "
                              "(ChunkedLogProbFunction); its trainers compute log-probs from materialized logits, "
@@ -438,6 +442,10 @@ def _plan(fused_lm_head: bool, strict: bool, version: str):
         optional = getattr(chunked, "OPTIONAL_OUTPUTS", None)
         adapter = _chunked_logprob_5(cls, optional) if optional is not None else None
         if adapter is None or not _same_signature(adapter.apply, cls.forward, drop_first=True):
+            if fused_lm_head is None:
+                left.append(f"{cls.__module__}.{cls.__name__} (not the five-output form of TRL "
+                            f"{', '.join(FUSED_LM_HEAD_TRL_VERSIONS)} that the lm_head route adapts)")
+                return plan
             raise ValueError(
                 f"patch(fused_lm_head=True): TRL {version}'s {cls.__name__}{inspect.signature(cls.forward)} is not the "
                 f"five-output form of TRL {', '.join(FUSED_LM_HEAD_TRL_VERSIONS)} that the lm_head route adapts; "
@@ -467,24 +475,27 @@ def _swap(mapping: dict, replaced: list | None = None) -> None:
                     replaced.append((mod, attr))
 
 
-def patch(*, fused_lm_head: bool = False, strict: bool = True) -> None:
+def patch(*, fused_lm_head: bool | None = None, strict: bool = True, verbose: bool = True) -> None:
     """Route TRL's log-prob / entropy functions to torch_fused (see the module docstring).
 
     Args:
-        fused_lm_head: also route TRL's chunked lm_head (``ChunkedLogProbFunction``, behind
+        fused_lm_head: route TRL's chunked lm_head (``ChunkedLogProbFunction``, behind
             ``add_fused_lm_head`` and every trainer's per-token log-probs in TRL 1.16) to
-            :func:`torch_fused.linear_logprobs_and_entropy`. Off by default: on an H200 it is not
-            faster than TRL's yet (1.46-1.55x the bare GEMMs against 1.46-1.49x); it needs
-            256-769 MiB of extra memory where TRL's needs 2.5-2.8 GB.
+            :func:`torch_fused.linear_logprobs_and_entropy`. None (default): wherever the installed
+            TRL has the form the route adapts (TRL 1.16), else left to TRL; True: required (raises
+            ``ValueError`` where TRL has no such form); False: left to TRL. Its speed and memory
+            against TRL's, measured in one run: docs/BENCHMARKS.md, "Fused lm_head".
         strict: raise :class:`UnsupportedTRLVersion` unless the installed TRL is one of
             ``TESTED_TRL_VERSIONS``. ``strict=False`` warns instead and patches each function whose
             signature matches a tested form.
+        verbose: print one line to stderr saying what was routed and what was left to TRL (and
+            why).
 
     Idempotent: calling it again with the same options re-scans the loaded ``trl.*`` modules and
     changes nothing else; with other options it unpatches first. Raises ImportError without TRL.
     """
     global _STATE
-    options = {"fused_lm_head": bool(fused_lm_head), "strict": bool(strict)}
+    options = {"fused_lm_head": None if fused_lm_head is None else bool(fused_lm_head), "strict": bool(strict)}
     if _STATE is not None and _STATE["options"] == options:
         _swap({id(o): (o, a) for a, o, _ in _STATE["adapters"]}, _STATE["replaced"])
         return
@@ -499,10 +510,24 @@ def patch(*, fused_lm_head: bool = False, strict: bool = True) -> None:
         if strict:
             raise UnsupportedTRLVersion(msg)
         warnings.warn(msg, stacklevel=2)
-    plan = _plan(options["fused_lm_head"], options["strict"], version)
+    left: list = []
+    if options["fused_lm_head"] is False:
+        left.append("the chunked lm_head (fused_lm_head=False)")
+    plan = _plan(options["fused_lm_head"], options["strict"], version, left)
     replaced: list = []
     _swap({id(o): (o, a) for a, o, _ in plan}, replaced)
-    _STATE = {"options": options, "adapters": plan, "replaced": replaced, "version": version}
+    _STATE = {"options": options, "adapters": plan, "replaced": replaced, "version": version, "left": left}
+    if verbose:
+        print(summary(), file=sys.stderr)
+
+
+def summary() -> str:
+    """One line: what ``patch()`` routed to torch_fused, and what it left to TRL and why."""
+    if _STATE is None:
+        return "torch_fused.integrations.trl: not patched"
+    routed = ", ".join(label for _, _, label in _STATE["adapters"]) or "nothing"
+    left = "; left to TRL: " + ", ".join(_STATE["left"]) if _STATE["left"] else ""
+    return f"torch_fused.integrations.trl: TRL {_STATE['version']}: routed {routed}{left}"
 
 
 def unpatch() -> None:
@@ -521,18 +546,18 @@ def unpatch() -> None:
 
 
 @contextlib.contextmanager
-def patched(*, fused_lm_head: bool = False, strict: bool = True):
+def patched(*, fused_lm_head: bool | None = None, strict: bool = True, verbose: bool = True):
     """``with patched(): ...`` patches for the block and then restores the state before it
     (unpatched, or patched with the previous options)."""
     before = None if _STATE is None else dict(_STATE["options"])
-    patch(fused_lm_head=fused_lm_head, strict=strict)
+    patch(fused_lm_head=fused_lm_head, strict=strict, verbose=verbose)
     try:
         yield
     finally:
         if before is None:
             unpatch()
         else:
-            patch(**before)
+            patch(**before, verbose=False)
 
 
 def is_patched() -> bool:

@@ -5,6 +5,7 @@ SinkGD update of a list of matrices, with keyword arguments."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch.optim import Optimizer
@@ -134,7 +135,8 @@ class SinkGD(Optimizer):
     (the stochastic-rounding seed, held by the group's first matrix) and, with
     ``spectral_norm``, one warm-start vector per matrix. Parameters with ndim < 2, and the groups made with
     ``use_fallback=True``, get PyTorch's AdamW (fused where available) with ``fallback_kwargs``
-    (default lr: the group's lr, betas (0.9, 0.999), eps 1e-8, weight decay 0). A
+    (default lr: the group's lr, which is SinkGD's: constructing such a group without
+    ``fallback_kwargs["lr"]`` warns; betas (0.9, 0.999), eps 1e-8, weight decay 0). A
     ``use_fallback`` group's own ``lr``, ``weight_decay``, ``eps`` and ``betas``, where the group
     gives them, are its AdamW's and take precedence over ``fallback_kwargs``. Use
     :func:`sinkgd_param_groups` to also route embeddings and the output head to AdamW.
@@ -206,7 +208,16 @@ class SinkGD(Optimizer):
             param_group = dict(param_group)
             param_group.setdefault("adamw_keys", tuple(k for k in ADAMW_GROUP_KEYS if k in param_group))
         super().add_param_group(param_group)
-        _check_group(self.param_groups[-1])
+        group = self.param_groups[-1]
+        _check_group(group)
+        small = [p for p in group["params"] if p.dim() < 2]
+        if small and not group["use_fallback"] and "lr" not in group["fallback_kwargs"]:
+            # SinkGD's lr is typically 4-20x an AdamW lr: never apply it to AdamW silently
+            warnings.warn(
+                f"SinkGD: {len(small)} parameter(s) with fewer than 2 dims (biases, norms) go to AdamW at this group's "
+                f"lr={group['lr']!r}, which is SinkGD's lr (typically 4-20x an AdamW lr). Set AdamW's lr with "
+                "fallback_kwargs={'lr': ...}, or build the groups with sinkgd_param_groups(model, lr=adamw_lr)",
+                UserWarning, stacklevel=3)
 
     def _fallback_step(self, group, params, lr):
         """AdamW on ``params``: betas (0.9, 0.999), eps 1e-8, weight decay 0, lr the group's;
