@@ -235,13 +235,14 @@ def test_outputs_can_be_modified_in_place(device, fn):
     idx = torch.randint(0, 37, (2, 3), generator=g).to(device)
     if fn == "linear_logprobs_and_entropy":
         ours = torch_fused.linear_logprobs_and_entropy(h, w, idx)
-        ins, xd = (h, w), (h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True))
-        plain = _plain(fn, xd[0], idx, xd[1])
+        ins, xd = (h, w), (h.detach().cpu().double().requires_grad_(True),
+                           w.detach().cpu().double().requires_grad_(True))
+        plain = _plain(fn, xd[0], idx.cpu(), xd[1])
     else:
         call = getattr(torch_fused, fn)
         ours = call(x) if fn == "entropy_from_logits" else call(x, idx)
-        ins, xd = (x,), (x.detach().double().requires_grad_(True),)
-        plain = _plain(fn, xd[0], idx)
+        ins, xd = (x,), (x.detach().cpu().double().requires_grad_(True),)
+        plain = _plain(fn, xd[0], idx.cpu())
     ours = ours if isinstance(ours, tuple) else (ours,)
     for o, p in zip(ours, plain):
         assert not o._is_view(), "an output is a view"
@@ -287,6 +288,20 @@ def test_extreme_temperatures_give_the_limits(device, as_tensor):
         torch.testing.assert_close(ent, torch.full_like(ent, math.log(v)), rtol=1e-6, atol=0)
         torch.testing.assert_close(lp, torch.full_like(lp, -math.log(v)), rtol=1e-6, atol=0)
         assert torch.equal(lp, run(T_MAX)[0])
+    # small temperatures with large logits: log2(e) / T times the row max reaches 1e13 (the GPU
+    # kernels' rounded shift of the max overflowed exp2 there): still the one-hot limit
+    x = x * 1e3
+    for cold in (1e-6, 1e-9):
+        lp, ent = run(cold)
+        assert bool((ent == 0).all()), ent
+        assert bool(torch.where(idx == top, lp == 0, lp < -1e3).all()), lp
+    if not as_tensor:
+        h = torch.randn(2, 3, 8, generator=g).to(device) * 30
+        w = torch.randn(v, 8, generator=g).to(device) * 30
+        lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx, temperature=1e-7)
+        top_h = (h.double() @ w.double().t()).argmax(-1)
+        assert bool((ent == 0).all()) and not bool(lp.isnan().any())
+        assert bool(torch.where(idx == top_h, lp == 0, lp < -1e3).all()), lp
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -311,3 +326,20 @@ def test_temperature_gradient_ignores_a_constant_logit_offset(device):
     lp, ent = torch_fused.logprobs_and_entropy(xe, torch.zeros(2, 5, dtype=torch.long, device=device), temperature=t)
     (dt,) = torch.autograd.grad(lp.sum() + ent.sum(), t)
     assert abs(dt.item()) < 1e-6, dt.item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", ["selective_log_softmax", "entropy_from_logits", "logprobs_and_entropy"])
+def test_tensor_temperature_without_grad_scales_the_logits_gradient(device, fn):
+    """A tensor temperature that does not require grad is still the T of d logits (the backward
+    used the float placeholder 1.0: gradients off by the factor the temperature applies)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 29, generator=g).to(device).requires_grad_(True)
+    idx = torch.randint(0, 29, (3, 4), generator=g).to(device)
+    call = getattr(torch_fused, fn)
+    grads = []
+    for t in (0.5, torch.tensor(0.5, device=device)):
+        out = call(x, temperature=t) if fn == "entropy_from_logits" else call(x, idx, temperature=t)
+        out = out if isinstance(out, tuple) else (out,)
+        grads.append(torch.autograd.grad(sum(o.sum() for o in out), x)[0])
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)

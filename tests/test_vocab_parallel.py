@@ -525,7 +525,7 @@ def test_rank_local_pieces_large_logits(device, offset):
         parts = torch.stack([P.logits_partials(x[..., s:s + n], idx, s, t, True, False)
                              for s, n in zip(starts, sizes)])
         lp, ent, stats = P.merge_partials(parts, idx.reshape(6, 2), -100, sizes[0], v, LOG2E / t,
-                                          P._exact_shift(x, torch.float32), True)
+                                          P._exact_shift(x, torch.float32, LOG2E / t), True)
         xr = x.cpu().double().requires_grad_(True)
         rlp, rent = ref_logprobs_entropy(xr, idx.cpu(), t)
         assert (lp.reshape(2, 3, 2).double().cpu() - rlp).abs().max().item() <= 1e-4, "logp"

@@ -150,8 +150,11 @@ def _train_demo(device, steps=4):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m torch_fused")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap = argparse.ArgumentParser(prog="python -m torch_fused", description=__doc__.split("\n\n")[1].replace("\n", " "),
+                                 epilog="Benchmarks: python -m torch_fused.bench --help")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="the device to check (default: %(default)s, the Triton kernels on CUDA, the "
+                         "plain-PyTorch implementations on CPU)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     print(f"torch-fused {torch_fused.__version__} | torch {torch.__version__} | device {device}"

@@ -101,6 +101,20 @@ def kernel_temperature(t: float) -> float:
     return min(max(t, T_MIN), T_MAX)
 
 
+# The GPU kernels shift a row's logits as fma(x, c, -round(m c)) (c = log2(e) / T, m the row
+# max): one instruction, and every term of the row carries the same rounding offset of m c, which
+# cancels in the log-softmax. That offset is up to half an ulp of m c: past |m c| of about 2^30 it
+# overflows exp2. Where c is large (T below log2(e) / FMA_SHIFT_MAX_C, about 1.4e-3) or unknown on
+# the host (a tensor temperature), the kernels shift exactly, (x - m) c, instead.
+FMA_SHIFT_MAX_C = 1024.0
+
+
+def exact_shift(c: float | None) -> bool:
+    """Whether the logits kernels shift exactly (EXACT_SHIFT) for the scale c (None: a tensor
+    temperature, read on the device); always in the interpreter."""
+    return INTERPRET or c is None or c > FMA_SHIFT_MAX_C
+
+
 LOG2E = 1.4426950408889634  # log2(e): the kernels work in base 2
 LN2 = 0.6931471805599453  # ln(2): back to nats
 

@@ -46,7 +46,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import reference
-from ._library import INTERPRET, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, check, kernel_temperature
+from ._library import LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, check, exact_shift, kernel_temperature
 from .meta import linear_logprobs as meta_ll
 from .meta import logprobs as meta_lp
 from .meta.logprobs import row_shape
@@ -207,10 +207,11 @@ def _checks_index(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not _triton_path(t) and not torch.compiler.is_compiling()
 
 
-def _exact_shift(t: torch.Tensor, dt: torch.dtype) -> bool:
+def _exact_shift(t: torch.Tensor, dt: torch.dtype, c: float) -> bool:
     """Whether the local statistics are relative to the exact shift m c (interpreter, float64,
-    the plain-PyTorch reference) or to the rounded product round(m c) (the GPU kernels)."""
-    return INTERPRET or dt == torch.float64 or not _triton_path(t)
+    the plain-PyTorch reference, a large scale c: _library.exact_shift) or to the rounded product
+    round(m c) (the GPU kernels)."""
+    return exact_shift(c) or dt == torch.float64 or not _triton_path(t)
 
 
 def _shift(a, b, c: float, exact: bool):
@@ -383,8 +384,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             reference.check_index_range(index, layout.v, ignore_index)  # as the single-device CPU path
         parts = logits_partials(x, index, layout.v_off, temperature, want_ent, shift)
         world = _all_gather(parts, layout) if parts.numel() else parts.new_empty(layout.world, *parts.shape)
-        logp, ent, stats = _finish(world, index, lead, ignore_index, layout, LOG2E / kernel_temperature(temperature),
-                                   _exact_shift(x, dt), want_ent, dt)
+        c = LOG2E / kernel_temperature(temperature)
+        logp, ent, stats = _finish(world, index, lead, ignore_index, layout, c, _exact_shift(x, dt, c), want_ent, dt)
         ctx.set_materialize_grads(False)
         ctx.args = (layout, temperature, ignore_index, want_ent, shift)
         ctx.save_for_backward(x, index, stats, ent)
@@ -414,7 +415,7 @@ class _VocabParallelLinear(torch.autograd.Function):
         world = _all_gather(parts, layout) if parts.numel() else parts.new_empty(layout.world, *parts.shape)
         t_eff = LL._effective_temperature(temperature, logit_scale, softcap)
         logp, ent, stats = _finish(world, index, lead, ignore_index, layout, LOG2E / t_eff,
-                                   _exact_shift(hidden, dt), True, dt)
+                                   _exact_shift(hidden, dt, LOG2E / t_eff), True, dt)
         ctx.set_materialize_grads(False)
         ctx.args = (layout, temperature, ignore_index, shift, logit_scale, softcap)
         ctx.save_for_backward(hidden, weight, index, bias, stats, ent)

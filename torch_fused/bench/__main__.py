@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -95,8 +96,10 @@ def main(argv: list[str] | None = None) -> None:
         "--only", default=None, metavar="SUITES",
         help=f"comma-separated suites to run, in this order (default: all of {','.join(SUITES)})")
     ap.add_argument(
-        "--out", default="benchmarks/results", metavar="DIR",
-        help="folder for the result files, created if missing (default: benchmarks/results)")
+        "--out", default=None, metavar="DIR",
+        help="folder for the result files, created if missing (default: a new folder "
+             "torch_fused_bench_<date>_<time> in the working directory, so that no earlier results are "
+             "overwritten; benchmarks/results holds the committed ones)")
     ap.add_argument(
         "--quick", action="store_true",
         help="fewer shapes: the first shape of logprobs and mask_reduce, sinkgd without its "
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     suites = _suites(args.only, args.suites)
     if not torch.cuda.is_available():
         raise SystemExit("python -m torch_fused.bench needs a CUDA device (none is visible to torch)")
-    out = Path(args.out)
+    out = Path(args.out if args.out is not None else time.strftime("torch_fused_bench_%Y%m%d_%H%M%S"))
+    print(f"results: {out.resolve()}", flush=True)
     copy = common.copy_bandwidth_gbps()
     print(f"copy bandwidth (read+write): {copy:.0f} GB/s", flush=True)
     for suite in suites:
@@ -135,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         # a suite whose results are not rows of memory-floor fractions (step) writes its own files
         getattr(mod, "save", common.save)(report, out, suite)
         print(getattr(mod, "markdown", common.markdown)(report), flush=True)
+    print(f"results written to {out.resolve()}", flush=True)
 
 
 if __name__ == "__main__":

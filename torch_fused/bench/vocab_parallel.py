@@ -57,7 +57,7 @@ def _logits_rows(report, copy_gbps, n):
     x = torch.randn(n, v_loc, device=DEVICE, dtype=torch.bfloat16, generator=g) * 3  # this rank's shard
     idx = torch.randint(0, V, (n,), device=DEVICE, generator=g)
     idx2 = idx[:, None]
-    exact = P._exact_shift(x, torch.float32)
+    exact = P._exact_shift(x, torch.float32, P.LOG2E)  # temperature 1
     ones_lp = torch.ones(n, device=DEVICE)
     ones_ent = torch.ones(n, device=DEVICE)
     shard_bytes = x.numel() * x.element_size()
@@ -125,7 +125,7 @@ def _head_rows(report, n, hd, v):
     w = w_full[v_off:v_off + v_loc].contiguous()  # this rank's rows of lm_head.weight
     idx = torch.randint(0, v, (n,), device=DEVICE, generator=g)
     idx2 = idx[:, None]
-    exact = P._exact_shift(h, torch.float32)
+    exact = P._exact_shift(h, torch.float32, P.LOG2E)  # temperature 1
     ones = torch.ones(n, device=DEVICE)
     shape = f"N{n} H{hd} V{v} weight shard [{v_loc}, H] of {WORLD}"
 

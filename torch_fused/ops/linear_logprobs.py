@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from .._library import (INTERPRET, LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, kernel_temperature,
-                        new_output)
+from .._library import (INTERPRET, LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, exact_shift,
+                        kernel_temperature, new_output)
 from .. import reference
 from ..meta import linear_logprobs as meta
 from ..meta.logprobs import row_shape
@@ -158,7 +158,7 @@ def _shift_c(a, b, c, dt, exact=False):
     """(a - b) in the kernels' base-2 units: the difference of the rounded shifts a c and b c that
     the GPU kernels' sums are relative to (kernels/logprobs.py, _shift_diff); exact (a - b) c for
     sums made that way (the reference, the interpreter, float64)."""
-    return (a - b) * c if exact or INTERPRET or dt == torch.float64 else a * c - b * c
+    return (a - b) * c if exact or exact_shift(c) or dt == torch.float64 else a * c - b * c
 
 
 def _merge_reference(z, idx2, v0, first, run, u, m_own, t_eff, c):
@@ -200,7 +200,7 @@ def _merge_triton(z, idx2, v0, first, run, u, m_own, t_eff, c):
     block_v, warps = K.pick_block(v, 4, "fwd_ent")
     K._chunk_merge_kernel[(n,)](
         z, idx2, run, u, m_own, v, k, z.stride(0), v0, int(first), c,
-        EXACT_SHIFT=INTERPRET, BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)), EPT=4,
+        EXACT_SHIFT=exact_shift(c), BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)), EPT=4,
         num_warps=warps,
     )
 
@@ -273,12 +273,12 @@ def _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c):
             K._lm_head_stats_tma_kernel[(min(sms, tiles),)](
                 TensorDescriptor.from_tensor(h2[r0:r1], [cfg["BM"], cfg["BK"]]), d_w, b_ptr, ids[r0:r1], part,
                 u[r0:r1], m_own[r0:r1], r1 - r0, v, hd, k, nt, 0, c,
-                HAS_BIAS=bias is not None, EXACT_SHIFT=INTERPRET, BLOCK_K=k, NUM_SMS=sms, **cfg)
+                HAS_BIAS=bias is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k, NUM_SMS=sms, **cfg)
         else:
             K._lm_head_stats_kernel[(tiles,)](
                 h2[r0:r1], w, b_ptr, ids[r0:r1], part, u[r0:r1], m_own[r0:r1],
                 r1 - r0, v, hd, k, h2.stride(0), w.stride(0), nt, 0, c,
-                HAS_BIAS=bias is not None, EXACT_SHIFT=INTERPRET, BLOCK_K=k, **cfg)
+                HAS_BIAS=bias is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k, **cfg)
         m_t, s_t, t_t = part.unbind(0)
         live = s_t > 0
         m = torch.where(live, m_t, float("-inf")).amax(1)
@@ -325,7 +325,7 @@ def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c):
     tiles = -(-n // cfg["BM"]) * nt
     k = ids.shape[1]
     args = (bias.contiguous() if bias is not None else w, ids, g if g is not None else coef, coef, dz)
-    flags = dict(HAS_BIAS=bias is not None, HAS_GLP=g is not None, EXACT_SHIFT=INTERPRET, BLOCK_K=k, **cfg)
+    flags = dict(HAS_BIAS=bias is not None, HAS_GLP=g is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k, **cfg)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .._library import (INTERPRET, LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, kernel_temperature, new_output,
-                        rows_strides)
+from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, exact_shift, kernel_temperature,
+                        new_output, rows_strides)
 from .. import reference
 from ..meta import logprobs as meta
 
@@ -107,7 +107,8 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
         x, idx, logp, ent, stats, temperature_t if temperature_t is not None else stats,
         v, k, inner, s_outer, s_inner,
         LOG2E / kernel_temperature(temperature), ignore_index,
-        HAS_INDEX=index is not None, HAS_ENT=compute_entropy, EXACT_SHIFT=INTERPRET,
+        HAS_INDEX=index is not None, HAS_ENT=compute_entropy,
+        EXACT_SHIFT=exact_shift(None if temperature_t is not None else LOG2E / kernel_temperature(temperature)),
         T_FROM_PTR=temperature_t is not None,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)), EPT=16 // x.element_size(),
         num_warps=warps,
@@ -116,14 +117,16 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
 
 
 def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
-                     temperature_t=None, shift=False, *, v_off=0, v_total=None, out_dtype=None, out=None):
+                     temperature_t=None, shift=False, *, v_off=0, v_total=None, out_dtype=None, out=None,
+                     exact=None):
     """The backward op's Triton implementation. Keyword-only extras for the fused lm_head
     (ops/linear_logprobs.py): the logits may be columns v_off .. v_off + V - 1 of a vocabulary
     of v_total (stats and entropy of the whole rows), and d logits may be of another dtype, or
     written into ``out``: a [rows, V] view with unit column stride, which may share memory with
     2-D logits whose elements are at least as wide, as long as row r of ``out`` starts at the
     first byte of logits row r (column j of ``out`` then never lies past column j of the
-    logits; the kernel orders its warps' loads before the stores over them)."""
+    logits; the kernel orders its warps' loads before the stores over them). ``exact``: the shift
+    mode the stats were made with (_library.exact_shift); None: the logits ops' forward's."""
     if logits.dtype == torch.float64:
         return reference.logprobs_entropy_backward(
             grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift,
@@ -167,7 +170,9 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
         v, k, rows, inner, s_outer, s_inner, v_off, v if v_total is None else v_total,
         d_inner, d_outer, d_stride, z_inner, z_outer, z_stride,
         LOG2E / kernel_temperature(temperature), 1.0 / kernel_temperature(temperature), ignore_index, segs, seg_len,
-        HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1, EXACT_SHIFT=INTERPRET,
+        HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1,
+        EXACT_SHIFT=exact if exact is not None else exact_shift(
+            None if has_dt else LOG2E / kernel_temperature(temperature)),
         T_FROM_PTR=has_dt, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0, IN_PLACE=in_place,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
         num_warps=warps,
@@ -218,9 +223,10 @@ def _backward(ctx, g_logp, g_ent, _g_stats):
     if g_logp is None and g_ent is None:
         return grads(torch.zeros_like(logits) if need_x else None,
                      torch.zeros_like(temperature_t) if need_t else None)
+    # a tensor temperature reaches the backward whether or not it requires grad: it is the T of
+    # the d logits too (the float temperature is then only a placeholder)
     dx, dt = torch.ops.fused._logprobs_entropy_backward(
-        g_logp, g_ent, logits, index, stats, ent, ctx.temperature, ctx.ignore_index,
-        temperature_t if need_t else None, ctx.shift,
+        g_logp, g_ent, logits, index, stats, ent, ctx.temperature, ctx.ignore_index, temperature_t, ctx.shift,
     )
     return grads(dx, dt.to(temperature_t.dtype) if need_t else None)
 
