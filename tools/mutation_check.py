@@ -326,7 +326,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "sinkgd-row-norm-unscaled-triton", "14 SinkGD row norm squared unscaled",
         "torch_fused/kernels/sinkgd.py", TRITON,
-        [("        if tl.max(ssq) > SSQ_SCALED:\n", "        if tl.max(ssq) < 0.0:  # MUTANT: never scaled\n")],
+        [("    if worst > SSQ_SCALED:\n", "    if worst < 0.0:  # MUTANT: never redone scaled\n")],
         SINKGD_TESTS,
     ),
 ]

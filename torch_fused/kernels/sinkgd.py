@@ -230,6 +230,7 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
     m_n = m_n[None, :]
     t_off = o_r * n32 + o_n  # in-trip offsets: BM * n < 2**31
     acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
+    worst = 0.0  # the largest row sum of squares: past SSQ_SCALED, the rows are redone scaled
     # software pipelined: with PIPE (rows_pipe) by Triton, PIPE - 1 trips' loads staged through
     # shared memory ahead of this one; else the next trip's rows are loaded into registers
     # during this trip's reduction (two or three trips ahead in registers, and c re-read every
@@ -258,26 +259,45 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
             y = y * b_c
         q = y * y
         ssq = tl.sum(q, axis=1, keep_dims=True)
-        # y scaled by its row's largest |y| (a = max |y|) where a row's squares overflow fp32
-        # (entries past about 1.8e19 / sqrt(n)): the row norm a sqrt(sum (y/a)^2) and column
-        # terms (r_new a)^2 (y/a)^2 stay finite. A scalar branch, taken by the rare trip only.
-        a = tl.full([RB, 1], 1.0, tl.float32)
-        if tl.max(ssq) > SSQ_SCALED:
-            a = tl.max(tl.abs(y), axis=1, keep_dims=True)
-            a = tl.where(a > 0, a, 1.0)
-            y = y / a
-            q = y * y
-            ssq = tl.sum(q, axis=1, keep_dims=True)
-        norm = a * tl.sqrt(ssq)
+        big = ssq > SSQ_SCALED  # squares past fp32 (entries past about 1.8e19 / sqrt(n)): redone below
+        worst = tl.maximum(worst, tl.max(ssq))
+        norm = tl.sqrt(ssq)
         if ONES_R:
             r_old = tl.full([RB, 1], 1.0, tl.float32)
         else:
             r_old = tl.load(p_rb + rows, mask=m_r, other=1.0)
             norm = r_old * norm
         r_new = tl.minimum(r_old * target / tl.maximum(norm, eps), SCALE_MAX)
-        tl.store(p_rb + rows, r_new, mask=m_r)
-        r_sq = tl.minimum(r_new * a, SQRT_FP32_MAX)  # a zero row's r_new = 1e30 meets q = 0: keep r_new^2 finite
+        # a big row keeps -r_old (r > 0 always): the redo finds it by its sign
+        tl.store(p_rb + rows, tl.where(big, -r_old, r_new), mask=m_r)
+        r_sq = tl.minimum(r_new, SQRT_FP32_MAX)  # a zero row's r_new = 1e30 meets q = 0: keep r_new^2 finite
         acc += q * (r_sq * r_sq)
+    if worst > SSQ_SCALED:
+        # Rare: some row's squares overflowed fp32. The program's rows again, each y scaled by
+        # its largest |y| (a): the row norm a sqrt(sum (y/a)^2) and the column terms
+        # (r_new a)^2 (y/a)^2 stay finite. The big rows finish their r here (the others' r
+        # stand); the column partials are rebuilt from every row. Out of the pipelined loop
+        # above, so the common case pays only the running max of the row sums.
+        acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
+        for k in range(0, tl.cdiv(n_rows, RB)):
+            rows = k * RB + o_r
+            m_r = rows < n_rows
+            y = tl.load(p_g + k * RB * n + t_off, mask=m_r & m_ld, other=0.0).to(tl.float32)
+            if not ONES_C:
+                y = y * b_c
+            a = tl.max(tl.abs(y), axis=1, keep_dims=True)
+            a = tl.where(a > 0, a, 1.0)
+            y = y / a
+            q = y * y
+            ssq = tl.sum(q, axis=1, keep_dims=True)
+            r_cur = tl.load(p_rb + rows, mask=m_r, other=1.0)
+            big = r_cur < 0  # left by the first loop with -r_old
+            r_old = tl.abs(r_cur)
+            r_new = tl.minimum(r_old * target / tl.maximum(r_old * (a * tl.sqrt(ssq)), eps), SCALE_MAX)
+            r_new = tl.where(big, r_new, r_cur)
+            tl.store(p_rb + rows, r_new, mask=m_r)
+            r_sq = tl.minimum(r_new * a, SQRT_FP32_MAX)
+            acc += q * (r_sq * r_sq)
     col = tl.sum(acc, axis=0, keep_dims=True)
     tl.store(p_pc + o_n, col, mask=m_n)
 
