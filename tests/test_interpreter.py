@@ -25,7 +25,8 @@ def test_suite_under_triton_interpreter(request):
     proc = conftest.interpreter_run(request.config)
     out = []
     with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-        sys.stdout.write("\n[interpreter run, TRITON_INTERPRET=1] ")
+        sys.stdout.write("\n\n==== interpreter run (TRITON_INTERPRET=1): the same tests through the real Triton "
+                         "kernels, a second pytest process; its own summary follows ====\n")
         for line in proc.stdout:
             out.append(line)
             sys.stdout.write(line)

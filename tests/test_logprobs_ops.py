@@ -343,3 +343,15 @@ def test_tensor_temperature_without_grad_scales_the_logits_gradient(device, fn):
         out = out if isinstance(out, tuple) else (out,)
         grads.append(torch.autograd.grad(sum(o.sum() for o in out), x)[0])
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [None, 1.5, True, "x"])
+def test_ignore_index_of_the_wrong_type_names_the_argument(bad):
+    x = torch.randn(2, 5)
+    i = torch.zeros(2, dtype=torch.long)
+    h, w = torch.randn(2, 3), torch.randn(5, 3)
+    for call in (lambda: torch_fused.selective_log_softmax(x, i, ignore_index=bad),
+                 lambda: torch_fused.logprobs_and_entropy(x, i, ignore_index=bad),
+                 lambda: torch_fused.linear_logprobs_and_entropy(h, w, i, ignore_index=bad)):
+        with pytest.raises(TypeError, match=r"ignore_index: expected an int .* got " + repr(bad).replace(".", r"\.")):
+            call()

@@ -52,6 +52,14 @@ def _no_mesh_dim(mesh_dim) -> None:
                          f"mesh_dim={mesh_dim!r} with plain tensors")
 
 
+def _ignore_index(value) -> int:
+    """ignore_index as the ops take it: an int (not a bool), else a TypeError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"ignore_index: expected an int (positions holding it give 0 and no gradient; "
+                        f"default -100), got {value!r}")
+    return value
+
+
 def _temperature_args(temperature, logits) -> tuple[float, torch.Tensor | None]:
     """(float temperature, temperature tensor or None) for the ops' schemas: a Python number is a
     constant of the op; a 1-element tensor is passed as ``temperature_tensor`` (differentiable).
@@ -107,11 +115,11 @@ def selective_log_softmax(
         checking would cost a device sync) it gives NaN at that position and a NaN gradient row.
     """
     if _is_dtensor(logits):
-        return _parallel().logprobs_entropy(logits, index, temperature=temperature, ignore_index=ignore_index,
+        return _parallel().logprobs_entropy(logits, index, temperature=temperature, ignore_index=_ignore_index(ignore_index),
                                             shift=shift, mesh_dim=mesh_dim, want_ent=False)[0]
     _no_mesh_dim(mesh_dim)
     t, t_tensor = _temperature_args(temperature, logits)
-    return _torch.ops.fused.selective_log_softmax(logits, index, t, ignore_index, shift=shift,
+    return _torch.ops.fused.selective_log_softmax(logits, index, t, _ignore_index(ignore_index), shift=shift,
                                                  temperature_tensor=t_tensor)
 
 
@@ -155,11 +163,11 @@ def logprobs_and_entropy(
     DTensors, from the same one all-gather).
     """
     if _is_dtensor(logits):
-        return _parallel().logprobs_entropy(logits, index, temperature=temperature, ignore_index=ignore_index,
+        return _parallel().logprobs_entropy(logits, index, temperature=temperature, ignore_index=_ignore_index(ignore_index),
                                             shift=shift, mesh_dim=mesh_dim)
     _no_mesh_dim(mesh_dim)
     t, t_tensor = _temperature_args(temperature, logits)
-    return _torch.ops.fused.logprobs_and_entropy(logits, index, t, ignore_index, shift=shift,
+    return _torch.ops.fused.logprobs_and_entropy(logits, index, t, _ignore_index(ignore_index), shift=shift,
                                                 temperature_tensor=t_tensor)
 
 
@@ -210,7 +218,7 @@ def linear_logprobs_and_entropy(
     """
     if _is_dtensor(weight) or _is_dtensor(hidden):
         return _parallel().linear_logprobs_and_entropy(
-            hidden, weight, index, bias=bias, temperature=temperature, ignore_index=ignore_index, shift=shift,
+            hidden, weight, index, bias=bias, temperature=temperature, ignore_index=_ignore_index(ignore_index), shift=shift,
             logit_scale=logit_scale, softcap=softcap, mesh_dim=mesh_dim)
     _no_mesh_dim(mesh_dim)
     if temperature is None:
@@ -220,7 +228,7 @@ def linear_logprobs_and_entropy(
                          "to it); got a tensor. Pass float(t), or make the logits and call logprobs_and_entropy, "
                          "whose temperature may be a differentiable tensor")
     return _torch.ops.fused.linear_logprobs_and_entropy(
-        hidden, weight, index, bias=bias, temperature=temperature, ignore_index=ignore_index, shift=shift,
+        hidden, weight, index, bias=bias, temperature=temperature, ignore_index=_ignore_index(ignore_index), shift=shift,
         logit_scale=logit_scale, softcap=softcap)
 
 
