@@ -321,6 +321,49 @@ def head_vocab_sharded_weight(ctx):
 
 
 @check(interpret=False)
+def masked_helpers_on_replicated_outputs(ctx):
+    """The vocab-parallel outputs (Replicate() DTensors) straight into aggregate_loss, masked_mean
+    and mask_reduce: Replicate() DTensor results equal to the single-device ones, and the
+    logits' gradient through them still Shard(-1) and equal to the single-device gradient."""
+    import torch_fused
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(11)
+    full = torch.randn(3, 6, 29, generator=g, dtype=torch.float64)
+    idx = torch.randint(0, 29, (3, 6), generator=g)
+    mask = torch.rand(3, 6, generator=g) > 0.3
+    adv = torch.randn(3, 1, generator=g, dtype=torch.float64)
+    x = distribute_tensor(full, ctx.mesh, [Shard(-1)]).requires_grad_(True)
+    ref_x = full.clone().requires_grad_(True)
+    outs = []
+    for logits in (x, ref_x):
+        lp, ent = torch_fused.logprobs_and_entropy(logits, idx)
+        a = distribute_tensor(adv, ctx.mesh, [Replicate()]) if logits is x else adv  # DTensor math wants DTensors
+        per_token = -a * lp - 0.01 * ent
+        loss = torch_fused.aggregate_loss(per_token, mask.float(), "seq-mean-token-mean")
+        mean_ent = torch_fused.masked_mean(ent, mask, 1)
+        sums = torch_fused.mask_reduce(per_token, 1, mask)
+        loss.backward()
+        outs.append((loss, mean_ent, sums, logits.grad))
+    for name, got, want in zip(("loss", "masked_mean", "mask_reduce"), outs[0][:3], outs[1][:3]):
+        with ctx.soft(name):
+            assert isinstance(got, DTensor) and got.placements == (Replicate(),), (type(got), name)
+            torch.testing.assert_close(got.to_local(), want.detach(), rtol=1e-10, atol=1e-12)
+    with ctx.soft("gradient"):
+        gx = outs[0][3]
+        assert isinstance(gx, DTensor) and gx.placements[0].is_shard(), gx
+        torch.testing.assert_close(gx.full_tensor(), outs[1][3], rtol=1e-10, atol=1e-12)
+    with ctx.soft("a sharded input is refused"):
+        try:
+            torch_fused.masked_mean(distribute_tensor(full[..., 0], ctx.mesh, [Shard(0)]), mask)
+        except ValueError as e:
+            assert "values: expected a DTensor with Replicate() placements" in str(e), e
+        else:
+            raise AssertionError("no error for a Shard(0) DTensor")
+    ctx.done()
+
+
+@check(interpret=False)
 def mesh_dim_on_a_2d_mesh(ctx):
     """A (1, W) mesh, logits (Replicate(), Shard(-1)): mesh_dim by index or by name; the other
     dims must be Replicate()."""
@@ -481,6 +524,12 @@ def test_logits_values_gradients_and_collectives(group):
     values and Shard(-1) gradients equal to the single-device op's (and float64's), one
     all-gather of O(rows) elements forward, no collective backward."""
     _assert_check(group, "logits_values_gradients_collectives")
+
+
+def test_masked_helpers_on_replicated_outputs(group):
+    """aggregate_loss / masked_mean / mask_reduce on the vocab-parallel functions' Replicate()
+    DTensor outputs: Replicate() results, Shard(-1) logits gradient, both equal to one device's."""
+    _assert_check(group, "masked_helpers_on_replicated_outputs")
 
 
 def test_head_with_vocab_sharded_weight(group):

@@ -12,6 +12,35 @@ from .reference import stored_view
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
+def _on_replicated(fn, tensors: dict, *args):
+    """``fn(*locals, *args)`` as a ``Replicate()`` DTensor when any of ``tensors`` (name -> tensor
+    or None, in fn's argument order) is a DTensor, as the vocab-parallel functions return them;
+    None otherwise. Every DTensor among them must be replicated on one mesh: the helpers reduce
+    over dims that are not sharded, so each rank computes the whole result from its copy."""
+    import sys
+
+    mod = sys.modules.get("torch.distributed.tensor")
+    if mod is None or not any(isinstance(t, mod.DTensor) for t in tensors.values()):
+        return None
+    from torch.distributed.tensor import Replicate
+
+    mesh = None
+    local = []
+    for name, t in tensors.items():
+        if isinstance(t, mod.DTensor):
+            if not all(isinstance(p, Replicate) for p in t.placements):
+                raise ValueError(f"{name}: expected a DTensor with Replicate() placements (as the vocab-parallel "
+                                 f"functions return), got {tuple(t.placements)}; call .full_tensor() or redistribute "
+                                 "it first")
+            if mesh is not None and t.device_mesh != mesh:
+                raise ValueError(f"{name}: on another device mesh than the other DTensor arguments")
+            mesh = t.device_mesh
+            t = t.to_local()
+        local.append(t)
+    out = fn(*local, *args)
+    return mod.DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
 def mask_reduce(x, dim, mask=None, scale=None, *, out_dtype=None):
     """Sum over ``dim`` of ``x * scale`` where ``mask != 0``.
 
@@ -28,6 +57,10 @@ def mask_reduce(x, dim, mask=None, scale=None, *, out_dtype=None):
     Gradient flows to ``x`` only (``dx = dy`` broadcast over ``dim``, times ``scale``, 0 where
     masked); ``mask`` and ``scale`` get none.
     """
+    out = _on_replicated(lambda x, m, s: mask_reduce(x, dim, m, s, out_dtype=out_dtype),
+                         dict(x=x, mask=mask, scale=scale))
+    if out is not None:
+        return out
     return torch.ops.fused.mask_reduce(x, dim, mask, scale, out_dtype)
 
 
@@ -97,7 +130,14 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
         dim: the dim to average over, or None for all elements.
 
     float32 result (float64 for float64 values). Where the mask keeps nothing the mean is 0,
-    never NaN (TRL's masked_mean would give NaN there)."""
+    never NaN (TRL's masked_mean would give NaN there).
+
+    ``Replicate()`` DTensors (the vocab-parallel functions' outputs) are accepted for ``values``
+    and ``mask``; the result is then a ``Replicate()`` DTensor (the same for ``aggregate_loss``
+    and ``mask_reduce``)."""
+    out = _on_replicated(masked_mean, dict(values=values, mask=mask), dim)
+    if out is not None:
+        return out
     out_dtype = acc_dtype(values.dtype)
     if dim is None and values.dim() == 0:
         values = values.reshape(1)
@@ -131,6 +171,9 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-me
     """
     if mode not in AGG_MODES:
         raise ValueError(f"mode: expected one of {AGG_MODES}, got {mode!r}")
+    out = _on_replicated(aggregate_loss, dict(loss=loss, mask=mask), mode)
+    if out is not None:
+        return out
     _check(loss.dim() == 2, lambda: f"loss: expected a [B, L] tensor, got shape {tuple(loss.shape)}")
     check_mask_reduce(loss, 1, mask, None, None, x_name="loss")
     out_dtype = acc_dtype(loss.dtype)
