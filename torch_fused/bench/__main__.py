@@ -17,7 +17,9 @@ import torch
 
 from . import common
 
-SUITES = ("logprobs", "model_logits", "lm_head", "vocab_parallel", "mask_reduce", "sinkgd", "step")
+SUITES = ("logprobs", "model_logits", "lm_head", "vocab_parallel", "mask_reduce", "sinkgd", "step", "train")
+# run when no suite is named: all but train (a training-quality sweep of many minutes, named explicitly)
+DEFAULT_SUITES = tuple(s for s in SUITES if s != "train")
 
 DESCRIPTION = """\
 Benchmark the torch_fused ops on a CUDA device against baselines timed in the same run
@@ -49,6 +51,11 @@ Suites:
                aggregate_loss + SinkGD; step time, tokens/s and peak memory at one micro-batch,
                then the largest micro-batch each path fits (eager) and tokens/s there; PASS/FAIL
                against its targets. About 5 minutes on an H200, compilation included
+  train        training quality (not run by default): a byte-level LLaMA-style LM on the
+               standard library's sources, AdamW against SinkGD (plain and spectral) at equal
+               tokens, lr swept per optimizer and width; best validation loss and lr, tokens
+               to AdamW's final loss, hidden-state RMS, optimizer step time and state
+               (python -m torch_fused.bench.train runs it on any device; --quick on a CPU)
 
 Results go to <out>/<suite>.json, <suite>.md and <suite>.png (the plot needs matplotlib:
 pip install -e '.[bench]').
@@ -57,7 +64,7 @@ Run the CUDA tests first and benchmark only when they pass; benchmarks/device_ru
 
 EPILOG = """\
 examples:
-  python -m torch_fused.bench                                  every suite, results in benchmarks/results
+  python -m torch_fused.bench                                  every suite but train, results in a new folder
   python -m torch_fused.bench --only mask_reduce --out /tmp/r  one suite, results in /tmp/r
   python -m torch_fused.bench step                             one suite, named as an argument
   python -m torch_fused.bench step --quick                     2 layers, S 2048, eager only: about a minute
@@ -74,7 +81,7 @@ def _suites(only: str | None, positional: list[str]) -> list[str]:
     if only is not None and positional:
         raise SystemExit(f"suites: name them as arguments or with --only, not both (got {positional} and "
                          f"--only {only})")
-    names = [s for s in only.split(",") if s] if only is not None else list(positional) or list(SUITES)
+    names = [s for s in only.split(",") if s] if only is not None else list(positional) or list(DEFAULT_SUITES)
     where = "--only" if only is not None else "suites"
     for s in names:
         if s not in SUITES:
@@ -91,10 +98,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "suites", nargs="*", metavar="SUITE",
-        help=f"suites to run, in this order (default: all of {' '.join(SUITES)}); the same as --only")
+        help=f"suites to run, in this order (default: all of {' '.join(DEFAULT_SUITES)}); the same as --only")
     ap.add_argument(
         "--only", default=None, metavar="SUITES",
-        help=f"comma-separated suites to run, in this order (default: all of {','.join(SUITES)})")
+        help=f"comma-separated suites to run, in this order (default: all of {','.join(DEFAULT_SUITES)})")
     ap.add_argument(
         "--out", default=None, metavar="DIR",
         help="folder for the result files, created if missing (default: a new folder "

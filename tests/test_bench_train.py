@@ -1,0 +1,54 @@
+"""python -m torch_fused.bench.train at CPU size: the data split, the sweep's edge rule and a whole
+(tiny) experiment, every optimizer finite, the report's tables."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torch_fused._library import INTERPRET
+from torch_fused.bench import train as T
+
+pytestmark = pytest.mark.skipif(INTERPRET, reason="training loops: the plain CPU run covers them")
+
+
+def test_corpus_is_split_by_file_and_deterministic():
+    tr, va, info = T.corpus(0.2)
+    tr2, va2, _ = T.corpus(0.2)
+    assert torch.equal(tr, tr2) and torch.equal(va, va2)
+    assert info["val_files"] >= 1 and info["files"] > info["val_files"]
+    assert tr.numel() == info["train_bytes"] and va.numel() == info["val_bytes"]
+    assert int(tr.max()) < 256 and int(tr.min()) >= 0
+
+
+def test_sweep_widens_while_the_best_lr_is_at_an_edge(monkeypatch):
+    """A best lr at the top of the sweep runs 2x it next, at the bottom 1/2 x, up to max_extend."""
+    seen = []
+
+    def fake(name, width, lr, adamw_lr, train, val, cfg, device, seed=0):
+        seen.append(lr)
+        return dict(val=abs(math.log2(lr / 8.0)), hidden_rms=1.0, opt_step_ms=0.0, lr=lr)
+
+    monkeypatch.setattr(T, "train_one", fake)
+    runs = T.sweep("adamw", 8, (1.0, 2.0), None, None, None, dict(max_extend=5), None, lambda s: None)
+    assert seen == [1.0, 2.0, 4.0, 8.0, 16.0]  # stops once 8 is interior
+    assert T.best_of(runs)["lr"] == 8.0
+
+
+def test_quick_experiment_end_to_end():
+    cfg = dict(T.QUICK, widths=(32,), steps=4, eval_every=2, quick=True)
+    res = T.experiment(cfg, torch.device("cpu"), log=lambda s: None)
+    w = res["widths"]["32"]
+    assert set(w["summary"]) == set(T.OPTIMIZERS)
+    for name, runs in w["runs"].items():
+        assert [r["lr"] for r in runs] == sorted(cfg["lrs"][name])
+        for r in runs:
+            assert math.isfinite(r["val"]) and r["val"] < math.log(256) + 0.5, (name, r)
+            assert [t for t, _ in r["curve"]] == [2 * 4 * 32, 4 * 4 * 32]
+    s = w["summary"]
+    assert s["adamw"]["state_mib"] > s["sinkgd"]["state_mib"]  # AdamW's moments on the matrices
+    report = T.TrainReport(device="cpu", extra={"train": res})
+    md = T.markdown(report)
+    assert "| 32 | sinkgd |" in md and "Quick run" in md
