@@ -107,3 +107,18 @@ def pytest_unconfigure(config):
     proc = _INTERPRETER.pop("proc", None)
     if proc is not None and proc.poll() is None:
         proc.kill()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Skips summarized by cause (one line per reason, with its count), not one per test."""
+    from collections import Counter
+
+    reasons = Counter()
+    for rep in terminalreporter.stats.get("skipped", []):
+        longrepr = rep.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.write_sep("-", "skipped, by cause")
+        for reason, n in reasons.most_common():
+            terminalreporter.write_line(f"{n:5d}  {reason}")

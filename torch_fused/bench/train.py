@@ -416,6 +416,9 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny widths, a few steps: a smoke run (CPU)")
     ap.add_argument("--widths", default=None, help="comma-separated widths (default: the configuration's)")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--lrs", action="append", default=[], metavar="OPT=LR,LR,...",
+                    help="the starting lr grid of one optimizer (adamw, sinkgd, sinkgd_spectral); repeatable")
+    ap.add_argument("--max-extend", type=int, default=None, help="how many times a sweep may widen (default 2)")
     ap.add_argument("--out", default=None, help="result folder (default: a new torch_fused_bench_train_<time>)")
     args = ap.parse_args(argv)
     cfg = dict(QUICK if args.quick else FULL, quick=args.quick)
@@ -423,6 +426,14 @@ def main(argv=None) -> None:
         cfg["widths"] = tuple(int(w) for w in args.widths.split(","))
     if args.steps:
         cfg["steps"] = args.steps
+    if args.max_extend is not None:
+        cfg["max_extend"] = args.max_extend
+    cfg["lrs"] = dict(cfg["lrs"])
+    for spec in args.lrs:
+        name, _, vals = spec.partition("=")
+        if name not in OPTIMIZERS or not vals:
+            raise SystemExit(f"--lrs: expected OPT=LR,LR,... with OPT one of {', '.join(OPTIMIZERS)}, got {spec!r}")
+        cfg["lrs"][name] = tuple(float(v) for v in vals.split(","))
     device = torch.device(args.device)
     report = new_report(device)
     out = Path(args.out or time.strftime("torch_fused_bench_train_%Y%m%d_%H%M%S"))
