@@ -55,11 +55,14 @@ class Checks:
         self.module, self.interpret, self.preload = module, interpret, list(preload)
         self.timeout_s, self.plain_only = timeout_s, plain_only
         self.checks = {}  # name -> (check, world sizes it runs at)
+        self.left_out = set()  # checks defined but not run in this (interpreter) run
 
     def check(self, interpret=None, worlds=(2, 3)):
         def register(fn):
             if (self.interpret if interpret is None else interpret) or not INTERPRET:
                 self.checks[fn.__name__] = (fn, worlds)
+            else:
+                self.left_out.add(fn.__name__)
             return fn
 
         return register
@@ -82,8 +85,9 @@ class Checks:
         return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
     def assert_check(self, group, name):
-        if name not in self.checks:
+        if name in self.left_out:
             pytest.skip(self.plain_only)
+        assert name in self.checks, f"no check named {name!r} in {self.module} (defined: {sorted(self.checks)})"
         world, results = group
         if world not in self.checks[name][1]:
             pytest.skip(f"runs at world sizes {self.checks[name][1]} (see its docstring)")
@@ -119,3 +123,14 @@ def _worker(rank, world, store_path, out_dir, module, names):
         except Exception:  # a broken group: its checks have already reported the failure
             pass
         dist.destroy_process_group()
+
+
+def assert_every_check_has_a_test(checks: Checks, module) -> None:
+    """Every check the module defines is asserted by one of its tests (a check no test names
+    would run in the process group and never be judged)."""
+    import inspect
+
+    sources = [inspect.getsource(f) for n, f in vars(module).items() if n.startswith("test_") and callable(f)]
+    unjudged = [name for name in sorted(set(checks.checks) | checks.left_out)
+                if not any(f'"{name}"' in src for src in sources)]
+    assert not unjudged, f"checks of {checks.module} that no test asserts: {unjudged}"

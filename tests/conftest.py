@@ -43,7 +43,9 @@ if INTERPRET:
     _lpk.BWD_SEGMENT = 48
     # mask_reduce: [2, 2, 4] trips (U=2 rows of 2 per thread), the pipelined loop for even reduce
     # lengths, the plain one for odd ones
-    _mrk._shipped_pick_blocks = _mrk.pick_blocks
+    from _helpers import SHIPPED
+
+    SHIPPED["mask_reduce.pick_blocks"] = _mrk.pick_blocks
     _mrk.pick_blocks = lambda r, i, n_outer, r_contiguous, *a: (2, 4, 1, 2, r % 2 == 0, 2)
     # sinkgd: rows wider than 64 take the two-pass path; the one-read row pass gets programs of
     # 4 rows in 1-2 row trips, so small matrices still have several programs and trips each

@@ -248,8 +248,11 @@ def test_shipped_tile_configs_match_reference(case, monkeypatch):
     (software-pipelined loop, several rows per thread, masked tails) on small shapes."""
     from torch_fused.kernels import mask_reduce as K
 
+    from _helpers import SHIPPED
+
     shape, dtype, dim, mshape, sshape, flags = case
-    monkeypatch.setattr(K, "pick_blocks", lambda r, i, n_outer, rc, xb, n_sm: K._shipped_pick_blocks(r, i, n_outer, rc, xb, 1))
+    shipped = SHIPPED.get("mask_reduce.pick_blocks", K.pick_blocks)
+    monkeypatch.setattr(K, "pick_blocks", lambda r, i, n_outer, rc, xb, n_sm: shipped(r, i, n_outer, rc, xb, 1))
     seen = _record_launches(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(shape, generator=gen, dtype=torch.float64)

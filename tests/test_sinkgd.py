@@ -308,7 +308,10 @@ def test_param_groups_find_the_head_by_module_not_by_name(tied, with_getter):
     assert {"embeddings.word_embeddings.weight", "embeddings.position_embeddings.weight",
             "encoder.layer.0.attention.output.dense.bias"} <= rest
     # the decoder: by get_output_embeddings, or (without it) by its tie to the word embeddings
-    assert ("cls.predictions.decoder.weight" in rest) or tied
+    # (a tied decoder weight is the word embedding's Parameter itself: checked by identity)
+    dec = m.cls.predictions.decoder.weight
+    assert any(p is dec for p in groups[1]["params"]) and not any(p is dec for p in groups[0]["params"])
+    assert "cls.predictions.decoder.bias" in rest
     assert len(groups[0]["params"]) + len(groups[1]["params"]) == len(list(m.parameters()))
 
 

@@ -588,3 +588,11 @@ def test_state_dict_keeps_warm_start_float32():
     v = opt2.state[p]["spectral_v"]
     assert v.dtype == torch.float32 and torch.equal(v, opt.state[p]["spectral_v"])
     opt2.step()
+
+
+def test_every_check_has_a_test():
+    import sys
+
+    from _distributed import assert_every_check_has_a_test
+
+    assert_every_check_has_a_test(CHECKS, sys.modules[__name__])

@@ -622,3 +622,11 @@ def test_merge_shift_is_the_kernels_rounded_difference(device):
     # the inputs tell the two forms apart: the unrounded product's difference is not the same
     c32 = float(torch.tensor(c, dtype=torch.float32))
     assert not torch.equal(((a.double() - b.double()) * c32).float(), want)
+
+
+def test_every_check_has_a_test():
+    import sys
+
+    from _distributed import assert_every_check_has_a_test
+
+    assert_every_check_has_a_test(CHECKS, sys.modules[__name__])
