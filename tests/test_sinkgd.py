@@ -750,34 +750,6 @@ def test_spectral_step_launches_do_not_grow_with_matrices(device, monkeypatch):
     assert per_size[0]["_sinkgd_power_cols_kernel"] == 2 and per_size[0]["_sinkgd_power_norm_kernel"] == 2
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_zigzag_passes_give_the_same_bits(device, monkeypatch):
-    """kernels/sinkgd.py ZIGZAG walks every other pass over the gradients backwards (launch
-    order and program order): the same partials in the same slots, so bitwise the same step,
-    for a list spanning several row-pass launches and both update load classes, spectral and
-    stochastic rounding included."""
-    from torch_fused.kernels import sinkgd as K
-
-    if not (device == "cuda" or INTERPRET):
-        pytest.skip("the Triton path only (CUDA, or the interpreter run)")
-    gen = torch.Generator().manual_seed(23)
-    shapes = [(9, 24), (3, 5), (2, 6, 40), (17, 8), (4, 100)]
-    ws = [torch.randn(s, generator=gen).to(torch.bfloat16).to(device) for s in shapes]
-    gs = [torch.randn(s, generator=gen).to(torch.bfloat16).to(device) for s in shapes]
-    vs = [torch.randn(math.prod(s[:-2]), s[-1], generator=gen).to(device) for s in shapes]
-    kw = dict(lr=0.3, weight_decay=0.05, base_width=16.0, sinkhorn_iters=3, spectral_norm=True,
-              spectral_target="muon", spectral_iters=2, stochastic_round=True, step=torch.tensor(7.0))
-    out = {}
-    for zig in (False, True):
-        monkeypatch.setattr(K, "ZIGZAG", zig)
-        w, v = [x.clone() for x in ws], [x.clone() for x in vs]
-        sinkgd_step(w, gs, spectral_vecs=v, **kw)
-        out[zig] = (w, v)
-    for a, b in zip(out[False][0] + out[False][1], out[True][0] + out[True][1]):
-        assert torch.equal(a, b)
-    assert not torch.equal(out[True][0][0], ws[0])
-
-
 def test_fallback_group_settings_reach_its_adamw():
     """A use_fallback group's own lr, weight_decay, eps and betas (sinkgd_param_groups' keyword
     arguments) are its AdamW's, over fallback_kwargs; a scheduler's lr change applies; without

@@ -194,17 +194,17 @@ MUTANTS: list[Mutant] = [
         # columns); the two-pass path (n > MAX_FUSED_N, in the interpreter run n > 64) can: column
         # sums and scale, then row sums and scale, every launch reading only what is written
         "sinkgd-cols-first-triton", "6 SinkGD columns normalized before rows", "torch_fused/ops/sinkgd.py", TRITON,
-        [("""            _row_stage(plan, bufs, gdt, eps, first, rev)
+        [("""            _row_stage(plan, bufs, gdt, eps, first)
             if reduce is not None:
                 _colsum_stage(plan, bufs, sums, with_u=False)
 """, """            if plan.wide is None:
-                _row_stage(plan, bufs, gdt, eps, first, rev)
+                _row_stage(plan, bufs, gdt, eps, first)
             else:  # MUTANT: the wide matrices' columns first, then their rows
                 r, c, part_r, part_c = bufs.r, bufs.c, bufs.part_r, bufs.part_c
                 for (block_n, rb, bm, warps), al, even, (t_meta, t_first, n_mats, grid) in plan.fused:
                     K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gdt, r, c, part_c, eps, ONES_R=first,
                                                    ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=al,
-                                                   EVEN_N=even, REVERSE=False, num_warps=warps)
+                                                   EVEN_N=even, num_warps=warps)
                 rbm, rbn, rw = K.ROW_TILE
                 cbm, cbn, cw = K.COL_TILE
                 align, ((m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c)) = plan.wide

@@ -51,11 +51,6 @@ CONFIGS = [
     ("SinkGD L=1", dict(sinkhorn_iters=1), None),
     ("SinkGD L=5 spectral", dict(sinkhorn_iters=5, spectral_norm=True, spectral_target="muon", spectral_iters=1), 1.3),
     ("SinkGD L=1 spectral", dict(sinkhorn_iters=1, spectral_norm=True, spectral_target="muon", spectral_iters=1), 0.8),
-    # the same steps with every other pass over the gradients walked backwards (kernels/sinkgd.py
-    # ZIGZAG), against the rows above in the same run
-    ("SinkGD L=5 zigzag", dict(sinkhorn_iters=5, zigzag=True), None),
-    ("SinkGD L=5 spectral zigzag", dict(sinkhorn_iters=5, spectral_norm=True, spectral_target="muon",
-                                        spectral_iters=1, zigzag=True), None),
 ]
 
 
@@ -69,9 +64,6 @@ def run(report, copy_gbps, quick=False):
     cases = [("Llama-3-8B x1 layer", LLAMA_LAYER), ("GPT-2 small 2-D weights", GPT2_SMALL)]
     if not quick:
         cases.insert(1, ("Llama-3-8B x4 layers", LLAMA_LAYER * 4))
-    from torch_fused.kernels import sinkgd as K
-
-    zigzag_default = K.ZIGZAG
     verdicts = []
     for name, shapes in cases:
         params = _params(shapes)
@@ -86,8 +78,6 @@ def run(report, copy_gbps, quick=False):
         del adam  # its moments are not needed past this point
         torch.cuda.empty_cache()
         for label, kw, bar in CONFIGS:
-            kw = dict(kw)
-            K.ZIGZAG = kw.pop("zigzag", False)
             opt = SinkGD(params, lr=torch.tensor(1e-3, device="cuda"), **kw)
             opt.step()
             ms = bench_ms(opt.step)
@@ -96,7 +86,6 @@ def run(report, copy_gbps, quick=False):
             rows.append((label, ms, peak_extra_mb(opt.step) + held + _state_mib(opt), bar))
             opt.plan_cache.clear()  # frees this configuration's graphs before the next one
             del opt
-            K.ZIGZAG = zigzag_default
         # compile time of the unrolled loop grows with the param count; SINKGD_NO_COMPILE=1 skips it
         if name == "Llama-3-8B x1 layer" and os.environ.get("SINKGD_NO_COMPILE") != "1":
             ws = [p.data for p in params]

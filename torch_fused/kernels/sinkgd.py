@@ -58,7 +58,6 @@ the matrices it covers (ops/sinkgd.py::_Plan builds them once per set of paramet
 
 from __future__ import annotations
 
-import os
 
 import triton
 import triton.language as tl
@@ -93,12 +92,6 @@ SQRT_FP32_MAX = tl.constexpr(1.8e19)  # about sqrt(fp32 max): a clamp whose squa
 SSQ_SCALED = tl.constexpr(1e37)  # a row sum of squares above this (or inf) is recomputed scaled
 
 MAX_FUSED_N = 16384  # widest row a _sinkgd_rows_kernel program holds in registers
-# Alternate the direction of successive one-read passes over the gradient (the row passes, the
-# power passes, then the update; the wide rows' two-pass path keeps its order): a pass that walks
-# the matrices backwards starts on the bytes the previous pass read last, which may still sit in
-# L2 (50 MB on an H100 / H200). The results are bitwise the same either way (every partial has
-# its own slot). TORCH_FUSED_SINKGD_ZIGZAG=1.
-ZIGZAG = os.environ.get("TORCH_FUSED_SINKGD_ZIGZAG", "0") == "1"
 ROW_TILE = (8, 1024, 4)  # two-pass path, row sums: BM, BN, warps
 COL_TILE = (128, 64, 4)  # two-pass path, column sums
 UPD_TILE = (32, 256, 4)  # [BM, BN] tiles of the update: BN 256 divides the common widths (768, 3072)
@@ -166,15 +159,11 @@ def _find_matrix(p_first, n_mats, pid):
 
 
 @triton.jit
-def _program_matrix(p_meta, p_first, n_mats, REVERSE: tl.constexpr):
+def _program_matrix(p_meta, p_first, n_mats):
     """This program's matrix in the launch's work table: (its index, the program's index among
     the matrix's programs, a pointer to its meta row). The kernels load n and the addresses
-    from the row themselves: an alignment hint on a value returned from here would be lost.
-    REVERSE: the launch walks its work backwards (the first programs the GPU schedules take
-    the last tiles; see ZIGZAG)."""
+    from the row themselves: an alignment hint on a value returned from here would be lost."""
     pid = tl.program_id(0).to(tl.int64)
-    if REVERSE:
-        pid = tl.num_programs(0).to(tl.int64) - 1 - pid
     mat, local = _find_matrix(p_first, n_mats, pid)
     return mat, local, p_meta + mat * META_COLS
 
@@ -193,13 +182,13 @@ def _tile_coords(local, m, n, BM: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
                         ONES_R: tl.constexpr, ONES_C: tl.constexpr, BLOCK_N: tl.constexpr, RB: tl.constexpr,
-                        BM: tl.constexpr, ALIGN: tl.constexpr, EVEN_N: tl.constexpr, REVERSE: tl.constexpr,
+                        BM: tl.constexpr, ALIGN: tl.constexpr, EVEN_N: tl.constexpr,
                         PIPE: tl.constexpr):
     """One SR-Sinkhorn row step and the column partials that follow it, for BM whole rows.
     EVEN_N: every row of the launch is BLOCK_N long.
     ONES_R / ONES_C: r / c are still all ones (the first iteration): not read. ALIGN: see
-    the module docstring. REVERSE: see ZIGZAG."""
-    mat, local, row = _program_matrix(p_meta, p_first, n_mats, REVERSE)
+    the module docstring."""
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + M)
     n = tl.load(row + N)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
@@ -307,7 +296,7 @@ def _sinkgd_sums_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
                         AXIS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         ONES_R: tl.constexpr, ONES_C: tl.constexpr, ALIGN: tl.constexpr):
     """ONES_R / ONES_C: r / c are still all ones (the first iteration): not read."""
-    mat, local, row = _program_matrix(p_meta, p_first, n_mats, False)
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + M)
     n = tl.load(row + N)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
@@ -380,7 +369,7 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
     trip: few dependent trips even for a tall matrix's hundreds of partials), summed in a
     fixed order: deterministic. SUMMED (AXIS=1, sharded rows): p_part is the sums buffer, one
     finished (all-reduced) sum per column at S_OFF; m is the whole matrix's (MG)."""
-    mat, local, row = _program_matrix(p_meta, p_first, n_mats, False)
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + M)
     n = tl.load(row + N)
     if AXIS == 0:
@@ -417,13 +406,13 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
 @triton.jit
 def _sinkgd_power_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, p_upart,
                               BLOCK_N: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr,
-                              EVEN_N: tl.constexpr, REVERSE: tl.constexpr, PIPE: tl.constexpr):
+                              EVEN_N: tl.constexpr, PIPE: tl.constexpr):
     """One power-iteration pass over BM whole rows of X = diag(r) G diag(c) (X never formed):
     u_i = r_i sum_j G_ij (c_j v_j) from the row it holds, then the row's column terms
     G_ij (r_i u_i) into a per-program column accumulator (one partial per (program, column),
     the row pass's layout: PC_OFF, N_PC) and sum_i u_i^2 of its rows into one |u|^2 partial
     (U_OFF). Same tiles and software pipelining as _sinkgd_rows_kernel; r and c are final."""
-    mat, local, row = _program_matrix(p_meta, p_first, n_mats, REVERSE)
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + M)
     n = tl.load(row + N)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
@@ -487,7 +476,7 @@ def _sinkgd_power_tiles_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
     path's row partial layout). AXIS=1: each program sums its rows' partials in a fixed order
     into u_i = r_i d_i, writes the tile's column terms G_ij (r_i u_i) as column partials
     (p_cpart: PC_OFF, N_PC) and, for its first column tile, its rows' |u|^2 partial (U_OFF)."""
-    mat, local, row = _program_matrix(p_meta, p_first, n_mats, False)
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + M)
     n = tl.load(row + N)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
@@ -532,7 +521,7 @@ def _sinkgd_colsum_kernel(p_meta, p_first, n_mats, p_part, p_upart, p_sums,
     block-0 program's |u|^2 sum of the N_PC |u|^2 partials at SU_OFF [B]), for the all-reduce
     that the column scale (SUMMED) or _sinkgd_power_cols_kernel (SUMMED) then reads. A rank
     with no rows of a matrix (N_PC = 0) writes zeros."""
-    mat, local, row = _program_matrix(p_meta, p_first, n_mats, False)
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     n = tl.load(row + N)
     n_parts = tl.load(row + N_PC)
     b, blk, blocks, o, msk = _column_block(local, n, BLOCK)
@@ -552,7 +541,7 @@ def _sinkgd_power_cols_kernel(p_meta, p_first, n_mats, p_c, p_part, p_upart, p_w
     block's sum of w_j^2 (WQ_OFF). Every sum in a fixed order: deterministic. SUMMED (sharded
     rows): p_part and p_upart are the sums buffer, one finished sum per column at S_OFF and
     one |u|^2 at SU_OFF."""
-    mat, local, row = _program_matrix(p_meta, p_first, n_mats, False)
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     n = tl.load(row + N)
     b, blk, blocks, o, msk = _column_block(local, n, BLOCK)
     if SUMMED:
@@ -579,7 +568,7 @@ def _sinkgd_power_norm_kernel(p_meta, p_first, n_mats, p_wpart, p_spec, eps,
     eps) for BLOCK columns, and (the entry's first block) the spectral scale target /
     max(sigma, eps) into spec[COEF_OFF + b]; target = 1, or sqrt(m / n) with MUON (m: the whole
     matrix's, MG)."""
-    mat, local, row = _program_matrix(p_meta, p_first, n_mats, False)
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + MG)
     n = tl.load(row + N)
     b, blk, blocks, o, msk = _column_block(local, n, BLOCK)
@@ -602,12 +591,11 @@ def _sinkgd_power_norm_kernel(p_meta, p_first, n_mats, p_wpart, p_spec, eps,
 @triton.jit
 def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_lr, p_fac, p_spec, wd, p_seed,
                           STOCHASTIC: tl.constexpr, HAS_SPEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          ALIGN: tl.constexpr, REVERSE: tl.constexpr):
+                          ALIGN: tl.constexpr):
     """coef_x = lr * fac[COEF_OFF + b] (* spec[COEF_OFF + b], the spectral scale), coef_w =
     lr * fac[COEF_OFF + b] * wd: lr is a device scalar, fac the cached lr factors (one per
-    batch entry: the matrix's factor repeated).
-    REVERSE: see ZIGZAG."""
-    mat, local, row = _program_matrix(p_meta, p_first, n_mats, REVERSE)
+    batch entry: the matrix's factor repeated)."""
+    mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + M)
     n = tl.load(row + N)
     p_g = tl.load(row + G_PTR).to(tl.pointer_type(p_gdt.dtype.element_ty))
@@ -683,7 +671,7 @@ def compile_cases():
         for ones in (False, True):
             yield (f"sinkgd_rows n={n} ones={ones}", _sinkgd_rows_kernel, rows,
                    {"ONES_R": ones, "ONES_C": ones, "BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8,
-                    "EVEN_N": n == block_n, "REVERSE": ones, "PIPE": rows_pipe(block_n, rb, 2)}, w)
+                    "EVEN_N": n == block_n, "PIPE": rows_pipe(block_n, rb, 2)}, w)
     sums = dict(rows)
     del sums["eps"]
     for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):
@@ -708,7 +696,7 @@ def compile_cases():
     for n in (4096, 14336):
         block_n, rb, bm, w = rows_config(n)
         yield (f"sinkgd_power_rows n={n}", _sinkgd_power_rows_kernel, dict(sums, p_upart="*fp32"),
-               {"BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8, "EVEN_N": True, "REVERSE": n == 4096, "PIPE": rows_pipe(block_n, rb, 2)}, w)
+               {"BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8, "EVEN_N": True, "PIPE": rows_pipe(block_n, rb, 2)}, w)
     tiles = dict(sums, p_cpart="*fp32", p_upart="*fp32")
     for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):
         yield (f"sinkgd_power_tiles axis={axis}", _sinkgd_power_tiles_kernel, tiles,
@@ -727,6 +715,5 @@ def compile_cases():
            "wd": "fp32", "p_seed": "*fp32"}
     for sr, align in ((False, 8), (True, 1), (True, 8)):  # SR: per-element and per-group noise
         yield (f"sinkgd_update sr={sr} align={align}", _sinkgd_update_kernel, upd,
-               {"STOCHASTIC": sr, "HAS_SPEC": sr, "BM": UPD_TILE[0], "BN": UPD_TILE[1], "ALIGN": align,
-                "REVERSE": sr},
+               {"STOCHASTIC": sr, "HAS_SPEC": sr, "BM": UPD_TILE[0], "BN": UPD_TILE[1], "ALIGN": align},
                UPD_TILE[2])

@@ -157,8 +157,7 @@ class _Plan:
                               launch(idx, lambda b, m, n: b * cdiv(m, cbm) * cdiv(n, cbn))))
             # power pass AXIS=0 uses the row sums' launch, AXIS=1 the column sums'
         specs["cscale"] = launch(range(len(ps)), lambda b, m, n: b * cdiv(n, sb))
-        # the update walks the matrices in the row passes' order (ZIGZAG: its first tiles are
-        # the last pass's last bytes)
+        # the update walks the matrices in the row passes' order
         for i in [i for idx in buckets.values() for i in idx] + [i for i, _ in wide]:
             upd.setdefault(key_of[i][1], []).append(i)
         specs["update"] = [(align, launch(idx, lambda b, m, n: b * cdiv(m, ubm) * cdiv(n, ubn)))
@@ -187,7 +186,7 @@ def _tile_settings() -> tuple:
     key, so that code changing them (a sweep, the interpreter run) never meets a stale plan."""
     from ..kernels import sinkgd as K
 
-    return (K.ZIGZAG, K.MAX_FUSED_N, K.ROW_TILE, K.COL_TILE, K.UPD_TILE, K.SCALE_BLOCK, K.ROWS_ELEMS, K.ROWS_MAX_WARPS,
+    return (K.MAX_FUSED_N, K.ROW_TILE, K.COL_TILE, K.UPD_TILE, K.SCALE_BLOCK, K.ROWS_ELEMS, K.ROWS_MAX_WARPS,
             K.ROWS_BM, K.ROWS_MIN_PROGRAMS, K.ROWS_MAX_PARTIALS, K.ROWS_RB, K.ROWS_PIPE, K.ROWS_PIPE_BYTES, K.SCALE_PARTS)
 
 
@@ -415,10 +414,6 @@ def _run_group(plan, ps, gs, vecs, held, lr, weight_decay, eps, iters, spectral_
         graph.replay()
 
 
-def _walk(launches, rev):
-    return reversed(launches) if rev else launches
-
-
 # A pass's launches over different row-width buckets (and the wide path) touch different
 # matrices: under a CUDA graph capture they become parallel branches of the graph (the first
 # on the capturing stream, the rest on a side stream, forked and joined by events), so that one
@@ -467,16 +462,15 @@ class _Buffers:
             self.spec = torch.empty(plan.n_coef, dtype=torch.float32, device=dev)
 
 
-def _row_stage(plan, bufs, gdt, eps, first, rev=False):
-    """One Sinkhorn iteration's passes over G: r finished, the column partials written. rev:
-    the one-read launches walk backwards (kernels/sinkgd.py ZIGZAG)."""
+def _row_stage(plan, bufs, gdt, eps, first):
+    """One Sinkhorn iteration's passes over G: r finished, the column partials written."""
     from ..kernels import sinkgd as K
 
     r, c, part_r, part_c = bufs.r, bufs.c, bufs.part_r, bufs.part_c
     fns = [functools.partial(K._sinkgd_rows_kernel[(grid,)], t_meta, t_first, n_mats, gdt, r, c, part_c, eps,
                              ONES_R=first, ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align, EVEN_N=even,
-                             REVERSE=rev, PIPE=K.rows_pipe(block_n, rb, gdt.element_size()), num_warps=warps)
-           for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in _walk(plan.fused, rev)]
+                             PIPE=K.rows_pipe(block_n, rb, gdt.element_size()), num_warps=warps)
+           for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in plan.fused]
     if plan.wide is not None:
         fns.append(functools.partial(_wide_rows, plan, r, c, part_r, part_c, gdt, eps, first))
     _branches(fns, r.device)
@@ -516,15 +510,15 @@ def _colsum_stage(plan, bufs, sums, with_u):
                                      sums, WITH_U=with_u, BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS)
 
 
-def _power_stage(plan, bufs, gdt, rev=False):
+def _power_stage(plan, bufs, gdt):
     """One power iteration's pass over G: the column partials of X^T u and the |u|^2 partials."""
     from ..kernels import sinkgd as K
 
     r, c, part_r, part_c, part_u = bufs.r, bufs.c, bufs.part_r, bufs.part_c, bufs.part_u
     fns = [functools.partial(K._sinkgd_power_rows_kernel[(grid,)], t_meta, t_first, n_mats, gdt, r, c, part_c,
-                             part_u, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align, EVEN_N=even, REVERSE=rev,
+                             part_u, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align, EVEN_N=even,
                              PIPE=K.rows_pipe(block_n, rb, gdt.element_size()), num_warps=warps)
-           for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in _walk(plan.fused, rev)]
+           for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in plan.fused]
     if plan.wide is not None:
         fns.append(functools.partial(_wide_power, plan, r, c, part_r, part_c, part_u, gdt))
     _branches(fns, r.device)
@@ -556,14 +550,14 @@ def _power_finish(plan, bufs, eps, spectral_target, sums=None):
                                          MUON=spectral_target == "muon", BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS)
 
 
-def _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, spectral_norm, rev=False):
+def _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, spectral_norm):
     from ..kernels import sinkgd as K
 
     ubm, ubn, uw = K.UPD_TILE
-    for align, (t_meta, t_first, n_mats, grid) in _walk(plan.update, rev):
+    for align, (t_meta, t_first, n_mats, grid) in plan.update:
         K._sinkgd_update_kernel[(grid,)](t_meta, t_first, n_mats, gdt, wdt, bufs.r, bufs.c, lr_d, plan.fac,
                                          bufs.spec, float(weight_decay), seed_d, STOCHASTIC=stochastic,
-                                         HAS_SPEC=spectral_norm, BM=ubm, BN=ubn, ALIGN=align, REVERSE=rev,
+                                         HAS_SPEC=spectral_norm, BM=ubm, BN=ubn, ALIGN=align,
                                          num_warps=uw)
 
 
@@ -573,18 +567,13 @@ def _run_step(work, eps, iters, spectral_norm, spectral_target, spectral_iters, 
     carrier, stochastic)]: per Sinkhorn iteration the row passes, then the column scales; per
     power iteration the power passes, then w, v and the spectral scale; then the updates. With
     ``reduce`` (sharded rows), each pass is followed by the column (and |u|^2) sums into
-    ``sums`` and ``reduce(sums, spectral=...)``, and the scales read the sums. Every pass over
-    G after the first walks against the one before where ZIGZAG is set."""
-    from ..kernels import sinkgd as K
-
-    rev = False
+    ``sums`` and ``reduce(sums, spectral=...)``, and the scales read the sums."""
     for it in range(iters):
         first = it == 0  # r and c are still all ones: the kernels neither read nor need them
-        for plan, bufs, gdt, _, _ in _walk(work, rev):
-            _row_stage(plan, bufs, gdt, eps, first, rev)
+        for plan, bufs, gdt, _, _ in work:
+            _row_stage(plan, bufs, gdt, eps, first)
             if reduce is not None:
                 _colsum_stage(plan, bufs, sums, with_u=False)
-        rev = K.ZIGZAG and not rev
         if reduce is not None:
             reduce(sums, spectral=False)
         for plan, bufs, _, _, _ in work:
@@ -594,17 +583,16 @@ def _run_step(work, eps, iters, spectral_norm, spectral_target, spectral_iters, 
         # (u = X v and the column partials of X^T u), then w = X^T u / |u| into v, then
         # v = w / |w| and the scale target / |w| (docs/SINKGD.md)
         for _ in range(spectral_iters):
-            for plan, bufs, gdt, _, _ in _walk(work, rev):
-                _power_stage(plan, bufs, gdt, rev)
+            for plan, bufs, gdt, _, _ in work:
+                _power_stage(plan, bufs, gdt)
                 if reduce is not None:
                     _colsum_stage(plan, bufs, sums, with_u=True)
-            rev = K.ZIGZAG and not rev
             if reduce is not None:
                 reduce(sums, spectral=True)
             for plan, bufs, _, _, _ in work:
                 _power_finish(plan, bufs, eps, spectral_target, sums)
-    for plan, bufs, gdt, wdt, stochastic in _walk(work, rev):
-        _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, spectral_norm, rev)
+    for plan, bufs, gdt, wdt, stochastic in work:
+        _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, spectral_norm)
 
 
 def _launch_group(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
