@@ -9,7 +9,7 @@
 #   TESTS=...          test paths to run first (default: tests)
 #   TEST_TIMEOUT=300   seconds allowed for the tests
 #   NOBENCH=1          run the tests only
-#   SINKGD_NO_COMPILE=1  skip the slow-to-compile torch.compile SinkGD baseline
+#   TORCH_FUSED_BENCH_SINKGD_COMPILE=0  skip the slow-to-compile torch.compile SinkGD baseline
 #   SHARDED=1          then python -m torch_fused.bench.sinkgd_sharded --out $OUT (one rank's
 #                      shard of four Llama-3-8B layers, both sharded paths, against the fused step)
 # If a .whl/ folder of wheels is present (dependencies for a machine without network access),

@@ -1,3 +1,4 @@
+import contextlib
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, settings
 
 import torch_fused  # noqa: F401  (registers the ops)
 from torch_fused import _library
+from torch_fused.settings import override
 
 INTERPRET = _library.INTERPRET
 HAS_CUDA = torch.cuda.is_available()
@@ -38,9 +40,6 @@ if INTERPRET:
     from torch_fused.kernels import mask_reduce as _mrk
 
     _lpk.pick_block = lambda v, elem_size, kind="fwd": (16, 1)
-    # backward rows wider than 48 columns split into segments of 48 (three 16-column blocks), the
-    # last one ragged, so the segmented launch runs in every backward test past that width
-    _lpk.BWD_SEGMENT = 48
     # mask_reduce: [2, 2, 4] trips (U=2 rows of 2 per thread), the pipelined loop for even reduce
     # lengths, the plain one for odd ones
     from _helpers import SHIPPED
@@ -63,13 +62,25 @@ if INTERPRET:
     _sgk.UPD_TILE = (8, 64, 4)
 
 
+# the interpreter run: backward rows wider than 48 columns split into segments of 48 (three
+# 16-column blocks), the last one ragged, so the segmented launch runs in every backward test
+# past that width
+_RUN_SETTINGS = dict(logprobs_bwd_segment=48) if INTERPRET else {}
+
+
 @pytest.fixture(autouse=True)
 def _poison_outputs():
-    """Fill every fresh op output with NaN before the kernel writes it (FLA's trick)."""
-    old = _library.POISON
-    _library.POISON = True
-    yield
-    _library.POISON = old
+    """Fill every fresh op output with NaN before the kernel writes it (FLA's trick); and the
+    interpreter run's settings."""
+    with override(poison=True, **_RUN_SETTINGS):
+        yield
+
+
+@pytest.fixture
+def settings_override():
+    """``settings_override(name=value, ...)``: torch_fused settings for the rest of the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **values: stack.enter_context(override(**values))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_fused._library import INTERPRET
 from torch_fused.kernels import lm_head as KL
-from torch_fused.ops import linear_logprobs as LL
+from torch_fused.settings import override
 from _helpers import DEVICES, SMALL, assert_logprob_close, ref_linear
 
 # norm-wise relative error of the gradients: the GEMMs accumulate in fp32 and round once to the
@@ -28,13 +28,10 @@ GRAD_REL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 4e-6, torc
 def small_chunks():
     """Chunk buffers of a few columns, so small shapes take several ragged chunks (vocabulary
     chunks of ~1000 // N columns); GEMM tiles of 16 (ragged V, and H = 24 takes a masked K
-    step), and forward launches of 16 rows (PART_BYTES), on the fused-GEMM path."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(LL.CHUNK_BYTES, "cpu", 4 * 1000)
-        mp.setitem(LL.CHUNK_BYTES, "cuda", 4 * 1000)
-        mp.setattr(LL, "MIN_COLS", {})
-        mp.setattr(LL, "DLOGITS_MIN_COLS", {})
-        mp.setattr(LL, "PART_BYTES", 4000)
+    step), and forward launches of 16 rows (lm_head_part_bytes), on the fused-GEMM path."""
+    with pytest.MonkeyPatch.context() as mp, override(
+            lm_head_chunk_bytes={"cpu": 4 * 1000, "cuda": 4 * 1000}, lm_head_min_cols={},
+            lm_head_dlogits_min_cols={}, lm_head_part_bytes=4000):
         mp.setattr(KL, "CONFIG", {"stats": (16, 16, 16, 2, 1, 2), "dlogits": (16, 16, 16, 2, 1, 2),
                                   "stats_tma": (16, 16, 16, 2, 1, 2), "dlogits_tma": (16, 16, 16, 2, 1, 2)})
         yield
@@ -67,10 +64,9 @@ def cases(draw):
 def gemm_path(request):
     """Each way of making the logits on the Triton path: inside the kernels (kernels/lm_head.py;
     on a GPU with TMA, also their pointer-load versions) and as fp32 GEMM chunks
-    (ops/linear_logprobs.py, FUSED_GEMM)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(LL, "FUSED_GEMM", set() if request.param == "cublas-chunks" else {"forward", "backward"})
-        mp.setattr(LL, "TMA", request.param != "fused-gemm-pointer-loads")
+    (the lm_head_fused_gemm setting)."""
+    with override(lm_head_fused_gemm=frozenset() if request.param == "cublas-chunks" else frozenset({"forward", "backward"}),
+                  lm_head_tma=request.param != "fused-gemm-pointer-loads"):
         yield request.param
 
 
@@ -143,10 +139,9 @@ def test_one_chunk_equals_many(device, monkeypatch):
     idx = torch.randint(0, 203, (3, 6), generator=gen).to(device)
     outs = []
     for budget in (4 * 1000, 1 << 24):
-        monkeypatch.setitem(LL.CHUNK_BYTES, "cpu", budget)
-        monkeypatch.setitem(LL.CHUNK_BYTES, "cuda", budget)
-        lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx, shift=True)
-        outs.append((lp, ent) + torch.autograd.grad(lp.sum() + ent.sum(), (h, w)))
+        with override(lm_head_chunk_bytes={"cpu": budget, "cuda": budget}):
+            lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx, shift=True)
+            outs.append((lp, ent) + torch.autograd.grad(lp.sum() + ent.sum(), (h, w)))
     for a, b in zip(*outs):  # fp32 sums in another order: d hidden adds the chunks' GEMMs
         assert (a - b).norm().item() <= 2e-6 * b.norm().item()
 
@@ -292,12 +287,11 @@ def test_index_out_of_range_cpu():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_edge_cases_across_chunks(device, monkeypatch):
+def test_edge_cases_across_chunks(device, settings_override):
     """Empty inputs with K ids; a vocabulary chunk whose logits are all -inf for a row (its
     placeholder max must not enter the merge); logits near 1e4 over several chunks (the shifts
     of the chunks' sums must be differenced as the sums were made)."""
-    monkeypatch.setitem(LL.CHUNK_BYTES, "cpu", 4 * 128 * 2)  # 128-column chunks for 2 rows
-    monkeypatch.setitem(LL.CHUNK_BYTES, "cuda", 4 * 128 * 2)
+    settings_override(lm_head_chunk_bytes={"cpu": 4 * 128 * 2, "cuda": 4 * 128 * 2})  # 128-column chunks, 2 rows
     lp, ent = torch_fused.linear_logprobs_and_entropy(torch.randn(0, 8, device=device), torch.randn(5, 8, device=device),
                                                       torch.zeros(0, 3, dtype=torch.long, device=device))
     assert lp.shape == (0, 3) and ent.shape == (0,)

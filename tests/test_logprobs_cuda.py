@@ -82,15 +82,15 @@ def test_compiled_pg_step_shift_cuda():
 
 
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer-loads"])
-def test_linear_logprobs_default_chunks_cuda(tma, monkeypatch):
+def test_linear_logprobs_default_chunks_cuda(tma, settings_override):
     """The fused lm_head with the shipped tiles and chunk budget (several chunks), rows, columns
     and H all ragged against the tiles, TMA and pointer-load kernels, against the materialized
     float64 path."""
-    from torch_fused.ops import linear_logprobs as LL
+    from torch_fused.settings import current
 
-    monkeypatch.setattr(LL, "TMA", tma)
+    settings_override(lm_head_tma=tma)
     n, hd, v = 3000, 264, 50000
-    assert n * v * 4 > LL.CHUNK_BYTES["cuda"]  # several token chunks forward, vocabulary chunks backward
+    assert n * v * 4 > current.lm_head_chunk_bytes["cuda"]  # several token chunks forward, vocabulary chunks backward
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(n, hd, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
     w = (torch.randn(v, hd, device="cuda", generator=g) / 8).to(torch.bfloat16).requires_grad_(True)
@@ -112,7 +112,7 @@ def test_linear_logprobs_default_chunks_cuda(tma, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_segmented_backward_shift_top_k_cuda(dtype):
-    """The backward's row segments (kernels/logprobs.py BWD_SEGMENT) with the shipped settings:
+    """The backward's row segments (the logprobs_bwd_segment setting) with the shipped settings:
     V = 40000 gives two segments, the last ragged against the block; shift=True (the zero rows
     come from the same launch), three ids per row, one of them ignore_index, ids on the first and
     last column and at the segment border, temperature 0.8; against float64."""

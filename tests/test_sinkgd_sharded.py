@@ -596,3 +596,19 @@ def test_every_check_has_a_test():
     from _distributed import assert_every_check_has_a_test
 
     assert_every_check_has_a_test(CHECKS, sys.modules[__name__])
+
+
+def test_row_step_of_huge_gradients_is_finite():
+    """The PyTorch path's row step squares the rows scaled: a gradient scaled by 2^100 (its
+    squares past fp32) gives r scaled by 2^-100 and the same column partials."""
+    from torch_fused.optim import sharded as S
+
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(2, 5, 12, generator=gen)
+    c = torch.rand(2, 12, generator=gen) + 0.5
+    r0 = torch.rand(2, 5, generator=gen) + 0.5
+    r1, p1 = S._row_values(g, c, r0, 1e-8)
+    r2, p2 = S._row_values(g * 2.0**100, c, r0, 1e-8)
+    assert bool(torch.isfinite(r2).all() and torch.isfinite(p2).all())
+    torch.testing.assert_close(r2 * 2.0**100, r1, rtol=1e-6, atol=0)
+    torch.testing.assert_close(p2, p1, rtol=1e-5, atol=0)

@@ -223,9 +223,16 @@ def head_vocab_sharded_weight(ctx):
 
     # forward chunks of 8 columns (16 in the interpreter) at N = 10 rows: a rank's shard spans several
     # chunks, ids v_off + v0 of V
-    LL.CHUNK_BYTES["cpu"] = 4 * (16 if INTERPRET else 8) * 10
-    LL.MIN_COLS.clear()
-    LL.DLOGITS_MIN_COLS.clear()
+    from torch_fused.settings import current, override
+
+    small = override(lm_head_chunk_bytes=dict(current.lm_head_chunk_bytes, cpu=4 * (16 if INTERPRET else 8) * 10),
+                     lm_head_min_cols={},
+                     lm_head_dlogits_min_cols={})
+    with small:
+        _head_cases(ctx, torch_fused, DTensor, Replicate, Shard, distribute_tensor, LL)
+
+
+def _head_cases(ctx, torch_fused, DTensor, Replicate, Shard, distribute_tensor, LL):
     for i, (v, dtype, t, k, shift, has_bias, softcap, h_dtensor) in enumerate(HEAD_CASES):
         if INTERPRET and i not in (1, 2):  # softcap (fp32 d logits) and the in-place bf16 backward
             continue

@@ -1,14 +1,14 @@
 """torch-fused: fused Triton kernels for LLM training, registered as ``torch.library`` ops.
 
-Every op lives in the ``fused`` namespace (``_torch.ops.fused.<name>``); the functions here are
+Every op lives in the ``fused`` namespace (``torch.ops.fused.<name>``); the functions here are
 the documented Python entry points over them.
 """
 
 from __future__ import annotations
 
-import sys as _sys
+import sys
 
-import torch as _torch
+import torch
 
 from . import ops as _ops  # noqa: F401  (registers the fused:: ops)
 
@@ -34,9 +34,9 @@ __all__ = [
 def _is_dtensor(t) -> bool:
     """Whether t is a DTensor, without importing torch.distributed.tensor (about 2 s) for plain
     tensors: none can exist before that module is imported."""
-    if type(t) is _torch.Tensor or t is None:
+    if type(t) is torch.Tensor or t is None:
         return False
-    mod = _sys.modules.get("torch.distributed.tensor")
+    mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
 
 
@@ -66,7 +66,7 @@ def _temperature_args(temperature, logits) -> tuple[float, torch.Tensor | None]:
     None means 1.0: a literal here, so torch.compile never sees a float default as an input."""
     if temperature is None:
         return 1.0, None
-    if isinstance(temperature, _torch.Tensor):
+    if isinstance(temperature, torch.Tensor):
         if temperature.numel() != 1:
             raise ValueError(f"temperature: expected a float or a 1-element tensor, got shape {tuple(temperature.shape)}")
         return 1.0, temperature.to(logits.device).reshape(())  # differentiable; a CPU scalar moves
@@ -119,7 +119,7 @@ def selective_log_softmax(
                                             shift=shift, mesh_dim=mesh_dim, want_ent=False)[0]
     _no_mesh_dim(mesh_dim)
     t, t_tensor = _temperature_args(temperature, logits)
-    return _torch.ops.fused.selective_log_softmax(logits, index, t, _ignore_index(ignore_index), shift=shift,
+    return torch.ops.fused.selective_log_softmax(logits, index, t, _ignore_index(ignore_index), shift=shift,
                                                  temperature_tensor=t_tensor)
 
 
@@ -143,7 +143,7 @@ def entropy_from_logits(
                                             want_logp=False)[1]
     _no_mesh_dim(mesh_dim)
     t, t_tensor = _temperature_args(temperature, logits)
-    return _torch.ops.fused.entropy_from_logits(logits, t, shift=shift, temperature_tensor=t_tensor)
+    return torch.ops.fused.entropy_from_logits(logits, t, shift=shift, temperature_tensor=t_tensor)
 
 
 def logprobs_and_entropy(
@@ -167,7 +167,7 @@ def logprobs_and_entropy(
                                             shift=shift, mesh_dim=mesh_dim)
     _no_mesh_dim(mesh_dim)
     t, t_tensor = _temperature_args(temperature, logits)
-    return _torch.ops.fused.logprobs_and_entropy(logits, index, t, _ignore_index(ignore_index), shift=shift,
+    return torch.ops.fused.logprobs_and_entropy(logits, index, t, _ignore_index(ignore_index), shift=shift,
                                                 temperature_tensor=t_tensor)
 
 
@@ -223,11 +223,11 @@ def linear_logprobs_and_entropy(
     _no_mesh_dim(mesh_dim)
     if temperature is None:
         temperature = 1.0
-    elif isinstance(temperature, _torch.Tensor):  # the op takes a float: a tensor's gradient would be lost
+    elif isinstance(temperature, torch.Tensor):  # the op takes a float: a tensor's gradient would be lost
         raise ValueError("temperature: linear_logprobs_and_entropy takes a float temperature (no gradient flows "
                          "to it); got a tensor. Pass float(t), or make the logits and call logprobs_and_entropy, "
                          "whose temperature may be a differentiable tensor")
-    return _torch.ops.fused.linear_logprobs_and_entropy(
+    return torch.ops.fused.linear_logprobs_and_entropy(
         hidden, weight, index, bias=bias, temperature=temperature, ignore_index=_ignore_index(ignore_index), shift=shift,
         logit_scale=logit_scale, softcap=softcap)
 

@@ -73,7 +73,7 @@ examples:
   bash benchmarks/device_run.sh                                CUDA tests, then every suite
 
 environment:
-  SINKGD_NO_COMPILE=1  skip the torch.compile'd SinkGD loop baseline of the sinkgd suite
+  TORCH_FUSED_BENCH_SINKGD_COMPILE=0  skip the torch.compile'd SinkGD loop baseline of the sinkgd suite
                        (its compilation takes minutes)"""
 
 

@@ -21,7 +21,7 @@ import torch
 
 import torch_fused
 
-from ..ops import linear_logprobs as LL
+from ..settings import current as settings, override
 from .common import Row, bench_ms, peak_extra_mb, warm_up
 
 SHAPES = [(8192, 4096, 151936), (16384, 3584, 151936), (32768, 4096, 32000)]  # (N, H, V)
@@ -132,8 +132,7 @@ def sweep(copy_gbps, shape=None):
 
     res = []
     shapes = [tuple(shape)] if shape else SHAPES
-    saved = (set(LL.FUSED_GEMM), dict(KL.CONFIG), LL.TMA, dict(LL.CHUNK_BYTES), dict(LL.MIN_COLS),
-             dict(LL.DLOGITS_MIN_COLS))
+    saved_tiles = dict(KL.CONFIG)  # the kernels' tile table, restored at the end
     try:
         for n, hd, v in shapes:
             g = torch.Generator(device="cuda").manual_seed(0)
@@ -156,13 +155,14 @@ def sweep(copy_gbps, shape=None):
 
             ref = None
             for passes, tma, t_fwd, t_bwd, chunk_mib, min_cols in SWEEP:
-                LL.FUSED_GEMM = set(passes)
-                LL.TMA = tma
                 KL.CONFIG = {"stats": t_fwd, "dlogits": t_bwd, "stats_tma": t_fwd, "dlogits_tma": t_bwd}
-                LL.CHUNK_BYTES["cuda"] = chunk_mib << 20
-                LL.MIN_COLS["cuda"] = LL.DLOGITS_MIN_COLS["cuda"] = min_cols
                 cfg = (passes, tma, t_fwd, t_bwd, chunk_mib, min_cols)
+                config = override(lm_head_fused_gemm=frozenset(passes), lm_head_tma=tma,
+                                  lm_head_chunk_bytes=dict(settings.lm_head_chunk_bytes, cuda=chunk_mib << 20),
+                                  lm_head_min_cols=dict(settings.lm_head_min_cols, cuda=min_cols),
+                                  lm_head_dlogits_min_cols=dict(settings.lm_head_dlogits_min_cols, cuda=min_cols))
                 try:
+                    config.__enter__()
                     out = fwdbwd()
                     lp = fwd()[0]
                     if ref is None:
@@ -179,6 +179,8 @@ def sweep(copy_gbps, shape=None):
                 except Exception as e:  # a tile setting that does not compile or fit
                     print(f"N{n} H{hd} V{v} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     continue
+                finally:
+                    config.__exit__(None, None, None)
                 r = dict(shape=f"N{n} H{hd} V{v}", fused=passes, tma=tma, tiles_fwd=t_fwd, tiles_bwd=t_bwd,
                          chunk_mib=chunk_mib, min_cols=min_cols, fwd_ms=f, fwd_x_gemm=f / gemm1, fwdbwd_ms=fb,
                          fwdbwd_x_gemm=fb / gemm3, peak_extra_mib=pk, max_diff_vs_first=err)
@@ -188,10 +190,7 @@ def sweep(copy_gbps, shape=None):
             del h, w, hb, wb, idx, ref
             torch.cuda.empty_cache()
     finally:
-        LL.FUSED_GEMM, KL.CONFIG, LL.TMA = saved[:3]
-        for d, old in zip((LL.CHUNK_BYTES, LL.MIN_COLS, LL.DLOGITS_MIN_COLS), saved[3:]):
-            d.clear()
-            d.update(old)
+        KL.CONFIG = saved_tiles
     return res
 
 

@@ -13,11 +13,11 @@ PASS / FAIL against the bars in BARS (the note column and the printed line).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from ..optim import SinkGD
+from ..settings import current as settings
 from .common import Row, bench_ms, peak_extra_mb
 
 LLAMA_LAYER = [(4096, 4096), (4096, 4096), (1024, 4096), (1024, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
@@ -86,8 +86,8 @@ def run(report, copy_gbps, quick=False):
             rows.append((label, ms, peak_extra_mb(opt.step) + held + _state_mib(opt), bar))
             opt.plan_cache.clear()  # frees this configuration's graphs before the next one
             del opt
-        # compile time of the unrolled loop grows with the param count; SINKGD_NO_COMPILE=1 skips it
-        if name == "Llama-3-8B x1 layer" and os.environ.get("SINKGD_NO_COMPILE") != "1":
+        # compile time of the unrolled loop grows with the param count; TORCH_FUSED_BENCH_SINKGD_COMPILE=0 skips it
+        if name == "Llama-3-8B x1 layer" and settings.bench_sinkgd_compile:
             ws = [p.data for p in params]
             gs = [p.grad for p in params]
             torch._dynamo.reset()

@@ -14,7 +14,7 @@ rounding, spectral "muon"; 5 Sinkhorn iterations):
 
 The sharded step runs in each of ``modes``: ``fused`` (its default on a GPU: the fused
 step's kernels on the local rows, the all-reduces between their launches), ``compiled`` and
-``eager`` (its PyTorch-op path, ``sharded.FUSED = False``, with the chunk functions compiled or
+``eager`` (its PyTorch-op path, the ``sinkgd_sharded_fused`` setting off, with the chunk functions compiled or
 eager). Times are CUDA-event medians of whole calls (host work included: the sharded step is
 eager) and the sum of the device kernels' times of one call (torch.profiler). Before the
 timing, a world of 1 (the whole matrices through the sharded path) is compared with the fused
@@ -27,6 +27,7 @@ Writes sinkgd_sharded.json and sinkgd_sharded.md into ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from ..settings import override
 from .common import CollectiveCounter
 
 LLAMA3_8B_LAYER = [("q", 4096, 4096), ("k", 1024, 4096), ("v", 1024, 4096), ("o", 4096, 4096),
@@ -153,11 +155,11 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
     if modes is None:  # the fused kernels and the compiled chunk functions: on CUDA only
         modes = ["fused", "compiled"] if dev.type == "cuda" else ["eager"]
 
-    saved = (sharded.FUSED, sharded.COMPILE_CHUNKS)  # the module's settings, restored at the end
+    modes_set = contextlib.ExitStack()  # the settings as they were, restored at the end
 
     def set_mode(mode):
-        sharded.FUSED = mode == "fused"
-        sharded.COMPILE_CHUNKS = mode == "compiled"
+        modes_set.enter_context(override(sinkgd_sharded_fused=mode == "fused",
+                                         sinkgd_sharded_compile=mode == "compiled"))
 
     # --- the sharded path at world 1 (whole matrices) against the fused step, one layer
     _init_fake_group(1)
@@ -235,7 +237,7 @@ def run(out_dir: Path, layers: int = 4, world: int = 2, tiny: bool = False, reps
         row["shard_vs_fused_share"] = (row["shard_ms"] / (row["fused_full_ms"] * local_params / n_params)
                                        if ok else None)
         report["rows"].append(row)
-    sharded.FUSED, sharded.COMPILE_CHUNKS = saved
+    modes_set.close()
     report["shard_modes"] = modes
     report["local_params"] = local_params
     report["columns"] = sum(n for _, _, n in shapes)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..settings import current as settings
 from .._library import LN2 as _LN2, LOG2E as _LOG2E, T_MAX as _T_MAX, T_MIN as _T_MIN
 
 # constexpr globals: usable inside @triton.jit
@@ -403,21 +404,19 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
 
 
 # (BLOCK_V, num_warps) per kernel, from the sweep in torch_fused.bench (H200, bf16, V=151936):
-# small blocks with 4 warps keep many rows in flight per SM, which is what a streaming pass needs.
+# small blocks and few warps keep many rows in flight per SM, which is what a streaming pass needs.
 _CONFIGS = {"fwd": (1024, 2), "fwd_ent": (1024, 2), "bwd": (2048, 4)}
 
 
-# The backward's columns per program (segments of a row, see _logprobs_entropy_backward_kernel):
-# about this many, a multiple of its BLOCK_V; 0: one program per row.
-BWD_SEGMENT = 32768
-
-
 def backward_segments(v: int, block_v: int) -> tuple[int, int]:
-    """(segs, seg_len) of the backward over rows of v columns: about BWD_SEGMENT columns each,
-    a multiple of block_v, the row split into equal segments (the last one shorter)."""
-    if BWD_SEGMENT <= 0 or v <= BWD_SEGMENT:
+    """(segs, seg_len) of the backward over rows of v columns (segments of a row, see
+    _logprobs_entropy_backward_kernel): about the logprobs_bwd_segment setting's columns each
+    (0: one program per row), a multiple of block_v, the row split into equal segments (the
+    last one shorter)."""
+    seg = settings.logprobs_bwd_segment
+    if seg <= 0 or v <= seg:
         return 1, max(v, 1)
-    per = triton.cdiv(v, triton.cdiv(v, BWD_SEGMENT))
+    per = triton.cdiv(v, triton.cdiv(v, seg))
     seg_len = triton.cdiv(per, block_v) * block_v
     return triton.cdiv(v, seg_len), seg_len
 

@@ -3,13 +3,13 @@
 Log-probs at ``index`` and the entropy of ``softmax(z / T)``, z = softcap(logit_scale *
 (hidden @ weight.T + bias)), without ever holding the [N, V] logits:
 
-- Triton path, bf16 / fp16 weights without a softcap (``FUSED_GEMM``): the logits never reach
+- Triton path, bf16 / fp16 weights without a softcap (the ``lm_head_fused_gemm`` setting): the logits never reach
   memory. Each GEMM tile z = hidden[rows] @ weight[cols]^T (fp32 accumulation; operands read
   by TMA on Hopper and later, one persistent program per multiprocessor) is consumed in its
   kernel's epilogue (kernels/lm_head.py). Forward: the tile's row statistics (max, sum of
   exponentials, entropy sum, the indexed logits), folded over the column tiles here.
   Backward: the tile's d logits from the whole rows' statistics, stored once in the weight's
-  dtype into a vocabulary chunk [N, v] (``CHUNK_BYTES`` of fp32, so v is twice as wide in
+  dtype into a vocabulary chunk [N, v] (the ``lm_head_chunk_bytes`` setting, of fp32, so v is twice as wide in
   bf16) that the d weight and d hidden GEMMs (cuBLAS) read. On an H200 this is 1.02-1.07x one
   GEMM forward and 1.35-1.44x the three GEMMs forward+backward, where cuBLAS GEMMs into fp32
   chunks and the statistics kernels take 1.11-1.15x and 1.45-1.53x in the same run (``python
@@ -34,8 +34,8 @@ Log-probs at ``index`` and the entropy of ``softmax(z / T)``, z = softcap(logit_
 - ``logit_scale`` folds into the temperature (T / logit_scale) unless a softcap is set; the
   softcap c tanh(y / c) is applied to the fp32 chunk, and its derivative 1 - tanh^2 to d z.
 
-Extra memory is the chunk buffer (``CHUNK_BYTES``) plus the fp32 d hidden accumulator, and on
-the fused path the forward's tile statistics (``PART_BYTES`` at most). The same driver runs the
+Extra memory is the chunk buffer (the ``lm_head_chunk_bytes`` setting) plus the fp32 d hidden accumulator, and on
+the fused path the forward's tile statistics (``lm_head_part_bytes`` at most). The same driver runs the
 Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1) and the plain-PyTorch reference (every
 other device).
 """
@@ -50,43 +50,40 @@ from .. import reference
 from ..meta import linear_logprobs as meta
 from ..meta.logprobs import row_shape
 from . import logprobs as lp_ops
+from ..settings import current as settings
 
 _FWD = f"{NAMESPACE}::_linear_logprobs_entropy_forward"
 _BWD = f"{NAMESPACE}::_linear_logprobs_entropy_backward"
 
-# Bytes of chunk buffers per device type: fp32 logits [N, v] (on CUDA the backward writes d
+# The defaults of the lm_head_* settings (torch_fused/settings.py), and why.
+# lm_head_chunk_bytes: bytes of chunk buffers per device type: fp32 logits [N, v] (on CUDA the backward writes d
 # logits over them; elsewhere it takes a second buffer). On CUDA, 128 MiB keeps the extra memory
 # at N = 8192, H = 4096, V = 151936 (chunk plus the 128 MiB d hidden accumulator) under an
 # eighth of the bf16 logits (297 MiB).
-CHUNK_BYTES = {"cuda": 128 << 20, "cpu": 4 << 20}
-# Narrowest vocabulary chunk on CUDA. Every backward chunk reads and writes the fp32 [N, H] d
+# lm_head_min_cols: narrowest vocabulary chunk on CUDA. Every backward chunk reads and writes the fp32 [N, H] d
 # hidden accumulator once, so narrow chunks cost that traffic many times over (N = 16384,
 # H = 3584: 470 MB a chunk); at very many tokens the chunks grow past the budget instead
 # (N = 32768: 2048 columns, 256 MiB). Narrower forward chunks were slower too.
-MIN_COLS = {"cuda": 2048}
-# The same for the fused backward's w.dtype d logits chunks (FUSED_GEMM), which hold no fp32
+# lm_head_dlogits_min_cols: the same for the fused backward's w.dtype d logits chunks, which hold no fp32
 # logits: from 16384 tokens on its budget would give fewer than 8192 columns, and the d hidden
 # traffic of the extra chunks cost more than the larger chunk (bf16: 256 MiB at N = 16384,
 # 512 MiB at N = 32768; the budget's 8192 columns at N = 8192 are unchanged). The lm_head sweep
 # (python -m torch_fused.bench --sweep --only lm_head) measured 2-4% less forward+backward time
 # at N = 16384 and 32768 with 8192 columns than with 2048.
-DLOGITS_MIN_COLS = {"cuda": 8192}
-# The passes ("forward", "backward") whose logits GEMMs run inside the Triton kernels
+# lm_head_fused_gemm: the passes ("forward", "backward") whose logits GEMMs run inside the Triton kernels
 # (kernels/lm_head.py) for bf16 / fp16 weights without a softcap; the others: cuBLAS GEMMs
 # into fp32 chunks, then the statistics / d logits kernels.
-FUSED_GEMM = {"forward", "backward"}
-# The fused GEMMs' operands read through TMA on Hopper and later (see _use_tma).
-TMA = True
-# Bytes of the forward's per-tile statistics (3 floats per row and column tile) per launch.
-PART_BYTES = 64 << 20
+# lm_head_tma: the fused GEMMs' operands read through TMA on Hopper and later (see _use_tma).
+# lm_head_part_bytes: bytes of the forward's per-tile statistics (3 floats per row and column
+# tile) per launch.
 
 _HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
 def _chunk_cols(device: torch.device, n: int, bytes_per_elem: int, budget=None, min_cols: int = 1) -> int:
-    """Vocabulary columns per chunk for n tokens: the budget's (default ``CHUNK_BYTES``), at
+    """Vocabulary columns per chunk for n tokens: the budget's (default: the lm_head_chunk_bytes setting), at
     least min_cols, in multiples of 128."""
-    budget = CHUNK_BYTES if budget is None else budget
+    budget = settings.lm_head_chunk_bytes if budget is None else budget
     step = max(1, budget.get(device.type, budget["cpu"]) // (bytes_per_elem * n), min_cols)
     return step - step % 128 if step > 128 else step
 
@@ -207,8 +204,9 @@ def _merge_triton(z, idx2, v0, first, run, u, m_own, t_eff, c):
 
 def _fused_gemm(fn, w, softcap) -> bool:
     """Whether the logits GEMMs run inside the Triton kernels (kernels/lm_head.py): on the
-    Triton path, for bf16 / fp16 weights without a softcap (``FUSED_GEMM`` on)."""
-    return ((fn is _merge_triton and "forward" in FUSED_GEMM or fn is _bwd_triton and "backward" in FUSED_GEMM)
+    Triton path, for bf16 / fp16 weights without a softcap (``lm_head_fused_gemm``)."""
+    passes = settings.lm_head_fused_gemm
+    return ((fn is _merge_triton and "forward" in passes or fn is _bwd_triton and "backward" in passes)
             and softcap is None and w.dtype in (torch.bfloat16, torch.float16))
 
 
@@ -232,7 +230,7 @@ def _use_tma(h2, w) -> bool:
     capability 9 or more (not under the interpreter), with a Triton that has tensor
     descriptors, unit last strides and 16-byte aligned rows and bases."""
     es = h2.element_size()
-    return (TMA and h2.is_cuda and not INTERPRET and torch.cuda.get_device_capability(h2.device)[0] >= 9
+    return (settings.lm_head_tma and h2.is_cuda and not INTERPRET and torch.cuda.get_device_capability(h2.device)[0] >= 9
             and h2.stride(-1) == 1 and w.stride(-1) == 1
             and (h2.stride(0) * es) % 16 == 0 and (w.stride(0) * es) % 16 == 0 and (h2.shape[1] * es) % 16 == 0
             and h2.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and _has_tensor_descriptors())
@@ -252,13 +250,13 @@ def _launch_args(h2, w, kernel):
 def _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c):
     """run, u and m_own of the whole rows (as the chunk merges leave them) from the GEMM-tile
     statistics of kernels/lm_head.py, folded over the column tiles here; rows in launches whose
-    partials stay under PART_BYTES."""
+    partials stay under the lm_head_part_bytes setting."""
     tma = _use_tma(h2, w)
     K, h2, w, cfg = _launch_args(h2, w, "stats_tma" if tma else "stats")
     n, hd = h2.shape
     v, k = w.shape[0], ids.shape[1]
     nt = -(-v // cfg["BN"])
-    rows = max(cfg["BM"], PART_BYTES // (12 * nt) // cfg["BM"] * cfg["BM"])
+    rows = max(cfg["BM"], settings.lm_head_part_bytes // (12 * nt) // cfg["BM"] * cfg["BM"])
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -354,7 +352,7 @@ def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift,
     w, h2 = _gemm_operands(weight, h2, merge_fn is _merge_reference)
     t_eff = _effective_temperature(temperature, logit_scale, softcap)
     c = LOG2E / t_eff
-    step = _chunk_cols(hidden.device, n, 4, min_cols=MIN_COLS.get(hidden.device.type, 1))
+    step = _chunk_cols(hidden.device, n, 4, min_cols=settings.lm_head_min_cols.get(hidden.device.type, 1))
     ids = idx2.reshape(n, -1).contiguous()
     run = torch.empty(n, 3, dtype=dt, device=hidden.device)
     u = torch.zeros(ids.shape, dtype=dt, device=hidden.device)
@@ -423,7 +421,7 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
     # Triton path, bf16 / fp16: d logits written over their own fp32 logits chunk
     in_place = bwd_fn is _bwd_triton and softcap is None and w.dtype in (torch.bfloat16, torch.float16)
     step = _chunk_cols(dev, n, w.element_size() if fused else 4 if in_place else 4 + w.element_size(),
-                       min_cols=(DLOGITS_MIN_COLS if fused else MIN_COLS).get(dev.type, 1))
+                       min_cols=(settings.lm_head_dlogits_min_cols if fused else settings.lm_head_min_cols).get(dev.type, 1))
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
         b_c = bias[v0:v1] if bias is not None else None

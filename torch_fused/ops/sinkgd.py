@@ -18,12 +18,12 @@ from __future__ import annotations
 import collections
 import functools
 import math
-import os
 import threading
 
 import torch
 
 from .._library import NAMESPACE, TRITON_DEVICES, acc_dtype, cdiv, n_sm
+from ..settings import current as settings
 from .. import reference
 from ..meta import sinkgd as meta
 
@@ -348,8 +348,8 @@ _OP_CACHE = SinkGDCache(max_plans=16, cuda_graphs=False)
 
 # Replay a step's launches from a CUDA graph once the same plan and scalars come back
 # (GRAPH_AFTER calls): the step's device work is unchanged, its host work drops from ~17 Triton
-# launches to one replay. TORCH_FUSED_SINKGD_GRAPHS=0 turns it off.
-GRAPHS = os.environ.get("TORCH_FUSED_SINKGD_GRAPHS", "1") != "0"
+# launches to one replay. The sinkgd_graphs setting (TORCH_FUSED_SINKGD_GRAPHS=0) turns it off.
+
 GRAPH_AFTER = 2
 _MAX_GRAPHS = 4  # graphs per plan (per distinct scalars and lr / seed tensors)
 _MAX_SEEN = 64  # keys counted per plan before the counts start over
@@ -388,7 +388,7 @@ def _run_group(plan, ps, gs, vecs, held, lr, weight_decay, eps, iters, spectral_
     args = (ps, gs, held, lr, weight_decay, eps, iters, spectral_norm, spectral_target, spectral_iters,
             stochastic, seed)
     dev = ps[0].device
-    if not (cache is not None and cache.cuda_graphs and GRAPHS and dev.type == "cuda"
+    if not (cache is not None and cache.cuda_graphs and settings.sinkgd_graphs and dev.type == "cuda"
             and all(h is v for h, v in zip(held, vecs)) and not torch.cuda.is_current_stream_capturing()):
         _launch_group(plan, *args)
         for h, v in zip(held, vecs):
@@ -418,15 +418,15 @@ def _run_group(plan, ps, gs, vecs, held, lr, weight_decay, eps, iters, spectral_
 # matrices: under a CUDA graph capture they become parallel branches of the graph (the first
 # on the capturing stream, the rest on a side stream, forked and joined by events), so that one
 # launch's tail of programs overlaps the next launch instead of leaving SMs idle.
-# TORCH_FUSED_SINKGD_BRANCHES=0 keeps them in one stream.
-BRANCHES = os.environ.get("TORCH_FUSED_SINKGD_BRANCHES", "1") != "0"
+# The sinkgd_branches setting (TORCH_FUSED_SINKGD_BRANCHES=0) keeps them in one stream.
+
 _SIDE_STREAMS: dict = {}
 
 
 def _branches(fns, dev) -> None:
     """Calls the launch closures ``fns``: as parallel graph branches while a CUDA graph is being
-    captured (see BRANCHES), else one after another on the current stream."""
-    if len(fns) < 2 or not BRANCHES or dev.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+    captured (the sinkgd_branches setting), else one after another on the current stream."""
+    if len(fns) < 2 or not settings.sinkgd_branches or dev.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         for fn in fns:
             fn()
         return

@@ -34,7 +34,7 @@ Two implementations of the same step:
   its stochastic rounding by each element's index in the whole parameter (meta columns MG,
   EOFF, SALT), so the random bits are the unsharded step's. A world of 1 is bitwise the fused
   step; larger worlds sum the column partials in another order (fp32 rounding).
-- elsewhere (the CPU, a call with any float64 matrix, or ``FUSED = False``) PyTorch ops: fp32
+- elsewhere (the CPU, a call with any float64 matrix, or the sinkgd_sharded_fused setting off) PyTorch ops: fp32
   math on the scale vectors, the gradient read in row chunks of about ``CHUNK_ELEMS`` elements (no fp32 copy of
   a whole gradient). Stochastic rounding of bf16 parameters (where the single-device op does
   it: a Triton device) reproduces the update kernel's random bits: Philox (Triton's
@@ -45,12 +45,12 @@ Two implementations of the same step:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ..ops.sinkgd import SinkGDCache, launch_sharded
+from ..settings import current as settings
 
 CHUNK_ELEMS = 1 << 22  # gradient elements per row chunk of the local passes
 
@@ -366,22 +366,26 @@ def _update_values(w, g, r, c, coef_x, coef_w, seed, rows, cols):
 def _row_values(g, c, r_old, eps: float):
     """Row step of a chunk of rows g [b, s, n]: (new r [b, s], column partials [b, n])."""
     target = math.sqrt(g.shape[-1])  # from the shape: one compiled graph for every n
-    q = (g.float() * c[:, None, :]).square_()  # (G_ij c_j)^2: one fp32 temporary
-    norm = r_old * q.sum(2).sqrt()
+    y = g.float() * c[:, None, :]  # G_ij c_j: one fp32 temporary
+    # scaled by each row's largest |y| before squaring, so that no finite gradient overflows
+    a = y.abs().amax(2)
+    a = torch.where(a > 0, a, torch.ones_like(a))
+    q = y.div_(a[:, :, None]).square_()
+    norm = r_old * a * q.sum(2).sqrt()
     r_new = (r_old * target / norm.clamp_min(eps)).clamp_max(1e30)
-    # a zero row's r_new = 1e30 meets q = 0: r_new^2 kept finite (as the kernels do)
-    return r_new, torch.einsum("bmn,bm->bn", q, r_new.clamp_max(1.8e19).square())
+    # a zero row's r_new = 1e30 meets q = 0: (r_new a)^2 kept finite (as the kernels do)
+    return r_new, torch.einsum("bmn,bm->bn", q, (r_new * a).clamp_max(1.8e19).square())
 
 
 # On CUDA the chunk functions run compiled (torch.compile, dynamic shapes): each becomes a few
 # fused kernels instead of a dozen PyTorch passes over the chunk (the Philox rounds alone are
-# ~200 elementwise int64 ops). TORCH_FUSED_SINKGD_SHARDED_COMPILE=0 keeps them eager.
-COMPILE_CHUNKS = os.environ.get("TORCH_FUSED_SINKGD_SHARDED_COMPILE", "1") != "0"
+# ~200 elementwise int64 ops). the sinkgd_sharded_compile setting (TORCH_FUSED_SINKGD_SHARDED_COMPILE=0) keeps them eager.
+
 _COMPILED: dict = {}
 
 
 def _chunk_fn(fn, dev: torch.device):
-    if not (COMPILE_CHUNKS and dev.type == "cuda"):
+    if not (settings.sinkgd_sharded_compile and dev.type == "cuda"):
         return fn
     if fn not in _COMPILED:
         _COMPILED[fn] = torch.compile(fn, dynamic=True)
@@ -503,7 +507,7 @@ def sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05,
     kw = dict(lr_scale=lr_scale, weight_decay=weight_decay, eps=eps, sinkhorn_iters=sinkhorn_iters,
               spectral_norm=spectral_norm, spectral_target=spectral_target, spectral_iters=spectral_iters,
               base_width=base_width, width_exponent=width_exponent)
-    if FUSED and dev.type in TRITON_DEVICES and all(torch.float64 not in (m.w.dtype, m.g.dtype) for m in mats):
+    if settings.sinkgd_sharded_fused and dev.type in TRITON_DEVICES and all(torch.float64 not in (m.w.dtype, m.g.dtype) for m in mats):
         _fused_step(mats, salts, lr_d, step, stochastic_round, **kw)
     else:
         _torch_step(mats, salts, lr_d, step, stochastic_round, **kw)
@@ -511,7 +515,7 @@ def sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05,
 
 def _torch_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_decay, eps, sinkhorn_iters,
                 spectral_norm, spectral_target, spectral_iters, base_width, width_exponent):
-    """The step in PyTorch ops (CPU, float64, and ``FUSED = False``): chunked passes over the
+    """The step in PyTorch ops (CPU, float64, and the sinkgd_sharded_fused setting off): chunked passes over the
     local rows, the collectives of _reduce_groups."""
     from .._library import TRITON_DEVICES
 
@@ -554,9 +558,9 @@ def _torch_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_d
 
 
 # On a Triton device the step runs the single-device op's kernels on the local rows (ops/sinkgd.py
-# ``launch_sharded``), with the all-reduces between their launches; FUSED = False (or
-# TORCH_FUSED_SINKGD_SHARDED_FUSED=0) keeps the PyTorch ops everywhere.
-FUSED = os.environ.get("TORCH_FUSED_SINKGD_SHARDED_FUSED", "1") != "0"
+# ``launch_sharded``), with the all-reduces between their launches; the sinkgd_sharded_fused
+# setting off (TORCH_FUSED_SINKGD_SHARDED_FUSED=0) keeps the PyTorch ops everywhere.
+
 _PLANS = SinkGDCache(cuda_graphs=False)  # the fused path's plans (no graphs: collectives run between launches)
 
 

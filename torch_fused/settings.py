@@ -1,0 +1,95 @@
+"""Run-time settings of torch_fused, in one place.
+
+Read a setting as ``torch_fused.settings.current.<name>``; change settings for a block with
+``with torch_fused.settings.override(name=value, ...):`` (tests and benchmarks do this; nothing
+assigns another module's globals). Where a setting has an environment variable, the variable is
+read once, when this module is imported, and gives the starting value.
+
+| name | default | environment variable | what it sets |
+|---|---|---|---|
+| ``poison`` | False | | fill every fresh op output with NaN (integers: -2**30) before a kernel writes it; the test suite turns it on, so an element a kernel forgets never passes |
+| ``sinkgd_graphs`` | True | ``TORCH_FUSED_SINKGD_GRAPHS`` (0: off) | the eager SinkGD step replays its launches from a CUDA graph once the same plan comes back |
+| ``sinkgd_branches`` | True | ``TORCH_FUSED_SINKGD_BRANCHES`` (0: off) | in that graph, a pass's launches over different row-width classes run as parallel branches |
+| ``sinkgd_sharded_fused`` | True | ``TORCH_FUSED_SINKGD_SHARDED_FUSED`` (0: off) | sharded (DTensor) SinkGD runs the fused kernels on a Triton device; off: the PyTorch-op path |
+| ``sinkgd_sharded_compile`` | True | ``TORCH_FUSED_SINKGD_SHARDED_COMPILE`` (0: off) | the PyTorch-op sharded path compiles its chunk functions on CUDA |
+| ``lm_head_chunk_bytes`` | {"cuda": 128 MiB, "cpu": 4 MiB} | | the fused lm_head's fp32 logits / d logits chunk budget, per device type |
+| ``lm_head_min_cols`` | {"cuda": 2048} | | the fewest vocabulary columns of a cuBLAS-path chunk, per device type |
+| ``lm_head_dlogits_min_cols`` | {"cuda": 8192} | | the fewest columns of the fused backward's d logits chunk (fewer passes over d hidden) |
+| ``lm_head_fused_gemm`` | {"forward", "backward"} | | the lm_head passes whose GEMM tiles are consumed inside Triton kernels (bf16 / fp16, no softcap); the rest use cuBLAS chunks |
+| ``lm_head_tma`` | True | | the fused GEMMs read their operands through TMA on compute capability 9 and later |
+| ``lm_head_part_bytes`` | 64 MiB | | the fused forward's tile statistics buffer, at most |
+| ``logprobs_bwd_segment`` | 32768 | | the log-prob backward splits a row into programs of about this many columns (0: one program per row) |
+| ``bench_sinkgd_compile`` | True | ``TORCH_FUSED_BENCH_SINKGD_COMPILE`` (0: off) | the sinkgd benchmark also times the torch.compile'd formula (slow to compile) |
+
+Settings that shape a cached plan (the SinkGD kernels' tiles) are not here: they are constants
+of ``kernels/sinkgd.py``, read when a plan is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+
+__all__ = ["current", "override", "DEFAULTS"]
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value != "0"
+
+
+DEFAULTS = dict(
+    poison=False,
+    sinkgd_graphs=_env_flag("TORCH_FUSED_SINKGD_GRAPHS", True),
+    sinkgd_branches=_env_flag("TORCH_FUSED_SINKGD_BRANCHES", True),
+    sinkgd_sharded_fused=_env_flag("TORCH_FUSED_SINKGD_SHARDED_FUSED", True),
+    sinkgd_sharded_compile=_env_flag("TORCH_FUSED_SINKGD_SHARDED_COMPILE", True),
+    lm_head_chunk_bytes={"cuda": 128 << 20, "cpu": 4 << 20},
+    lm_head_min_cols={"cuda": 2048},
+    lm_head_dlogits_min_cols={"cuda": 8192},
+    lm_head_fused_gemm=frozenset({"forward", "backward"}),
+    lm_head_tma=True,
+    lm_head_part_bytes=64 << 20,
+    logprobs_bwd_segment=32768,
+    bench_sinkgd_compile=_env_flag("TORCH_FUSED_BENCH_SINKGD_COMPILE", True),
+)
+
+
+class _Settings:
+    """The current values; attribute access by name. Unknown names raise AttributeError."""
+
+    def __init__(self, values: dict):
+        object.__setattr__(self, "_values", copy.deepcopy(values))
+
+    def __getattr__(self, name):
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"torch_fused.settings has no setting {name!r}; the settings: "
+                                 f"{', '.join(sorted(self._values))}") from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("set torch_fused settings with torch_fused.settings.override(...)")
+
+    def as_dict(self) -> dict:
+        return dict(self._values)
+
+
+current = _Settings(DEFAULTS)
+
+
+@contextlib.contextmanager
+def override(**values):
+    """``with override(name=value, ...)``: the settings for the block, restored after it (also
+    when it raises). Names are checked: a misspelt setting raises instead of doing nothing."""
+    unknown = sorted(set(values) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"override: unknown setting(s) {unknown}; the settings: {', '.join(sorted(DEFAULTS))}")
+    store = current._values
+    saved = {k: store[k] for k in values}
+    store.update(values)
+    try:
+        yield current
+    finally:
+        store.update(saved)
