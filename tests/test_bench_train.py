@@ -49,6 +49,7 @@ def test_quick_experiment_end_to_end():
             assert [t for t, _ in r["curve"]] == [2 * 4 * 32, 4 * 4 * 32]
     s = w["summary"]
     assert s["adamw"]["state_mib"] > s["sinkgd"]["state_mib"]  # AdamW's moments on the matrices
-    report = T.TrainReport(device="cpu", extra={"train": res})
+    report = T.new_report(torch.device("cpu"))
+    report.extra["train"] = res
     md = T.markdown(report)
     assert "| 32 | sinkgd |" in md and "Quick run" in md

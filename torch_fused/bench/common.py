@@ -210,13 +210,14 @@ def markdown(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save(report: Report, out_dir: Path, name: str) -> None:
+def save(report: Report, out_dir: Path, name: str, markdown_fn=None, plot_fn=None) -> None:
+    """<name>.json, .md and .png under out_dir; a suite with its own table and plot passes them."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = asdict(report)
     (out_dir / f"{name}.json").write_text(json.dumps(data, indent=1))
-    (out_dir / f"{name}.md").write_text(markdown(report))
+    (out_dir / f"{name}.md").write_text((markdown_fn or markdown)(report))
     try:
-        plot(report, out_dir / f"{name}.png")
+        (plot_fn or plot)(report, out_dir / f"{name}.png")
     except Exception as e:  # matplotlib not installed (the `bench` extra): the JSON and markdown are written
         print(f"(no plot: {e})")
 

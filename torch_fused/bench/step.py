@@ -46,6 +46,8 @@ from torch import nn
 import torch_fused
 from torch_fused.optim import SinkGD, sinkgd_param_groups
 
+from . import common
+
 PATHS = ("materialized", "trl", "torch_fused")
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -678,13 +680,7 @@ def plot(report, path: Path) -> None:
 
 
 def save(report, out_dir: Path, name: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(asdict(report), indent=1))
-    (out_dir / f"{name}.md").write_text(markdown(report))
-    try:
-        plot(report, out_dir / f"{name}.png")
-    except Exception as e:  # noqa: BLE001  (matplotlib missing: the JSON and markdown are written)
-        print(f"(no plot: {e})")
+    common.save(report, out_dir, name, markdown, plot)
 
 
 def main(argv=None) -> None:

@@ -23,17 +23,17 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sysconfig
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from . import common
 
 # --------------------------------------------------------------------------------------------
 # Settings
@@ -310,16 +310,6 @@ def experiment(cfg, device, log=print, optimizers=OPTIMIZERS, on_width=None) -> 
 # --------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------
-@dataclass
-class TrainReport:
-    device: str = ""
-    torch: str = torch.__version__
-    triton: str = ""
-    copy_gbps: float = 0.0
-    rows: list = field(default_factory=list)
-    extra: dict = field(default_factory=dict)
-
-
 def markdown(report) -> str:
     res = report.extra["train"]
     cfg = res["config"]
@@ -386,20 +376,13 @@ def plot(report, path: Path) -> None:
 
 
 def save(report, out_dir: Path, name: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(asdict(report), indent=1))
-    (out_dir / f"{name}.md").write_text(markdown(report))
-    try:
-        plot(report, out_dir / f"{name}.png")
-    except Exception as e:  # noqa: BLE001  (matplotlib missing: the JSON and markdown are written)
-        print(f"(no plot: {e})")
+    common.save(report, out_dir, name, markdown, plot)
 
 
-def new_report(device) -> TrainReport:
-    import triton
-
-    return TrainReport(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                       triton=triton.__version__)
+def new_report(device) -> common.Report:
+    r = common.new_report()
+    r.device = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    return r
 
 
 def run(report, copy_gbps, quick=False):
