@@ -15,10 +15,9 @@ rounded products that _shifted used. The row statistics saved for the backward a
 rounding of ~1e-3, which every log-prob and gradient would inherit. In nats:
 logp = (d_i - log2 s) ln2 and H = (log2 s - t / s) ln2 (no lse - E[z] cancellation).
 
-Cost. A block max reduced across the threads on every block (shuffles, a shared-memory
-exchange, two barriers) made the previous forward wait on itself: 80 registers, 37% occupancy,
-0.85 of the memory floor with the entropy. Per-thread maxima need 40-48 registers and reach the
-floor (docs/BENCHMARKS.md). Full blocks run unmasked, with the next block's load issued before
+Cost. Each thread keeps its own running maxima, combined once per row: a block max reduced
+across the threads on every block (shuffles, a shared-memory exchange, two barriers) makes the
+pass wait on itself and needs about twice the registers, which costs occupancy. Full blocks run unmasked, with the next block's load issued before
 the current block's math (one row per program leaves no other source of loads in flight); in
 the backward the index term touches only the block that holds the index.
 Non-finite input: a NaN or +inf logit makes its row NaN; -inf is a masked entry (probability 0);

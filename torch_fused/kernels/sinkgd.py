@@ -95,7 +95,7 @@ MAX_FUSED_N = 16384  # widest row a _sinkgd_rows_kernel program holds in registe
 ROW_TILE = (8, 1024, 4)  # two-pass path, row sums: BM, BN, warps
 COL_TILE = (128, 64, 4)  # two-pass path, column sums
 UPD_TILE = (32, 256, 4)  # [BM, BN] tiles of the update: BN 256 divides the common widths (768, 3072)
-SCALE_BLOCK = 32  # _sinkgd_scale_kernel: entries per program (H200, GPT-2 small L=5: 0.949x fused AdamW, 0.982x with 64)
+SCALE_BLOCK = 32  # _sinkgd_scale_kernel: entries per program (64 measured slower on the sinkgd suite)
 SCALE_PARTS = 64  # and partials per trip
 # _sinkgd_rows_kernel tiles (rows_config), chosen by a tile sweep on an H200: elements per
 # thread and row, the most warps a program gets, rows per program, rows per trip. A plan
@@ -107,8 +107,7 @@ ROWS_MIN_PROGRAMS = 4  # per SM, see rows_bm
 ROWS_MAX_PARTIALS = 1024  # per column of a matrix, see rows_bm
 ROWS_RB = 1
 # The row and power passes' loads are software pipelined by Triton (tl.range num_stages, staged
-# through shared memory: more bytes in flight than registers allow; H200: a 768-wide pass 66 ->
-# 56 us, a 4096-wide one 115 -> 102 us) where ROWS_PIPE stages of a trip fit in
+# through shared memory: more bytes in flight than registers allow) where ROWS_PIPE stages of a trip fit in
 # ROWS_PIPE_BYTES; else (and with ROWS_PIPE = 0) the kernels prefetch one trip in registers.
 ROWS_PIPE = 3
 ROWS_PIPE_BYTES = 64 << 10

@@ -10,10 +10,9 @@ Log-probs at ``index`` and the entropy of ``softmax(z / T)``, z = softcap(logit_
   exponentials, entropy sum, the indexed logits), folded over the column tiles here.
   Backward: the tile's d logits from the whole rows' statistics, stored once in the weight's
   dtype into a vocabulary chunk [N, v] (the ``lm_head_chunk_bytes`` setting, of fp32, so v is twice as wide in
-  bf16) that the d weight and d hidden GEMMs (cuBLAS) read. On an H200 this is 1.02-1.07x one
-  GEMM forward and 1.35-1.44x the three GEMMs forward+backward, where cuBLAS GEMMs into fp32
-  chunks and the statistics kernels take 1.11-1.15x and 1.45-1.53x in the same run (``python
-  -m torch_fused.bench --sweep --only lm_head``; docs/BENCHMARKS.md).
+  bf16) that the d weight and d hidden GEMMs (cuBLAS) read. Faster than cuBLAS GEMMs into fp32
+  chunks followed by the statistics kernels (``python -m torch_fused.bench --sweep --only
+  lm_head``; figures in docs/BENCHMARKS.md).
 - Otherwise, forward: vocabulary chunks over all N tokens (a token chunk would re-read the
   whole weight per chunk: at N = 8192, V = 151936 that made the forward memory-bound on the
   weight, 2.1x one GEMM). Each chunk's logits [N, v] come from one GEMM with fp32 output
