@@ -44,12 +44,25 @@ def check(cond, message) -> None:
     torch._check(cond, message)
 
 
+# A nominal multiprocessor count for grids sized off a GPU (the interpreter) and for the kernels'
+# ahead-of-time signature lists: an H100 / H200's.
+NOMINAL_SMS = 132
+# SinkGD: every row and column scale is clamped here, so a (near-)zero row or column, whose scale
+# grows by sqrt(n) / eps per iteration, never overflows into inf * 0 = NaN; and a clamp whose
+# square stays finite in fp32 (about sqrt(fp32 max)) for the squared scales.
+SCALE_MAX = 1e30
+SQRT_FP32_MAX = 1.8e19
+# SinkGD stochastic rounding: the Philox seed of a matrix is step * SR_SEED_STRIDE + its salt
+# (larger than any salt: no two (step, matrix) pairs share a seed in a list of fewer matrices).
+SR_SEED_STRIDE = 1000003
+
+
 @functools.lru_cache(maxsize=None)
 def n_sm(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (sizes grids); a nominal 132 elsewhere (interpreter)."""
+    """Multiprocessors of a CUDA device (sizes grids); NOMINAL_SMS elsewhere (interpreter)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
+    return NOMINAL_SMS
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

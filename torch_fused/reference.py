@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ._library import LN2, LOG2E, T_MAX, T_MIN, acc_dtype, kernel_temperature
+from ._library import LN2, LOG2E, SCALE_MAX, T_MAX, T_MIN, acc_dtype, kernel_temperature
 
 # Rows per chunk are chosen so that one chunk's float temporaries stay near this many elements.
 _CHUNK_ELEMS = 1 << 21
@@ -340,8 +340,8 @@ def sinkgd_scales(g: torch.Tensor, iters: int, eps: float) -> tuple[torch.Tensor
         return r[:, :, None] * gf * c[:, None, :]
 
     for _ in range(iters):
-        r = (r * math.sqrt(n) / _scaled_norm(x(), 2).clamp_min(eps)).clamp_max(1e30)
-        c = (c * math.sqrt(m) / _scaled_norm(x(), 1).clamp_min(eps)).clamp_max(1e30)
+        r = (r * math.sqrt(n) / _scaled_norm(x(), 2).clamp_min(eps)).clamp_max(SCALE_MAX)
+        c = (c * math.sqrt(m) / _scaled_norm(x(), 1).clamp_min(eps)).clamp_max(SCALE_MAX)
     return r, c
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._library import NOMINAL_SMS
 from .logprobs import D_MIN, _shifted
 
 
@@ -240,4 +241,4 @@ def compile_cases():
         sig = {k: t for k, t in sig.items() if k not in ("p_h", "p_w", "stride_h", "stride_w")}
         sig = {"d_h": f"tensordesc<bf16[{bm},{bk}]>", "d_w": f"tensordesc<bf16[{bn},{bk}]>", **sig}
         yield (name, kernel, sig, {"HAS_BIAS": True, "EXACT_SHIFT": False, "BLOCK_K": 2, "BM": bm, "BN": bn, "BK": bk,
-                                   "GROUP_M": gm, "NUM_SMS": 132, **flags}, warps)
+                                   "GROUP_M": gm, "NUM_SMS": NOMINAL_SMS, **flags}, warps)

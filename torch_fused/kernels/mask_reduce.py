@@ -36,7 +36,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .._library import cdiv
+from .._library import NOMINAL_SMS, cdiv
 
 
 @triton.jit
@@ -232,7 +232,7 @@ def _np2(n: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int = 2,
-                n_sm: int = 132) -> tuple[int, int, int, int, bool, int]:
+                n_sm: int = NOMINAL_SMS) -> tuple[int, int, int, int, bool, int]:
     """(BLOCK_R, BLOCK_I, num_warps, VEC, PIPELINE, U), VEC = 16 bytes of x. A trip loads a
     [U * BLOCK_R, BLOCK_I] tile, U 16-byte x vectors per thread and column run, whose U rows a
     thread adds in registers; the accumulator is [BLOCK_R, BLOCK_I], one per thread and vector.
@@ -303,7 +303,7 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
 
 
 # (name, x dtype, x shape, reduce dim, x strides, mask strides, scale strides) of the launches
-# the benchmarks and the usual callers make, on a 132-SM device; strides of the broadcast views
+# the benchmarks and the usual callers make, on a NOMINAL_SMS device; strides of the broadcast views
 _COMPILE_LAUNCHES = [
     ("moe [T,k,1] mask, [T,k] weights", "bf16", (65536, 4, 8192), 1, (32768, 8192, 1), (4, 1, 0), (4, 1, 0)),
     ("full mask", "bf16", (8192, 4, 8192), 1, (32768, 8192, 1), (32768, 8192, 1), None),
@@ -332,7 +332,7 @@ def compile_cases():
         osz = list(shape[:d]) + list(shape[d + 1:])
         o0, o1, i = [1] * (3 - len(osz)) + osz
         x4, m4, s4 = four(sx), four(sm), four(ss)
-        n_iblk, cx, warps = launch_config(shape[d], o0, o1, i, x4, m4, s4, _BYTES[dt], dt == "fp64", 132)
+        n_iblk, cx, warps = launch_config(shape[d], o0, o1, i, x4, m4, s4, _BYTES[dt], dt == "fp64", NOMINAL_SMS)
         sig = {"p_x": f"*{dt}", "p_m": "*u8", "p_s": "*fp32", "p_y": f"*{dt}"}
         args = [("R", shape[d]), ("O1", o1), ("I", i), ("n_iblk", n_iblk), ("n_outer", o0 * o1)]
         for pre, st in (("sx", x4), ("sm", m4), ("ss", s4)):

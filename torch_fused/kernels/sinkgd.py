@@ -62,6 +62,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._library import SCALE_MAX as _SCALE_MAX, SQRT_FP32_MAX as _SQRT_FP32_MAX, SR_SEED_STRIDE as _SR_SEED_STRIDE
+
 # meta columns (constexpr globals: readable inside @triton.jit); the launcher writes rows in
 # exactly this order (ops/sinkgd.py::_Plan)
 G_PTR = tl.constexpr(0)
@@ -82,13 +84,14 @@ WQ_OFF = tl.constexpr(12)  # |w|^2 partials: one per SCALE_BLOCK columns and bat
 # (ALIGN), in list order
 MG = tl.constexpr(13)  # the whole matrix's row count: the column scale's and the spectral target's m
 EOFF = tl.constexpr(14)  # index in the whole parameter of the local block's first element
-SALT = tl.constexpr(15)  # the matrix's stochastic-rounding salt (seed = step * 1000003 + SALT)
+SALT = tl.constexpr(15)  # the matrix's stochastic-rounding salt (seed = step * SR_SEED_STRIDE + SALT)
 S_OFF = tl.constexpr(16)  # the finished column sums [B, n] in the sums buffer (_sinkgd_colsum_kernel)
 SU_OFF = tl.constexpr(17)  # and the finished |u|^2 sums [B]
 META_COLS = tl.constexpr(18)
 
-SCALE_MAX = tl.constexpr(1e30)  # the clamp of every r and c (see reference.sinkgd_scales)
-SQRT_FP32_MAX = tl.constexpr(1.8e19)  # about sqrt(fp32 max): a clamp whose square stays finite
+SCALE_MAX = tl.constexpr(_SCALE_MAX)  # the clamp of every r and c (see _library.SCALE_MAX)
+SQRT_FP32_MAX = tl.constexpr(_SQRT_FP32_MAX)  # about sqrt(fp32 max): a clamp whose square stays finite
+SR_SEED_STRIDE = tl.constexpr(_SR_SEED_STRIDE)
 SSQ_SCALED = tl.constexpr(1e37)  # a row sum of squares above this (or inf) is recomputed scaled
 
 MAX_FUSED_N = 16384  # widest row a _sinkgd_rows_kernel program holds in registers
@@ -399,7 +402,7 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
     else:
         v = tl.load(p_v, mask=msk, other=0.0)
         v = v * target / tl.maximum(tl.sqrt(acc), eps)
-    tl.store(p_v, tl.minimum(v, 1e30), mask=msk)
+    tl.store(p_v, tl.minimum(v, SCALE_MAX), mask=msk)
 
 
 @triton.jit
@@ -638,7 +641,7 @@ def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_lr,
         # Philox call (counter e >> 3) gives four 32-bit words, the bits of eight elements:
         # element e takes word (e >> 1) & 3, its low half for even e, its high half for odd
         # (optim/sharded.py::sr_noise, the same bits in PyTorch).
-        seed = tl.load(p_seed).to(tl.int32) * 1000003 + tl.load(row + SALT).to(tl.int32)
+        seed = tl.load(p_seed).to(tl.int32) * SR_SEED_STRIDE + tl.load(row + SALT).to(tl.int32)
         g_base = base + b * (tl.load(row + MG) - m) * n + tl.load(row + EOFF)
         if ALIGN % 8 == 0 and BN % 8 == 0:
             # n is a multiple of 8, so every row of the tile starts a group of eight: one call

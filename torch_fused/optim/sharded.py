@@ -51,6 +51,7 @@ import torch
 
 from ..ops.sinkgd import SinkGDCache, launch_sharded
 from ..settings import current as settings
+from .._library import SCALE_MAX, SQRT_FP32_MAX, SR_SEED_STRIDE
 
 CHUNK_ELEMS = 1 << 22  # gradient elements per row chunk of the local passes
 
@@ -235,7 +236,7 @@ def sr_noise(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def sr_seed(step: torch.Tensor, salt: int) -> torch.Tensor:
     """The update kernel's int32 seed ``int32(step) * 1000003 + salt`` (wrapping), as a 0-dim
     int64 tensor on step's device (no host sync)."""
-    s = step.reshape(()).to(torch.int64) * 1000003 + salt
+    s = step.reshape(()).to(torch.int64) * SR_SEED_STRIDE + salt
     return ((s + (1 << 31)) & _M32) - (1 << 31)
 
 
@@ -372,9 +373,9 @@ def _row_values(g, c, r_old, eps: float):
     a = torch.where(a > 0, a, torch.ones_like(a))
     q = y.div_(a[:, :, None]).square_()
     norm = r_old * a * q.sum(2).sqrt()
-    r_new = (r_old * target / norm.clamp_min(eps)).clamp_max(1e30)
+    r_new = (r_old * target / norm.clamp_min(eps)).clamp_max(SCALE_MAX)
     # a zero row's r_new = 1e30 meets q = 0: (r_new a)^2 kept finite (as the kernels do)
-    return r_new, torch.einsum("bmn,bm->bn", q, (r_new * a).clamp_max(1.8e19).square())
+    return r_new, torch.einsum("bmn,bm->bn", q, (r_new * a).clamp_max(SQRT_FP32_MAX).square())
 
 
 # On CUDA the chunk functions run compiled (torch.compile, dynamic shapes): each becomes a few
@@ -525,7 +526,7 @@ def _torch_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_d
     for _ in range(sinkhorn_iters):
         parts = _reduce_groups(mats, [_row_pass(mat, eps) for mat in mats])
         for mat, col in zip(mats, parts):
-            mat.c = (mat.c * math.sqrt(mat.info.m) / col.sqrt().clamp_min(eps)).clamp_max(1e30)
+            mat.c = (mat.c * math.sqrt(mat.info.m) / col.sqrt().clamp_min(eps)).clamp_max(SCALE_MAX)
     scales = [None] * len(mats)
     if spectral_norm:
         sigma = [None] * len(mats)
