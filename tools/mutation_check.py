@@ -183,10 +183,10 @@ MUTANTS: list[Mutant] = [
     # 6. SinkGD normalizing columns before rows (every iteration)
     Mutant(
         "sinkgd-cols-first-ref", "6 SinkGD columns normalized before rows", "torch_fused/reference.py", CPU,
-        [("        r = (r * math.sqrt(n) / x2().sum(2).sqrt().clamp_min(eps)).clamp_max(1e30)\n"
-          "        c = (c * math.sqrt(m) / x2().sum(1).sqrt().clamp_min(eps)).clamp_max(1e30)\n",
-          "        c = (c * math.sqrt(m) / x2().sum(1).sqrt().clamp_min(eps)).clamp_max(1e30)\n"
-          "        r = (r * math.sqrt(n) / x2().sum(2).sqrt().clamp_min(eps)).clamp_max(1e30)\n")],
+        [("        r = (r * math.sqrt(n) / _scaled_norm(x(), 2).clamp_min(eps)).clamp_max(SCALE_MAX)\n"
+          "        c = (c * math.sqrt(m) / _scaled_norm(x(), 1).clamp_min(eps)).clamp_max(SCALE_MAX)\n",
+          "        c = (c * math.sqrt(m) / _scaled_norm(x(), 1).clamp_min(eps)).clamp_max(SCALE_MAX)\n"
+          "        r = (r * math.sqrt(n) / _scaled_norm(x(), 2).clamp_min(eps)).clamp_max(SCALE_MAX)\n")],
         SINKGD_TESTS,
     ),
     Mutant(
@@ -228,8 +228,8 @@ MUTANTS: list[Mutant] = [
     # 7. SinkGD dropping the (decoupled) weight decay from the update
     Mutant(
         "sinkgd-no-wd-ref", "7 SinkGD weight decay dropped", "torch_fused/reference.py", CPU,
-        [("new = w.float() - coef_x[:, None, None] * x - coef_w * w.float()",
-          "new = w.float() - coef_x[:, None, None] * x")],
+        [("new = wf - coef_x[:, None, None].to(dt) * x - coef_w.to(dt) * wf",
+          "new = wf - coef_x[:, None, None].to(dt) * x")],
         SINKGD_TESTS,
     ),
     Mutant(
