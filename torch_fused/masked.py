@@ -142,7 +142,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     if dim is None and values.dim() == 0:
         values = values.reshape(1)
         mask = mask.reshape(1) if mask.dim() == 0 else mask
-    d = values.dim() - 1 if dim is None else int(dim)  # a structural constant: a dim that changes recompiles
+    d = values.dim() - 1 if dim is None else dim
     check_mask_reduce(values, d, mask, None, None, x_name="values")
     shape = tuple(values.shape)
     total = mask_reduce(values, d, mask, out_dtype=out_dtype)
