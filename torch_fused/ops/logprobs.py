@@ -103,12 +103,13 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
     else:
         idx, k = stats, 1  # unused pointer
     block_v, warps = K.pick_block(v, x.element_size(), "fwd_ent" if compute_entropy else "fwd")
+    c = LOG2E / kernel_temperature(temperature)  # the float temperature's scale (a placeholder with temperature_t)
     K._logprobs_entropy_forward_kernel[(rows,)](
         x, idx, logp, ent, stats, temperature_t if temperature_t is not None else stats,
         v, k, inner, s_outer, s_inner,
-        LOG2E / kernel_temperature(temperature), ignore_index,
+        c, ignore_index,
         HAS_INDEX=index is not None, HAS_ENT=compute_entropy,
-        EXACT_SHIFT=exact_shift(None if temperature_t is not None else LOG2E / kernel_temperature(temperature)),
+        EXACT_SHIFT=exact_shift(None if temperature_t is not None else c),
         T_FROM_PTR=temperature_t is not None,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)), EPT=16 // x.element_size(),
         num_warps=warps,
@@ -162,6 +163,7 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
     has_gh = grad_entropy is not None
     gh = grad_entropy.reshape(rows).contiguous() if has_gh else stats
     block_v, warps = K.pick_block(v, x.element_size(), "bwd")
+    t = kernel_temperature(temperature)
     in_place = out is not None and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     segs, seg_len = (1, v) if has_dt or in_place else K.backward_segments(v, block_v)
     K._logprobs_entropy_backward_kernel[((rows + tail_rows) * segs,)](
@@ -169,10 +171,9 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
         temperature_t if has_dt else stats, xdx if has_dt else stats,
         v, k, rows, inner, s_outer, s_inner, v_off, v if v_total is None else v_total,
         d_inner, d_outer, d_stride, z_inner, z_outer, z_stride,
-        LOG2E / kernel_temperature(temperature), 1.0 / kernel_temperature(temperature), ignore_index, segs, seg_len,
+        LOG2E / t, 1.0 / t, ignore_index, segs, seg_len,
         HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1,
-        EXACT_SHIFT=exact if exact is not None else exact_shift(
-            None if has_dt else LOG2E / kernel_temperature(temperature)),
+        EXACT_SHIFT=exact if exact is not None else exact_shift(None if has_dt else LOG2E / t),
         T_FROM_PTR=has_dt, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0, IN_PLACE=in_place,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
         num_warps=warps,
