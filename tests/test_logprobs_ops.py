@@ -11,6 +11,7 @@ import torch
 
 import torch_fused
 from _helpers import DEVICES, SMALL, make_logits
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch_fused._library import INTERPRET
 
 OPS = torch.ops.fused
@@ -354,4 +355,123 @@ def test_ignore_index_of_the_wrong_type_names_the_argument(bad):
                  lambda: torch_fused.logprobs_and_entropy(x, i, ignore_index=bad),
                  lambda: torch_fused.linear_logprobs_and_entropy(h, w, i, ignore_index=bad)):
         with pytest.raises(TypeError, match=r"ignore_index: expected an int .* got " + repr(bad).replace(".", r"\.")):
+            call()
+
+
+def _fast_path_cases(device):
+    g = torch.Generator().manual_seed(3)
+    x = make_logits((2, 4), 37, torch.float32, device, "sliced", gen=g)
+    full = x._base if x._base is not None else x
+    idx = torch.randint(0, 37, (2, 4), generator=g).to(device)
+    idx[0, 1] = -100
+    idxk = torch.randint(0, 37, (2, 4, 3), generator=g).to(device)
+    t = torch.tensor(0.7, device=device)
+    return [
+        ("selective_log_softmax", (x, idx), {"temperature": 0.8}),
+        ("selective_log_softmax", (x, idxk), {}),
+        ("entropy_from_logits", (x,), {"temperature": t}),
+        ("logprobs_and_entropy", (x, idx), {}),
+        ("logprobs_and_entropy", (full, idx), {"shift": True, "temperature": t}),
+        ("logprobs_and_entropy", (x, idxk), {"temperature": 1.3}),
+    ]
+
+
+def _outputs_and_grads(fn, args, kwargs):
+    x = args[0].detach().requires_grad_(True)
+    t = kwargs.get("temperature")
+    kw = dict(kwargs)
+    leaves = [x]
+    if isinstance(t, torch.Tensor):
+        kw["temperature"] = t.detach().requires_grad_(True)
+        leaves.append(kw["temperature"])
+    out = getattr(torch_fused, fn)(x, *args[1:], **kw)
+    out = out if isinstance(out, tuple) else (out,)
+    g = torch.Generator().manual_seed(5)
+    loss = sum((o * torch.randn(o.shape, generator=g).to(o.device)).sum() for o in out)
+    return out + torch.autograd.grad(loss, leaves)
+
+
+class _SeenOps(TorchDispatchMode):
+    """Records the fused:: ops dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fused":
+            self.seen.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_fast_path_matches_the_registered_op(device, monkeypatch):
+    """The public functions' eager fast path (one autograd.Function over the ops' implementations)
+    gives the registered op's values and gradients bit for bit, and is the path a plain eager
+    call takes: no fused:: op is dispatched. Under a dispatch mode the op is dispatched."""
+    from torch_fused.ops import logprobs as L
+
+    for fn, args, kwargs in _fast_path_cases(device):
+        fast = _outputs_and_grads(fn, args, kwargs)
+        monkeypatch.setattr(L, "eager_eligible", lambda *a: False)
+        monkeypatch.setattr(torch_fused, "_eager_eligible", lambda *a: False)
+        slow = _outputs_and_grads(fn, args, kwargs)
+        monkeypatch.undo()
+        assert len(fast) == len(slow)
+        for a, b in zip(fast, slow):
+            assert torch.equal(a, b), fn
+        with _SeenOps() as mode:
+            getattr(torch_fused, fn)(*args, **kwargs)
+        assert mode.seen and mode.seen[0] == "_logprobs_entropy_forward", mode.seen
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            getattr(torch_fused, fn)(*args, **kwargs)
+        names = {e.name for e in prof.events()}
+        assert f"fused::{fn}" in names and "fused::_logprobs_entropy_forward" not in names, names
+
+
+def test_eager_fast_path_is_taken_only_where_nothing_needs_the_op():
+    from torch_fused.ops.logprobs import eager_eligible
+
+    x = torch.randn(2, 5)
+    assert eager_eligible(x, None)
+    assert not eager_eligible(x, torch.nn.Parameter(torch.randn(2)))  # a subclass
+    with torch.device("cpu"):  # a torch-function mode
+        assert not eager_eligible(x)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False):  # a dispatch mode
+        assert not eager_eligible(x)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert not eager_eligible(x)
+    seen = []
+    torch.vmap(lambda r: seen.append(eager_eligible(r)) or r)(x)
+    assert seen == [False]
+    compiled = torch.compile(lambda t: t * 2 if eager_eligible(t) else t * 3, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), x * 3)
+
+
+@pytest.mark.parametrize("path", ["fast", "op"])
+def test_double_backward_raises_on_both_paths(path, monkeypatch):
+    """Neither path is twice differentiable: create_graph=True and a second backward raise
+    instead of returning a wrong second derivative."""
+    if path == "op":
+        monkeypatch.setattr(torch_fused, "_eager_eligible", lambda *a: False)
+    x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(0, 7, (3,))
+    lp, ent = torch_fused.logprobs_and_entropy(x, idx)
+    (gx,) = torch.autograd.grad((lp + ent).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(gx.sum(), x)
+
+
+@pytest.mark.parametrize("bad", [1, None, "yes"])
+def test_shift_of_the_wrong_type_names_the_argument(bad):
+    x = torch.randn(2, 3, 5)
+    i = torch.zeros(2, 2, dtype=torch.long)
+    for call in (lambda: torch_fused.selective_log_softmax(x, i, shift=bad),
+                 lambda: torch_fused.entropy_from_logits(x, shift=bad),
+                 lambda: torch_fused.logprobs_and_entropy(x, i, shift=bad)):
+        with pytest.raises(TypeError, match=r"shift: expected a bool, got " + repr(bad)):
             call()

@@ -65,13 +65,11 @@ def test_compiled_optimizer_step_is_bitwise_deterministic():
 SHAPES = [(256, 768), (768, 3072), (3, 64, 96), (40, 20000)]  # the last: wider than the one-read row pass
 
 
-def _graph_run(graphs, monkeypatch, lr_tensor, stochastic, spectral=False):
+def _graph_run(graphs, settings_override, lr_tensor, stochastic, spectral=False):
     """Five optimizer steps on mixed shapes (one wider than the one-read row pass), new gradient
     values and a changed lr along the way; returns the weights (and the spectral vectors) and
     how many graphs were made."""
-    from torch_fused.ops import sinkgd as S
-
-    monkeypatch.setattr(S, "GRAPHS", graphs)
+    settings_override(sinkgd_graphs=graphs)
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=gen).bfloat16()) for s in SHAPES]
     for p in params:
@@ -95,12 +93,12 @@ def _graph_run(graphs, monkeypatch, lr_tensor, stochastic, spectral=False):
 
 @pytest.mark.parametrize("lr_tensor,stochastic,spectral", [(True, True, False), (True, False, False),
                                                            (False, True, False), (True, True, True)])
-def test_graph_replay_matches_direct_launches(monkeypatch, lr_tensor, stochastic, spectral):
+def test_graph_replay_matches_direct_launches(settings_override, lr_tensor, stochastic, spectral):
     """The optimizer step replayed from a CUDA graph gives the same bits as launching the
     kernels each step, including steps after new gradient values and a new lr, with and
     without the spectral step."""
-    direct, made_off = _graph_run(False, monkeypatch, lr_tensor, stochastic, spectral)
-    replayed, made_on = _graph_run(True, monkeypatch, lr_tensor, stochastic, spectral)
+    direct, made_off = _graph_run(False, settings_override, lr_tensor, stochastic, spectral)
+    replayed, made_on = _graph_run(True, settings_override, lr_tensor, stochastic, spectral)
     assert made_off == 0
     if lr_tensor:  # the lr tensor keeps its address: the graph is made on the second step
         assert made_on >= 1

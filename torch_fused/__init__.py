@@ -11,6 +11,7 @@ import sys
 import torch
 
 from . import ops as _ops  # noqa: F401  (registers the fused:: ops)
+from .ops.logprobs import eager_core as _eager_core, eager_eligible as _eager_eligible
 
 __version__ = "0.1.0"
 
@@ -57,6 +58,12 @@ def _ignore_index(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"ignore_index: expected an int (positions holding it give 0 and no gradient; "
                         f"default -100), got {value!r}")
+    return value
+
+
+def _shift(value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"shift: expected a bool, got {value!r}")
     return value
 
 
@@ -119,7 +126,10 @@ def selective_log_softmax(
                                             shift=shift, mesh_dim=mesh_dim, want_ent=False)[0]
     _no_mesh_dim(mesh_dim)
     t, t_tensor = _temperature_args(temperature, logits)
-    return torch.ops.fused.selective_log_softmax(logits, index, t, _ignore_index(ignore_index), shift=shift,
+    ignore_index, shift = _ignore_index(ignore_index), _shift(shift)
+    if _eager_eligible(logits, index, t_tensor):
+        return _eager_core("fused::selective_log_softmax", logits, index, t, ignore_index, False, t_tensor, shift)[0]
+    return torch.ops.fused.selective_log_softmax(logits, index, t, ignore_index, shift=shift,
                                                  temperature_tensor=t_tensor)
 
 
@@ -143,6 +153,9 @@ def entropy_from_logits(
                                             want_logp=False)[1]
     _no_mesh_dim(mesh_dim)
     t, t_tensor = _temperature_args(temperature, logits)
+    shift = _shift(shift)
+    if _eager_eligible(logits, t_tensor):
+        return _eager_core("fused::entropy_from_logits", logits, None, t, -100, True, t_tensor, shift)[1]
     return torch.ops.fused.entropy_from_logits(logits, t, shift=shift, temperature_tensor=t_tensor)
 
 
@@ -167,7 +180,12 @@ def logprobs_and_entropy(
                                             shift=shift, mesh_dim=mesh_dim)
     _no_mesh_dim(mesh_dim)
     t, t_tensor = _temperature_args(temperature, logits)
-    return torch.ops.fused.logprobs_and_entropy(logits, index, t, _ignore_index(ignore_index), shift=shift,
+    ignore_index, shift = _ignore_index(ignore_index), _shift(shift)
+    if _eager_eligible(logits, index, t_tensor):
+        logp, ent, _ = _eager_core("fused::logprobs_and_entropy", logits, index, t, ignore_index, True, t_tensor,
+                                   shift)
+        return logp, ent
+    return torch.ops.fused.logprobs_and_entropy(logits, index, t, ignore_index, shift=shift,
                                                 temperature_tensor=t_tensor)
 
 

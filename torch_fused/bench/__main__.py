@@ -17,7 +17,7 @@ import torch
 
 from . import common
 
-SUITES = ("logprobs", "model_logits", "lm_head", "vocab_parallel", "mask_reduce", "sinkgd", "step", "train")
+SUITES = ("logprobs", "small", "model_logits", "lm_head", "vocab_parallel", "mask_reduce", "sinkgd", "step", "train")
 # run when no suite is named: all but train (a training-quality sweep of many minutes, named explicitly)
 DEFAULT_SUITES = tuple(s for s in SUITES if s != "train")
 

@@ -235,7 +235,7 @@ def _chunk_merge_kernel(
 
 
 @triton.jit
-def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s, a, b, it,
+def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, g_sk, start, V, K, c, m, log2s, a, b, it,
                     idx0, g0, ignore_index, v_off,
                     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
                     MASKED: tl.constexpr, EXACT_SHIFT: tl.constexpr, HAS_DT: tl.constexpr,
@@ -254,7 +254,7 @@ def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, start, V, K, c, m, log2s
         else:
             for k in range(0, K):
                 i_k = tl.load(p_idx_row + k).to(tl.int64)
-                g_k = tl.load(p_g_row + k).to(tl.float32)
+                g_k = tl.load(p_g_row + k * g_sk).to(tl.float32)
                 g_k = tl.where(i_k == ignore_index, 0.0, g_k) * it
                 b_dx += tl.where(o == i_k - v_off, g_k, 0.0)
     if MASKED:
@@ -291,6 +291,7 @@ def _logprobs_entropy_backward_kernel(
     inv_t,  # 1 / T
     ignore_index,
     segs, seg_len,  # each row's columns in segs segments of seg_len (a multiple of BLOCK_V), one per program
+    glp_sr, glp_sk, gh_s,  # strides of the upstream gradients [rows, K] and [rows] (0: expanded)
     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr, EXACT_SHIFT: tl.constexpr,
     T_FROM_PTR: tl.constexpr, HAS_DT: tl.constexpr, ZERO_TAIL: tl.constexpr, IN_PLACE: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -324,7 +325,7 @@ def _logprobs_entropy_backward_kernel(
     if live:
         _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,
                       v_off + c0, V_total, inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
-                      scale, inv_t, ignore_index, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, T_FROM_PTR,
+                      scale, inv_t, ignore_index, glp_sr, glp_sk, gh_s, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, T_FROM_PTR,
                       HAS_DT, IN_PLACE, BLOCK_V, BLOCK_K)
     else:
         _zero_row(_row_base(p_dz, row - n_rows, dz_inner, dz_outer, dz_stride) + c0, v_seg, BLOCK_V)
@@ -333,7 +334,7 @@ def _logprobs_entropy_backward_kernel(
 @triton.jit
 def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K, v_off, V_total,
                   inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
-                  scale, inv_t, ignore_index,
+                  scale, inv_t, ignore_index, glp_sr, glp_sk, gh_s,
                   HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
                   EXACT_SHIFT: tl.constexpr, T_FROM_PTR: tl.constexpr, HAS_DT: tl.constexpr,
                   IN_PLACE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -350,7 +351,7 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
         o_k = tl.arange(0, BLOCK_K)
         m_k = o_k < K
         b_idx = tl.load(p_idx + row * K + o_k, mask=m_k, other=ignore_index).to(tl.int64)
-        b_g = tl.load(p_glp + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_g = tl.load(p_glp + row * glp_sr + o_k * glp_sk, mask=m_k, other=0.0).to(tl.float32)
         b_g = tl.where(b_idx == ignore_index, 0.0, b_g)
         inb = (b_idx >= 0) & (b_idx < V_total)
         # an out-of-range index gave NaN forward: its row's gradient is NaN too
@@ -363,7 +364,7 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
     a = gsum
     b = 0.0
     if HAS_GH:
-        gh = tl.load(p_gh + row).to(tl.float32)
+        gh = tl.load(p_gh + row * gh_s).to(tl.float32)
         h = tl.load(p_ent + row).to(tl.float32)
         a = a + gh * h
         b = gh * LN2
@@ -371,7 +372,7 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
     b = b * it
 
     p_idx_row = p_idx + row * K
-    p_g_row = p_glp + row * K
+    p_g_row = p_glp + row * glp_sr
     o_v = tl.arange(0, BLOCK_V)
     v_full = V - V % BLOCK_V
     xdx = 0.0
@@ -381,13 +382,13 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
             b_nx = tl.load(p_row + start + o_v).to(tl.float32)  # prefetch the next block
             if IN_PLACE:  # every warp's loads of blocks <= k+1 before any store of block k
                 tl.debug_barrier()
-            xdx += _backward_block(b_x, start - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, start - BLOCK_V, V, K, c,
+            xdx += _backward_block(b_x, start - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, glp_sk, start - BLOCK_V, V, K, c,
                                    m, log2s, a, b, it, idx0, g0, ignore_index, v_off, HAS_GLP, HAS_GH, SINGLE_K, False,
                                    EXACT_SHIFT, HAS_DT, BLOCK_V)
             b_x = b_nx
         if IN_PLACE:
             tl.debug_barrier()
-        xdx += _backward_block(b_x, v_full - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, v_full - BLOCK_V, V, K, c,
+        xdx += _backward_block(b_x, v_full - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, glp_sk, v_full - BLOCK_V, V, K, c,
                                m, log2s, a, b, it, idx0, g0, ignore_index, v_off, HAS_GLP, HAS_GH, SINGLE_K, False,
                                EXACT_SHIFT, HAS_DT, BLOCK_V)
     if v_full < V:
@@ -395,7 +396,7 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
         b_x = tl.load(p_row + o, mask=o < V, other=0.0).to(tl.float32)
         if IN_PLACE:
             tl.debug_barrier()
-        xdx += _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, v_full, V, K, c,
+        xdx += _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, glp_sk, v_full, V, K, c,
                                m, log2s, a, b, it, idx0, g0, ignore_index, v_off, HAS_GLP, HAS_GH, SINGLE_K, True,
                                EXACT_SHIFT, HAS_DT, BLOCK_V)
     if HAS_DT:
@@ -445,7 +446,7 @@ def compile_cases():
            "K": "i32", "n_rows": "i32", "inner_size": "i32", "stride_outer": "i64", "stride_inner": "i64",
            "v_off": "i32", "V_total": "i32", "dx_inner": "i32", "dx_outer": "i64", "dx_stride": "i64", "dz_inner": "i32", "dz_outer": "i64",
            "dz_stride": "i64", "scale": "fp32", "inv_t": "fp32", "ignore_index": "i32", "segs": "i32",
-           "seg_len": "i32"}
+           "seg_len": "i32", "glp_sr": "i32", "glp_sk": "i32", "gh_s": "i32"}
     merge = {"p_x": "*fp32", "p_idx": "*i64", "p_run": "*fp32", "p_u": "*fp32", "p_mo": "*fp32", "V": "i32",
              "K": "i32", "stride_row": "i64", "v_off": "i32", "first": "i32", "scale": "fp32"}
     yield ("lp_chunk_merge", _chunk_merge_kernel, merge,

@@ -24,8 +24,7 @@ _FWD = f"{NAMESPACE}::_logprobs_entropy_forward"
 _BWD = f"{NAMESPACE}::_logprobs_entropy_backward"
 
 
-@torch.library.custom_op(_FWD, mutates_args=())
-def logprobs_entropy_forward(
+def _forward_default(
     logits: torch.Tensor,
     index: torch.Tensor | None,
     temperature: float,
@@ -39,8 +38,7 @@ def logprobs_entropy_forward(
                                               temperature_t, shift)
 
 
-@torch.library.custom_op(_BWD, mutates_args=())
-def logprobs_entropy_backward(
+def _backward_default(
     grad_logp: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
     logits: torch.Tensor,
@@ -57,6 +55,9 @@ def logprobs_entropy_backward(
     )
 
 
+# the default implementations serve every device without a Triton one (CPU)
+logprobs_entropy_forward = torch.library.custom_op(_FWD, mutates_args=())(_forward_default)
+logprobs_entropy_backward = torch.library.custom_op(_BWD, mutates_args=())(_backward_default)
 logprobs_entropy_forward.register_fake(meta.logprobs_entropy_forward_fake)
 logprobs_entropy_backward.register_fake(meta.logprobs_entropy_backward_fake)
 
@@ -155,13 +156,17 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
         d_inner, d_outer, d_stride = max(rows, 1), 0, dx.stride(0) if dx.dim() == 2 else v
         tail, z_inner, z_outer, z_stride = dx, 1, 0, 0
     has_glp = grad_logp is not None and index is not None
+    # the upstream gradients are read through their strides: the expanded ones of a .sum() (stride
+    # 0) without a copy
     if has_glp:
         idx, k = _index_rows(index, rows)
-        glp = grad_logp.reshape(rows, k).contiguous()
+        glp = grad_logp.reshape(rows, k)
+        glp_sr, glp_sk = glp.stride()
     else:
-        idx, k, glp = stats, 1, stats  # unused pointers
+        idx, k, glp, glp_sr, glp_sk = stats, 1, stats, 0, 0  # unused pointers
     has_gh = grad_entropy is not None
-    gh = grad_entropy.reshape(rows).contiguous() if has_gh else stats
+    gh = grad_entropy.reshape(rows) if has_gh else stats
+    gh_s = gh.stride(0) if has_gh else 0
     block_v, warps = K.pick_block(v, x.element_size(), "bwd")
     t = kernel_temperature(temperature)
     in_place = out is not None and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
@@ -171,7 +176,7 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
         temperature_t if has_dt else stats, xdx if has_dt else stats,
         v, k, rows, inner, s_outer, s_inner, v_off, v if v_total is None else v_total,
         d_inner, d_outer, d_stride, z_inner, z_outer, z_stride,
-        LOG2E / t, 1.0 / t, ignore_index, segs, seg_len,
+        LOG2E / t, 1.0 / t, ignore_index, segs, seg_len, glp_sr, glp_sk, gh_s,
         HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1,
         EXACT_SHIFT=exact if exact is not None else exact_shift(None if has_dt else LOG2E / t),
         T_FROM_PTR=has_dt, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0, IN_PLACE=in_place,
@@ -184,7 +189,6 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
 if TRITON_DEVICES:
     logprobs_entropy_forward.register_kernel(TRITON_DEVICES)(_forward_triton)
     logprobs_entropy_backward.register_kernel(TRITON_DEVICES)(_backward_triton)
-# the default (reference) implementation above serves every other device
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +209,12 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, g_logp, g_ent, _g_stats):
+    return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward)
+
+
+def _gradients(ctx, g_logp, g_ent, backward_op):
+    """The autograd formula of the core, with the backward op (or, on the eager fast path, its
+    implementation) given."""
     logits, index, stats, ent, temperature_t = ctx.saved_tensors
     # arguments left at their defaults (temperature_t, shift) may not reach autograd: one
     # gradient per argument that did
@@ -226,13 +236,68 @@ def _backward(ctx, g_logp, g_ent, _g_stats):
                      torch.zeros_like(temperature_t) if need_t else None)
     # a tensor temperature reaches the backward whether or not it requires grad: it is the T of
     # the d logits too (the float temperature is then only a placeholder)
-    dx, dt = torch.ops.fused._logprobs_entropy_backward(
+    dx, dt = backward_op(
         g_logp, g_ent, logits, index, stats, ent, ctx.temperature, ctx.ignore_index, temperature_t, ctx.shift,
     )
     return grads(dx, dt.to(temperature_t.dtype) if need_t else None)
 
 
 logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager fast path. An eager call through the dispatcher runs several Python layers around the
+# implementation (the composite public op, custom_op's autograd wrapper, its backend wrapper,
+# the backward op's dispatch): on a small input they cost several times the kernels. The public
+# functions (torch_fused.selective_log_softmax, ...) call the same implementations and the same
+# autograd formula through one torch.autograd.Function instead, when nothing else needs to see
+# the op: not while torch.compile traces, not under a dispatch or torch-function mode (fake
+# tensors, make_fx, FlopCounterMode, torch.device(...)), not inside a functorch transform or
+# torch.jit.trace, and only for plain tensors. Everything else, and every torch.ops.fused call,
+# goes through the registered op.
+# ---------------------------------------------------------------------------------------------
+def _impls(device: torch.device):
+    if device.type in TRITON_DEVICES:
+        return _forward_triton, _backward_triton
+    return _forward_default, _backward_default
+
+
+class _EagerCore(torch.autograd.Function):
+    # forward with ctx (no separate setup_context): Function.apply then skips binding the
+    # arguments by inspect.signature, which costs more than the rest of a small call
+    @staticmethod
+    def forward(ctx, logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
+        inputs = (logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
+        output = _impls(logits.device)[0](*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # as the backward op: no double backward
+    def backward(ctx, g_logp, g_ent, g_stats):
+        logits = ctx.saved_tensors[0]
+        return _gradients(ctx, g_logp, g_ent, _impls(logits.device)[1])
+
+
+def eager_eligible(*tensors) -> bool:
+    """Whether the public functions may take the eager fast path for these arguments (tensors
+    or None)."""
+    if torch.compiler.is_compiling():
+        return False
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
+            return False
+    return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+                or torch._C._functorch.peek_interpreter_stack() is not None or torch._C._get_tracing_state())
+
+
+def eager_core(name, logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
+    """(logp, entropy, stats) of the core op by the eager fast path; ``name``: the public op's, for
+    the profiler's record."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.autograd.profiler.record_function(name):
+            return _EagerCore.apply(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
+    return _EagerCore.apply(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,189 @@
+"""Small and mid-sized calls: the public log-prob / entropy functions against torch's own formula,
+wall time per call, eager and compiled.
+
+At [64, 1024] a call is host-bound: the time is the Python and dispatch path, not the kernel.
+Each row is the wall time per call of ``CALLS`` calls back to back (one synchronize at the end),
+so a host-bound call is timed by its host path and a device-bound one by its kernels, as a
+training loop sees them. Rows:
+
+- eager forward and forward+backward of each public function beside the plain formula
+  (``log_softmax(x.float())`` gathered, ``-(p * log p).sum``), and the raw op
+  (``torch.ops.fused.*``: the same kernels with the public function's argument handling left out);
+- the floor of the registration: a custom op registered as the log-prob ops are (a
+  ``torch.library.custom_op`` core with a registered CUDA kernel, a fake and an autograd
+  formula, under a ``CompositeImplicitAutograd`` public op) whose implementations launch one
+  empty Triton kernel and allocate nothing;
+- a small GRPO-style loss (log-probs and entropy of the sampled ids, the clipped ratio against old
+  log-probs times advantages, an entropy bonus, a masked mean) forward+backward under
+  ``torch.compile(fullgraph=True)``, against the same formula in plain PyTorch compiled the same way.
+
+The ``ratio`` column is ours over torch's formula (below 1: we are faster). The memory floor of
+the larger shapes (fraction of floor) is in the logprobs suite; this suite is about the calls
+where it is not the limit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import torch_fused
+
+from .common import Row
+from .logprobs import plain_entropy, plain_selective
+
+SHAPES = [(64, 1024), (512, 4096), (512, 32000), (4096, 32000)]
+CALLS = 200
+
+
+def wall_us(fn, calls: int = CALLS) -> float:
+    """Wall microseconds per call of fn over `calls` calls back to back (the median of 5 such
+    runs), warm."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t0) / calls * 1e6)
+    return sorted(runs)[2]
+
+
+def plain_both(logits, index):
+    lp = torch.log_softmax(logits.float(), -1)
+    return lp.gather(-1, index[..., None]).squeeze(-1), -(lp.exp() * lp).sum(-1)
+
+
+def grpo_loss(logprobs_and_entropy):
+    """A GRPO-style token loss over one call of ``logprobs_and_entropy(logits, ids)``."""
+    def loss(logits, ids, old_logp, adv, mask):
+        logp, ent = logprobs_and_entropy(logits, ids)
+        ratio = torch.exp(logp - old_logp)
+        per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv) - 0.01 * ent
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+    return loss
+
+
+def _empty_op():
+    """The registration floor: an op registered as the log-prob ops are, whose implementations
+    launch one empty kernel and allocate only their outputs."""
+    import triton
+
+    @triton.jit
+    def _empty_kernel(x_ptr, n):
+        pass
+
+    if not hasattr(torch.ops.torch_fused_bench, "_empty_core"):
+        @torch.library.custom_op("torch_fused_bench::_empty_core", mutates_args=())
+        def core(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            _empty_kernel[(1,)](x, 0)
+            return index.new_empty(index.shape, dtype=torch.float32), index.new_empty((2,), dtype=torch.float32)
+
+        @core.register_fake
+        def _(x, index):
+            return index.new_empty(index.shape, dtype=torch.float32), index.new_empty((2,), dtype=torch.float32)
+
+        def setup(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+
+        def backward(ctx, g1, g2):
+            (x,) = ctx.saved_tensors
+            _empty_kernel[(1,)](x, 0)
+            return torch.empty_like(x), None
+
+        core.register_autograd(backward, setup_context=setup)
+        lib = torch.library.Library("torch_fused_bench", "FRAGMENT")
+        lib.define("empty(Tensor x, Tensor index) -> Tensor")
+        lib.impl("empty", lambda x, index: torch.ops.torch_fused_bench._empty_core(x, index)[0],
+                 "CompositeImplicitAutograd")
+        _LIBS.append(lib)
+    return torch.ops.torch_fused_bench.empty
+
+
+_LIBS: list = []  # keeps the bench namespace's Library alive
+
+
+def run(report, copy_gbps, quick=False):
+    shapes = SHAPES[:1] if quick else SHAPES
+    empty = _empty_op()
+    for n, v in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g) * 3
+        xg = x.detach().requires_grad_(True)
+        idx = torch.randint(0, v, (n,), device="cuda", generator=g)
+        shape = f"[{n}, {v}] bf16"
+        nbytes = x.numel() * x.element_size()
+        rows = {}
+
+        def add(group, impl, fn, floor, base=None):
+            us = wall_us(fn)
+            note = "" if base is None else f"ratio to torch {us / rows[(group, base)]:.2f}"
+            rows[(group, impl)] = us
+            report.rows.append(Row(group, shape, impl, us / 1e3, floor, note=note).finish(copy_gbps))
+            print(f"{group:36s} {shape:18s} {impl:28s} {us:9.1f} us  {note}", flush=True)
+
+        def fb(f, n_out=1):
+            def call():
+                out = f(xg)
+                outs = out if isinstance(out, tuple) else (out,)
+                return torch.autograd.grad(sum(o.sum() for o in outs[:n_out]), xg)[0]
+            return call
+
+        T = "torch formula"
+        g_ = "selective_log_softmax fwd"
+        add(g_, T, lambda: plain_selective(x, idx), nbytes)
+        add(g_, "torch_fused", lambda: torch_fused.selective_log_softmax(x, idx), nbytes, T)
+        add(g_, "torch.ops.fused (raw op)", lambda: torch.ops.fused.selective_log_softmax(x, idx), nbytes, T)
+        if n * v <= 1 << 20:
+            add(g_, "empty-kernel op (floor)", lambda: empty(x, idx), 0, T)
+        g_ = "entropy_from_logits fwd"
+        add(g_, T, lambda: plain_entropy(x), nbytes)
+        add(g_, "torch_fused", lambda: torch_fused.entropy_from_logits(x), nbytes, T)
+        g_ = "logprobs_and_entropy fwd"
+        add(g_, T, lambda: plain_both(x, idx), nbytes)
+        add(g_, "torch_fused", lambda: torch_fused.logprobs_and_entropy(x, idx), nbytes, T)
+        g_ = "selective_log_softmax fwd+bwd"
+        add(g_, T, fb(lambda t: plain_selective(t, idx)), 3 * nbytes)
+        add(g_, "torch_fused", fb(lambda t: torch_fused.selective_log_softmax(t, idx)), 3 * nbytes, T)
+        if n * v <= 1 << 20:
+            add(g_, "empty-kernel op (floor)", fb(lambda t: empty(t, idx)), 0, T)
+        g_ = "entropy_from_logits fwd+bwd"
+        add(g_, T, fb(plain_entropy), 3 * nbytes)
+        add(g_, "torch_fused", fb(torch_fused.entropy_from_logits), 3 * nbytes, T)
+        g_ = "logprobs_and_entropy fwd+bwd"
+        add(g_, T, fb(lambda t: plain_both(t, idx), 2), 3 * nbytes)
+        add(g_, "torch_fused", fb(lambda t: torch_fused.logprobs_and_entropy(t, idx), 2), 3 * nbytes, T)
+        add(g_, "torch.ops.fused (raw op)", fb(lambda t: torch.ops.fused.logprobs_and_entropy(t, idx), 2),
+            3 * nbytes, T)
+        # the compiled GRPO-style loss
+        torch._dynamo.reset()
+        old = torch.randn(n, device="cuda", generator=g) - 5
+        adv = torch.randn(n, device="cuda", generator=g)
+        mask = (torch.rand(n, device="cuda", generator=g) > 0.2).float()
+        ours = torch.compile(grpo_loss(torch_fused.logprobs_and_entropy), fullgraph=True)
+        plain = torch.compile(grpo_loss(plain_both), fullgraph=True)
+        g_ = "GRPO loss fwd+bwd, compiled"
+        for impl, f in ((T + ", compiled", plain), ("torch_fused, compiled", ours)):
+            add(g_, impl, lambda f=f: torch.autograd.grad(f(xg, idx, old, adv, mask), xg)[0], 3 * nbytes,
+                None if f is plain else T + ", compiled")
+        del x, xg, idx
+        torch.cuda.empty_cache()
+    report.extra["calls_per_timing"] = CALLS
+
+
+def markdown(report) -> str:
+    lines = [
+        f"Device: {report.device}; torch {report.torch}; triton {report.triton}. Wall time per call, "
+        f"{CALLS} calls back to back, warm (median of 5); ratio: ours over torch's formula in the same group.",
+        "",
+        "| group | shape | impl | us per call | ratio |",
+        "|---|---|---|---:|---|",
+    ]
+    for r in report.rows:
+        lines.append(f"| {r.group} | {r.shape} | {r.impl} | {r.ms * 1e3:.1f} | {r.note.replace('ratio to torch ', '')} |")
+    return "\n".join(lines) + "\n"
