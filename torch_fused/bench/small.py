@@ -30,6 +30,7 @@ import torch
 
 import torch_fused
 
+from . import common
 from .common import Row
 from .logprobs import plain_entropy, plain_selective
 
@@ -187,3 +188,7 @@ def markdown(report) -> str:
     for r in report.rows:
         lines.append(f"| {r.group} | {r.shape} | {r.impl} | {r.ms * 1e3:.1f} | {r.note.replace('ratio to torch ', '')} |")
     return "\n".join(lines) + "\n"
+
+
+def save(report, out_dir, name) -> None:
+    common.save(report, out_dir, name, markdown_fn=markdown)

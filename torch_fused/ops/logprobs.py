@@ -293,11 +293,18 @@ def eager_eligible(*tensors) -> bool:
 
 def eager_core(name, logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
     """(logp, entropy, stats) of the core op by the eager fast path; ``name``: the public op's, for
-    the profiler's record."""
+    the profiler's record. Where no gradient can flow (no_grad, or no input requires grad) the
+    implementation runs without the autograd.Function (and without the entropy copy it saves)."""
+    args = (logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
+    if not (torch.is_grad_enabled() and (logits.requires_grad or (temperature_t is not None
+                                                                  and temperature_t.requires_grad))):
+        fn = _impls(logits.device)[0]
+    else:
+        fn = _EagerCore.apply
     if torch.autograd.profiler._is_profiler_enabled:
         with torch.autograd.profiler.record_function(name):
-            return _EagerCore.apply(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
-    return _EagerCore.apply(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
+            return fn(*args)
+    return fn(*args)
 
 
 # ---------------------------------------------------------------------------------------------
