@@ -25,6 +25,8 @@ CASES = [
     ((65536, 4, 8192), "B M 1 expanded"),
     ((8192, 4, 8192), "full"),
     ((8, 4096, 4096), "1 M N expanded"),
+    ((8, 4096, 4096), "B 1 N expanded"),
+    ((8, 4096, 4096), "B M 1 expanded"),
 ]
 
 
@@ -33,13 +35,12 @@ def plain(x, mask):
 
 
 def make_mask(shape, pattern, g):
-    """The benchmark's bool mask for a (B, M, N) case: 'full', 'B M 1 expanded' or '1 M N expanded'."""
-    b, m, n = shape
+    """The benchmark's bool mask for a (B, M, N) case: 'full', or a mask stored with size 1 in the
+    dims its pattern names 1 ('B M 1', '1 M N', 'B 1 N') and expanded to the full shape."""
     if pattern == "full":
         return torch.rand(shape, device="cuda", generator=g) > 0.5
-    if pattern == "B M 1 expanded":
-        return (torch.rand(b, m, 1, device="cuda", generator=g) > 0.5).expand(shape)
-    return (torch.rand(1, m, n, device="cuda", generator=g) > 0.5).expand(shape)
+    stored = [1 if name == "1" else size for name, size in zip(pattern.split()[:3], shape)]
+    return (torch.rand(stored, device="cuda", generator=g) > 0.5).expand(shape)
 
 
 def run(report, copy_gbps, quick=False):
