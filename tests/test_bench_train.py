@@ -53,3 +53,29 @@ def test_quick_experiment_end_to_end():
     report.extra["train"] = res
     md = T.markdown(report)
     assert "| 32 | sinkgd |" in md and "Quick run" in md
+
+
+def test_resume_reuses_matching_runs_and_refuses_other_settings(monkeypatch):
+    """--resume trains only the sweep points the earlier result lacks (at the same AdamW lr), and
+    refuses a result made with other settings."""
+    seen = []
+
+    def fake(name, width, lr, adamw_lr, train, val, cfg, device, seed=0):
+        seen.append((name, lr))
+        return dict(val=abs(math.log2(lr / 8.0)), hidden_rms=1.0, opt_step_ms=0.0, lr=lr, adamw_lr=adamw_lr,
+                    curve=[(1, 1.0)], state_bytes=0, params=1)
+
+    monkeypatch.setattr(T, "train_one", fake)
+    monkeypatch.setattr(T, "corpus", lambda mb: (None, None, dict(files=1, root="", train_bytes=0, val_bytes=0,
+                                                                   val_files=0)))
+    cfg = dict(T.QUICK, widths=(32,), lrs={"adamw": (4.0, 8.0, 16.0), "sinkgd": (2.0, 8.0, 32.0),
+                                           "sinkgd_spectral": (8.0, 16.0, 32.0)}, quick=True)
+    first = T.experiment(cfg, torch.device("cpu"), log=lambda s: None)
+    assert len(seen) == 9
+    seen.clear()
+    cfg["lrs"] = dict(cfg["lrs"], sinkgd=(1.0, 2.0, 8.0))
+    again = T.experiment(cfg, torch.device("cpu"), log=lambda s: None, resume=first)
+    assert seen == [("sinkgd", 1.0)]
+    assert [r["lr"] for r in again["widths"]["32"]["runs"]["sinkgd"]] == [1.0, 2.0, 8.0, 32.0]
+    with pytest.raises(SystemExit, match="steps"):
+        T.experiment(dict(cfg, steps=cfg["steps"] + 1), torch.device("cpu"), log=lambda s: None, resume=first)

@@ -235,9 +235,11 @@ def train_one(name, width, lr, adamw_lr, train, val, cfg, device, seed=0) -> dic
                 params=sum(p.numel() for p in model.parameters()))
 
 
-def sweep(name, width, lrs, adamw_lr, train, val, cfg, device, log) -> list[dict]:
-    """Runs at lrs, widened by factors of 2 while the best is at an edge (max_extend times)."""
-    runs = {}
+def sweep(name, width, lrs, adamw_lr, train, val, cfg, device, log, prior=()) -> list[dict]:
+    """Runs at lrs, widened by factors of 2 while the best is at an edge (max_extend times).
+    ``prior``: runs of an earlier result with the same configuration, reused at their lr (a run
+    is deterministic: it would give the same numbers)."""
+    runs = {r["lr"]: r for r in prior if r.get("adamw_lr") == adamw_lr}
 
     def run(lr):
         if lr not in runs:
@@ -273,20 +275,33 @@ def tokens_to_reach(curve, target):
     return None
 
 
-def experiment(cfg, device, log=print, optimizers=OPTIMIZERS, on_width=None) -> dict:
+# the settings a run's numbers depend on: a resumed result must match them
+RUN_KEYS = ("depth", "seq", "batch", "steps", "warmup", "eval_every", "eval_batches", "data_mb")
+
+
+def experiment(cfg, device, log=print, optimizers=OPTIMIZERS, on_width=None, resume=None) -> dict:
+    """``resume``: an earlier result (train.json's ``extra["train"]``) whose runs are reused
+    where the configuration and the lr match; the sweeps extend it."""
+    if resume is not None:
+        diff = {k: (resume["config"].get(k), cfg[k]) for k in RUN_KEYS if resume["config"].get(k) != cfg[k]}
+        if diff:
+            raise SystemExit(f"--resume: the earlier result ran other settings (earlier, now): {diff}")
     train, val, info = corpus(cfg["data_mb"])
     log(f"data: {info['files']} files of {info['root']}, {info['train_bytes'] / 2**20:.1f} MiB train, "
         f"{info['val_bytes'] / 2**20:.2f} MiB validation ({info['val_files']} files)")
     res = dict(config={k: v for k, v in cfg.items()}, data=info, device=str(device), widths={})
     for width in cfg["widths"]:
         per = {}
-        adamw_runs = sweep("adamw", width, cfg["lrs"]["adamw"], None, train, val, cfg, device, log)
+        prior = resume["widths"].get(str(width), {}).get("runs", {}) if resume is not None else {}
+        adamw_runs = sweep("adamw", width, cfg["lrs"]["adamw"], None, train, val, cfg, device, log,
+                           prior.get("adamw", ()))
         per["adamw"] = adamw_runs
         adamw_best = best_of(adamw_runs)
         adamw_lr = adamw_best["lr"] if adamw_best else cfg["lrs"]["adamw"][0]
         for name in optimizers:
             if name != "adamw":
-                per[name] = sweep(name, width, cfg["lrs"][name], adamw_lr, train, val, cfg, device, log)
+                per[name] = sweep(name, width, cfg["lrs"][name], adamw_lr, train, val, cfg, device, log,
+                                  prior.get(name, ()))
         summary = {}
         target = adamw_best["val"] if adamw_best else float("nan")
         for name, runs in per.items():
@@ -403,6 +418,9 @@ def main(argv=None) -> None:
                     help="the starting lr grid of one optimizer (adamw, sinkgd, sinkgd_spectral); repeatable")
     ap.add_argument("--max-extend", type=int, default=None, help="how many times a sweep may widen (default 2)")
     ap.add_argument("--out", default=None, help="result folder (default: a new torch_fused_bench_train_<time>)")
+    ap.add_argument("--resume", default=None, metavar="TRAIN_JSON",
+                    help="an earlier train.json of the same settings: its runs are reused at their lr, only new "
+                         "sweep points are trained (e.g. a sweep extended with --lrs)")
     args = ap.parse_args(argv)
     cfg = dict(QUICK if args.quick else FULL, quick=args.quick)
     if args.widths:
@@ -425,7 +443,13 @@ def main(argv=None) -> None:
         report.extra["train"] = res
         save(report, out, "train")
 
-    report.extra["train"] = experiment(cfg, device, log=lambda s: print(s, flush=True), on_width=partial)
+    resume = None
+    if args.resume:
+        import json
+
+        resume = json.loads(Path(args.resume).read_text())["extra"]["train"]
+    report.extra["train"] = experiment(cfg, device, log=lambda s: print(s, flush=True), on_width=partial,
+                                       resume=resume)
     save(report, out, "train")
     print(markdown(report))
     print(f"results written to {out.resolve()}")
