@@ -32,6 +32,9 @@ device-to-device copy bandwidth measured at the start of the same run, over the 
 
 Suites:
   logprobs     selective_log_softmax, entropy_from_logits, logprobs_and_entropy (bf16 logits)
+  small        the same public functions from [64, 1024] to [4096, 32000]: wall time per call
+               against torch's formula, eager and a compiled GRPO-style loss, the raw ops and an
+               empty-kernel op registered the same way (the registration's floor)
   model_logits logprobs_and_entropy forward+backward on a matmul's [B, L+1, V] output:
                shift=True against the [:, :-1] slice, eager and compiled
   lm_head      linear_logprobs_and_entropy against the bare GEMMs of the same run (its floor)
