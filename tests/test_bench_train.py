@@ -79,3 +79,49 @@ def test_resume_reuses_matching_runs_and_refuses_other_settings(monkeypatch):
     assert [r["lr"] for r in again["widths"]["32"]["runs"]["sinkgd"]] == [1.0, 2.0, 8.0, 32.0]
     with pytest.raises(SystemExit, match="steps"):
         T.experiment(dict(cfg, steps=cfg["steps"] + 1), torch.device("cpu"), log=lambda s: None, resume=first)
+
+
+class _SeedStandIn(torch.optim.Optimizer):
+    """Stands in for axolotl's SinkGD in the harness test: its constructor's arguments, and the
+    step our reference takes for the same settings (so the curves must agree)."""
+
+    def __init__(self, params, lr, weight_decay, sinkhorn_iters, sinkgd_lr_scale, sinkgd_spectral_norm,
+                 sinkgd_spectral_target, sinkgd_spectral_norm_iters):
+        super().__init__(params, dict(lr=lr))
+        self.kw = dict(sinkhorn_iters=sinkhorn_iters, lr_scale=sinkgd_lr_scale, weight_decay=weight_decay,
+                       spectral_norm=sinkgd_spectral_norm, spectral_target=sinkgd_spectral_target)
+
+    @torch.no_grad()
+    def step(self):
+        from torch_fused.optim import SinkGD
+
+        if not hasattr(self, "inner"):
+            self.inner = SinkGD(self.param_groups[0]["params"], lr=1.0, **self.kw)
+        self.inner.param_groups[0]["lr"] = self.param_groups[0]["lr"]
+        self.inner.step()
+
+
+def test_seed_compare_harness_reports_the_difference_and_the_seed_spread():
+    from torch_fused.bench import seed_compare as S
+
+    cfg = dict(S.CONFIG, width=32, depth=1, seq=16, batch=4, steps=6, warmup=2, eval_every=3, eval_batches=2,
+               data_mb=0.25)
+    res = S.compare(cfg, torch.device("cpu"), seeds=2, eager=False, log=lambda s: None, cls=_SeedStandIn)
+    for name, s in res["settings"].items():
+        assert set(s["runs"]) == {"torch_fused seed 0", "torch_fused seed 1", "axolotl seed 0"}
+        assert s["max_abs_diff"] < 1e-3, name  # the same algorithm: the same curve
+        assert s["seed_spread"] > 0
+    assert "| plain |" in S.markdown(res) and "| spectral |" in S.markdown(res)
+
+
+def test_seed_compare_matches_axolotl_if_installed():
+    """With axolotl's optimizer installed (pip install --no-deps axolotl torchao), plain SinkGD
+    trains to the same curve as ours at a few steps."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("axolotl")
+    from torch_fused.bench import seed_compare as S
+
+    cfg = dict(S.CONFIG, width=32, depth=1, seq=16, batch=4, steps=6, warmup=2, eval_every=3, eval_batches=2,
+               data_mb=0.25)
+    res = S.compare(cfg, torch.device("cpu"), seeds=1, eager=True, log=lambda s: None)
+    assert res["settings"]["plain"]["max_abs_diff"] < 1e-3

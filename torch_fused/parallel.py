@@ -357,9 +357,9 @@ def linear_backward(g_logp, g_ent, hidden, weight, index, bias, stats, ent, temp
     the fused head's backward chunks with the whole rows' stats; d hidden still to be summed
     over the ranks. Without hidden_grad (weight_grad) that gradient is an empty tensor and its
     GEMMs are skipped (a frozen head)."""
-    bwd = LL._bwd_triton if _triton_path(hidden) else LL._bwd_reference
+    path = LL.TRITON if _triton_path(hidden) else LL.REFERENCE
     return LL._backward_chunks(g_logp, g_ent, hidden, weight, index, bias, stats, ent, temperature, ignore_index,
-                               shift, logit_scale, softcap, bwd, v_off=v_off, v_total=v_total,
+                               shift, logit_scale, softcap, path, v_off=v_off, v_total=v_total,
                                hidden_grad=hidden_grad, weight_grad=weight_grad)
 
 

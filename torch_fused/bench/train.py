@@ -187,10 +187,11 @@ def evaluate(model, val, cfg, device) -> float:
     return tot / cfg["eval_batches"]
 
 
-def train_one(name, width, lr, adamw_lr, train, val, cfg, device, seed=0) -> dict:
+def train_one(name, width, lr, adamw_lr, train, val, cfg, device, seed=0, make=None) -> dict:
+    """One run; ``make(name, model, lr, adamw_lr)`` builds the optimizer (default make_optimizer)."""
     torch.manual_seed(seed)
     model = LM(width, cfg["depth"], cfg["seq"]).to(device)
-    opt = make_optimizer(name, model, lr, adamw_lr)
+    opt = (make or make_optimizer)(name, model, lr, adamw_lr)
     base = [g["lr"] for g in opt.param_groups]
     fb = [dict(g.get("fallback_kwargs") or {}) for g in opt.param_groups]
     steps, warm = cfg["steps"], cfg["warmup"]

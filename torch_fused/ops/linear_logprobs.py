@@ -41,6 +41,9 @@ other device).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import torch
 
 from .._library import (INTERPRET, LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, exact_shift,
@@ -201,12 +204,12 @@ def _merge_triton(z, idx2, v0, first, run, u, m_own, t_eff, c):
     )
 
 
-def _fused_gemm(fn, w, softcap) -> bool:
-    """Whether the logits GEMMs run inside the Triton kernels (kernels/lm_head.py): on the
-    Triton path, for bf16 / fp16 weights without a softcap (``lm_head_fused_gemm``)."""
-    passes = settings.lm_head_fused_gemm
-    return ((fn is _merge_triton and "forward" in passes or fn is _bwd_triton and "backward" in passes)
-            and softcap is None and w.dtype in (torch.bfloat16, torch.float16))
+def _fused_gemm(which: str, path, w, softcap) -> bool:
+    """Whether the logits GEMMs of pass ``which`` ("forward" / "backward") run inside the Triton
+    kernels (kernels/lm_head.py): on the Triton path, for bf16 / fp16 weights without a softcap,
+    where the ``lm_head_fused_gemm`` setting names the pass."""
+    return (path.triton and which in settings.lm_head_fused_gemm and softcap is None
+            and w.dtype in (torch.bfloat16, torch.float16))
 
 
 def _has_tensor_descriptors() -> bool:
@@ -335,7 +338,7 @@ def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c):
             h2, w, *args, n, v, hd, k, h2.stride(0), w.stride(0), dz.stride(0), nt, v_off, c, **flags)
 
 
-def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap, merge_fn):
+def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap, path):
     meta.check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, softcap)
     dt = acc_dtype(hidden.dtype)
     lead = row_shape(hidden, shift)
@@ -346,9 +349,9 @@ def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift,
     n, v = h2.shape[0], weight.shape[0]
     if n == 0:
         return logp, ent, stats
-    if merge_fn is _merge_reference and hidden.device.type == "cpu":
+    if not path.triton and hidden.device.type == "cpu":
         reference.check_index_range(idx2, v, ignore_index)
-    w, h2 = _gemm_operands(weight, h2, merge_fn is _merge_reference)
+    w, h2 = _gemm_operands(weight, h2, not path.triton)
     t_eff = _effective_temperature(temperature, logit_scale, softcap)
     c = LOG2E / t_eff
     step = _chunk_cols(hidden.device, n, 4, min_cols=settings.lm_head_min_cols.get(hidden.device.type, 1))
@@ -356,36 +359,36 @@ def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift,
     run = torch.empty(n, 3, dtype=dt, device=hidden.device)
     u = torch.zeros(ids.shape, dtype=dt, device=hidden.device)
     m_own = torch.zeros(ids.shape, dtype=dt, device=hidden.device)
-    if _fused_gemm(merge_fn, w, softcap) and h2.dtype == w.dtype:
+    if _fused_gemm("forward", path, w, softcap) and h2.dtype == w.dtype:
         _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c)
     else:
         for v0 in range(0, v, step):
             v1 = min(v, v0 + step)
             z, _ = _logits_chunk(h2, w[v0:v1], bias[v0:v1] if bias is not None else None, logit_scale, softcap)
-            merge_fn(z, ids, v0, v0 == 0, run, u, m_own, t_eff, c)
+            path.merge(z, ids, v0, v0 == 0, run, u, m_own, t_eff, c)
             del z
     m, s_run, t_run = run.unbind(1)
     log2s = torch.log2(s_run)
     stats.view(n, 2)[:, 0] = m
     stats.view(n, 2)[:, 1] = log2s
     ent.view(n).copy_((log2s - t_run / s_run) * LN2)
-    lp = (u + _shift_c(m_own, m[:, None], c, dt, merge_fn is _merge_reference) - log2s[:, None]) * LN2
+    lp = (u + _shift_c(m_own, m[:, None], c, dt, not path.triton) - log2s[:, None]) * LN2
     lp = torch.where((ids >= 0) & (ids < v), lp, torch.full_like(lp, float("nan")))
     logp.view(ids.shape).copy_(torch.where(ids == ignore_index, torch.zeros_like(lp), lp))
     return logp, ent, stats
 
 
 def _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                   ignore_index, shift, logit_scale, softcap, hidden_grad, weight_grad, bwd_fn):
+                   ignore_index, shift, logit_scale, softcap, hidden_grad, weight_grad, path):
     meta.check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, softcap)
     dh, dw, db = _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                                  ignore_index, shift, logit_scale, softcap, bwd_fn, hidden_grad=hidden_grad,
+                                  ignore_index, shift, logit_scale, softcap, path, hidden_grad=hidden_grad,
                                   weight_grad=weight_grad)
     return (_hidden_grad(dh, hidden, shift) if hidden_grad else hidden.new_empty(0)), dw, db
 
 
 def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                     ignore_index, shift, logit_scale, softcap, bwd_fn, *, v_off=0, v_total=None,
+                     ignore_index, shift, logit_scale, softcap, path, *, v_off=0, v_total=None,
                      hidden_grad=True, weight_grad=True):
     """(d hidden rows [N, H] in fp32 (fp64 for fp64), d weight, d bias) from vocabulary chunks.
     The weight's rows may be ids v_off .. of a vocabulary of v_total (the vocabulary-parallel
@@ -405,20 +408,20 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
         dw.zero_()
         db.zero_()
         return dh, dw, db
-    w, hm = _gemm_operands(weight, h2, bwd_fn is _bwd_reference)
+    w, hm = _gemm_operands(weight, h2, not path.triton)
     t_eff = _effective_temperature(temperature, logit_scale, softcap)
     st2 = stats.reshape(n, 2)
     ent2 = entropy.reshape(n)
     glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
     gh = grad_entropy.reshape(n) if grad_entropy is not None else None
     dev = hidden.device
-    fused = _fused_gemm(bwd_fn, w, softcap) and hm.dtype == w.dtype
+    fused = _fused_gemm("backward", path, w, softcap) and hm.dtype == w.dtype
     if fused:  # d logits straight from the GEMM tiles: one w.dtype chunk buffer
         ids = idx2.reshape(n, -1).contiguous()
         coef, g_ids = _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total)
         c = LOG2E / t_eff
     # Triton path, bf16 / fp16: d logits written over their own fp32 logits chunk
-    in_place = bwd_fn is _bwd_triton and softcap is None and w.dtype in (torch.bfloat16, torch.float16)
+    in_place = path.triton and softcap is None and w.dtype in (torch.bfloat16, torch.float16)
     step = _chunk_cols(dev, n, w.element_size() if fused else 4 if in_place else 4 + w.element_size(),
                        min_cols=(settings.lm_head_dlogits_min_cols if fused else settings.lm_head_min_cols).get(dev.type, 1))
     for v0 in range(0, v, step):
@@ -436,9 +439,9 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
             # row r's w.dtype values in the first bytes of row r's fp32 values (no second
             # chunk-sized buffer)
             dz = z.view(w.dtype)[:, :v1 - v0]
-            bwd_fn(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v_off + v0, v_total=v_total, out=dz)
+            path.backward(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v_off + v0, v_total=v_total, out=dz)
         else:
-            dz, _ = bwd_fn(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v_off + v0, v_total=v_total,
+            dz, _ = path.backward(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v_off + v0, v_total=v_total,
                            out_dtype=z.dtype if th is not None else w.dtype)
         if not fused:
             del z
@@ -474,12 +477,25 @@ def _bwd_triton(glp, gh, z, idx, st, ent, t, ignore_index, **kw):
     return lp_ops._backward_triton(glp, gh, z, idx, st, ent, t, ignore_index, **kw)
 
 
+@dataclasses.dataclass(frozen=True)
+class Path:
+    """The implementation a call runs: the Triton kernels (``TRITON``) or the PyTorch reference
+    (``REFERENCE``): its chunk merge of the forward and its d logits of the backward."""
+    triton: bool
+    merge: Callable
+    backward: Callable
+
+
+REFERENCE = Path(False, _merge_reference, _bwd_reference)
+TRITON = Path(True, _merge_triton, _bwd_triton)
+
+
 @torch.library.custom_op(_FWD, mutates_args=())
 def linear_forward(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, bias: torch.Tensor | None,
                    temperature: float, ignore_index: int, shift: bool, logit_scale: float,
                    softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap,
-                         _merge_reference)
+                         REFERENCE)
 
 
 @torch.library.custom_op(_BWD, mutates_args=())
@@ -489,7 +505,7 @@ def linear_backward(grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor |
                     logit_scale: float, softcap: float | None, hidden_grad: bool = True,
                     weight_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                          ignore_index, shift, logit_scale, softcap, hidden_grad, weight_grad, _bwd_reference)
+                          ignore_index, shift, logit_scale, softcap, hidden_grad, weight_grad, REFERENCE)
 
 
 linear_forward.register_fake(meta.linear_forward_fake)
@@ -499,13 +515,13 @@ if TRITON_DEVICES:
     @linear_forward.register_kernel(TRITON_DEVICES)
     def _linear_forward_triton(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap):
         return _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap,
-                             _merge_triton)
+                             TRITON)
 
     @linear_backward.register_kernel(TRITON_DEVICES)
     def _linear_backward_triton(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
                                 ignore_index, shift, logit_scale, softcap, hidden_grad=True, weight_grad=True):
         return _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                              ignore_index, shift, logit_scale, softcap, hidden_grad, weight_grad, _bwd_triton)
+                              ignore_index, shift, logit_scale, softcap, hidden_grad, weight_grad, TRITON)
 
 
 def _setup_context(ctx, inputs, output):
