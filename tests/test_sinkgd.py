@@ -380,12 +380,12 @@ def test_params_without_grad_are_skipped_and_bad_params_raise():
     assert torch.equal(b.detach(), b0)
     nc = torch.nn.Parameter(torch.randn(6, 4).t())  # non-contiguous
     nc.grad = torch.randn(4, 6)
-    with pytest.raises(RuntimeError, match=r"params\[0\]: expected a contiguous parameter"):
+    with pytest.raises(ValueError, match=r"params\[0\]: expected a contiguous parameter"):
         SinkGD([nc], lr=0.1).step()
     w = torch.randn(4, 4)
-    with pytest.raises(RuntimeError, match=r"grads\[0\]: shape \(4, 5\) does not match its parameter's \(4, 4\)"):
+    with pytest.raises(ValueError, match=r"grads\[0\]: shape \(4, 5\) does not match its parameter's \(4, 4\)"):
         sinkgd_step([w], [torch.randn(4, 5)], lr=0.1)
-    with pytest.raises(RuntimeError, match=r"spectral_vecs: expected one vector per parameter \(1\), got 0"):
+    with pytest.raises(ValueError, match=r"spectral_vecs: expected one vector per parameter \(1\), got 0"):
         sinkgd_step([w], [torch.randn(4, 4)], lr=0.1, spectral_norm=True)
     with pytest.raises(ValueError, match="spectral_target"):
         SinkGD([a], lr=0.1, spectral_target="frob")
@@ -533,13 +533,13 @@ def test_repeated_call_still_checks_tensors_that_changed(device):
         torch.testing.assert_close(w.cpu().double(), ref_w, rtol=1e-5, atol=1e-6)
     if device == "cuda" or INTERPRET:  # the Triton path ran: the checked call is remembered
         assert len(cache.calls) == 1
-    with pytest.raises(RuntimeError, match=r"grads\[0\]: shape \(10, 6\)"):
+    with pytest.raises(ValueError, match=r"grads\[0\]: shape \(10, 6\)"):
         sinkgd_step([w], [g.view(10, 6)], spectral_vecs=[v], **kw)
-    with pytest.raises(RuntimeError, match=r"params\[0\]: expected a contiguous parameter"):
+    with pytest.raises(ValueError, match=r"params\[0\]: expected a contiguous parameter"):
         sinkgd_step([w.view(10, 6).t()], [g], spectral_vecs=[v], **kw)
-    with pytest.raises(RuntimeError, match=r"spectral_vecs\[0\]: expected float32 of shape \(1, 10\)"):
+    with pytest.raises(ValueError, match=r"spectral_vecs\[0\]: expected float32 of shape \(1, 10\)"):
         sinkgd_step([w], [g], spectral_vecs=[v.view(2, 5)], **kw)
-    with pytest.raises(RuntimeError, match=r"spectral_vecs\[0\]: expected float32"):
+    with pytest.raises(ValueError, match=r"spectral_vecs\[0\]: expected float32"):
         sinkgd_step([w], [g], spectral_vecs=[v.view(torch.int32)], **kw)
     w0, v0 = w.clone(), v.clone()
     sinkgd_step([w], [g], spectral_vecs=[v], **kw)
@@ -680,7 +680,7 @@ def test_bad_spectral_vectors_raise():
                          (0, torch.ones(1, 4, dtype=torch.float64), r"expected float32 of shape \(1, 4\), got torch.float64")]:
         vecs = list(good)
         vecs[i] = bad
-        with pytest.raises(RuntimeError, match=rf"spectral_vecs\[{i}\]: {what}"):
+        with pytest.raises(ValueError, match=rf"spectral_vecs\[{i}\]: {what}"):
             sinkgd_step(w, g, lr=0.1, spectral_vecs=vecs, spectral_norm=True)
 
 

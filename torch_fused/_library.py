@@ -44,6 +44,14 @@ def check(cond, message) -> None:
     torch._check(cond, message)
 
 
+def check_value(cond, message) -> None:
+    """``check`` raising ValueError (``torch._check_value``): the SinkGD step's and optimizer's
+    input checks, on one device and sharded alike."""
+    if cond is True:
+        return
+    torch._check_value(cond, message)
+
+
 # A nominal multiprocessor count for grids sized off a GPU (the interpreter) and for the kernels'
 # ahead-of-time signature lists: an H100 / H200's.
 NOMINAL_SMS = 132

@@ -1,10 +1,13 @@
-"""Input checks and the fake implementation of fused::sinkgd_step (shapes and dtypes only)."""
+"""Input checks and the fake implementation of fused::sinkgd_step (shapes and dtypes only).
+
+Every check raises ValueError naming the argument, in eager and compiled calls; the sharded
+step (optim/sharded.py) runs the same settings checks (``check_settings``)."""
 
 from __future__ import annotations
 
 import torch
 
-from .._library import check
+from .._library import check_value as check
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SPECTRAL_TARGETS = ("unit", "muon")
@@ -27,21 +30,32 @@ def _vecs_valid(params, spectral_vecs) -> bool:
                for p, v in zip(params, spectral_vecs))
 
 
-def check_sinkgd_scalars(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
-                         spectral_iters, eps, seed) -> None:
-    """check_sinkgd's checks of everything but the per-parameter tensors."""
-    check(len(params) == len(grads),
-          lambda: f"grads: expected one gradient per parameter ({len(params)}), got {len(grads)}")
-    check(lr.dim() == 0, lambda: f"lr: expected a 0-dim tensor, got shape {tuple(lr.shape)}")
-    check(seed.dim() == 0, lambda: f"seed: expected a 0-dim tensor (a step count), got shape {tuple(seed.shape)}")
+def check_settings(n_params, n_grads, n_vecs, sinkhorn_iters, eps, spectral_norm, spectral_target,
+                   spectral_iters) -> None:
+    """The step's settings and list lengths (single-device and sharded steps alike)."""
+    check(n_params == n_grads, lambda: f"grads: expected one gradient per parameter ({n_params}), got {n_grads}")
     check(sinkhorn_iters >= 0, lambda: f"sinkhorn_iters: expected >= 0, got {sinkhorn_iters}")
     check(eps > 0, lambda: f"eps: expected > 0, got {eps}")
     check(spectral_target in SPECTRAL_TARGETS,
           lambda: f"spectral_target: expected one of {SPECTRAL_TARGETS}, got {spectral_target!r}")
     if spectral_norm:
-        check(len(spectral_vecs) == len(params),
-              lambda: f"spectral_vecs: expected one vector per parameter ({len(params)}), got {len(spectral_vecs)}")
+        check(n_vecs == n_params, lambda: f"spectral_vecs: expected one vector per parameter ({n_params}), got {n_vecs}")
         check(spectral_iters >= 1, lambda: f"spectral_iters: expected >= 1, got {spectral_iters}")
+
+
+def check_matrix(i, p) -> None:
+    """params[i] is a matrix (or a batch of them) of a supported dtype."""
+    check(p.dim() >= 2, lambda: f"params[{i}]: SinkGD needs a matrix [..., m, n], got shape {tuple(p.shape)}")
+    check(p.dtype in PARAM_DTYPES, lambda: f"params[{i}]: expected a floating dtype, got {p.dtype}")
+
+
+def check_sinkgd_scalars(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
+                         spectral_iters, eps, seed) -> None:
+    """check_sinkgd's checks of everything but the per-parameter tensors."""
+    check_settings(len(params), len(grads), len(spectral_vecs), sinkhorn_iters, eps, spectral_norm,
+                   spectral_target, spectral_iters)
+    check(lr.dim() == 0, lambda: f"lr: expected a 0-dim tensor, got shape {tuple(lr.shape)}")
+    check(seed.dim() == 0, lambda: f"seed: expected a 0-dim tensor (a step count), got shape {tuple(seed.shape)}")
 
 
 def check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
@@ -51,8 +65,7 @@ def check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm
     if _all_valid(params, grads) and (not spectral_norm or _vecs_valid(params, spectral_vecs)):
         return  # the common case, checked in one pass; the loop below names what is wrong
     for i, (p, g) in enumerate(zip(params, grads)):
-        check(p.dim() >= 2, lambda: f"params[{i}]: SinkGD needs a matrix [..., m, n], got shape {tuple(p.shape)}")
-        check(p.dtype in PARAM_DTYPES, lambda: f"params[{i}]: expected a floating dtype, got {p.dtype}")
+        check_matrix(i, p)
         check(p.layout == torch.strided and g.layout == torch.strided,
               lambda: f"params[{i}]: sparse parameters or gradients are not supported")
         check(p.is_contiguous(),

@@ -448,32 +448,18 @@ def sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05,
     single-device op does it (Triton devices); elsewhere the op rounds to nearest, and so does
     this."""
     from .._library import TRITON_DEVICES
-    from ..meta.sinkgd import PARAM_DTYPES, SPECTRAL_TARGETS
+    from ..meta.sinkgd import check_matrix, check_settings
 
-    if len(params) != len(grads):
-        raise ValueError(f"grads: expected one gradient per parameter ({len(params)}), got {len(grads)}")
-    if sinkhorn_iters < 0:
-        raise ValueError(f"sinkhorn_iters: expected >= 0, got {sinkhorn_iters}")
-    if not eps > 0:
-        raise ValueError(f"eps: expected > 0, got {eps}")
-    if spectral_target not in SPECTRAL_TARGETS:
-        raise ValueError(f"spectral_target: expected one of {SPECTRAL_TARGETS}, got {spectral_target!r}")
     vecs = list(spectral_vecs or [])
-    if spectral_norm:
-        if len(vecs) != len(params):
-            raise ValueError(f"spectral_vecs: expected one vector per parameter ({len(params)}), got {len(vecs)}")
-        if spectral_iters < 1:
-            raise ValueError(f"spectral_iters: expected >= 1, got {spectral_iters}")
+    check_settings(len(params), len(grads), len(vecs), sinkhorn_iters, eps, spectral_norm, spectral_target,
+                   spectral_iters)
     if not params:
         return
     infos = []
     for i, (p, g) in enumerate(zip(params, grads)):
         if not is_dtensor(p):
             raise ValueError(f"params[{i}]: expected a DTensor, got a {type(p).__name__}")
-        if p.dim() < 2:
-            raise ValueError(f"params[{i}]: SinkGD needs a matrix [..., m, n], got shape {tuple(p.shape)}")
-        if p.dtype not in PARAM_DTYPES:
-            raise ValueError(f"params[{i}]: expected a floating dtype, got {p.dtype}")
+        check_matrix(i, p)
         infos.append(shard_info(p, g, i))
     if spectral_norm:
         check_sharded_vecs(params, vecs)
