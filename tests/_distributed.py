@@ -6,7 +6,7 @@ torch, torch_fused and the test module once, so the ranks start in well under a 
 check is then reported as its own test by ``CHECKS.assert_check(group, name)``. A check takes a
 ``Ctx`` and records assertion failures with ``ctx.soft(label)``, so that every rank keeps making
 the same collectives whatever fails (a rank leaving early would stall the others). Collectives
-are counted with torch_fused.bench.common.CollectiveCounter.
+are counted with torch_fused.collectives.CollectiveCounter.
 """
 
 from __future__ import annotations

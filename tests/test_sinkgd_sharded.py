@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 import torch_fused  # noqa: F401
 from torch_fused._library import HAS_TRITON, TRITON_DEVICES
-from torch_fused.bench.common import CollectiveCounter
+from torch_fused.collectives import CollectiveCounter
 from _distributed import Checks
 from _helpers import DEVICES
 

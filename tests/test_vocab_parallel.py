@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from torch_fused._library import INTERPRET
-from torch_fused.bench.common import CollectiveCounter
+from torch_fused.collectives import CollectiveCounter
 from _distributed import Checks
 from _helpers import DEVICES, FWD_RTOL, assert_grad_close, assert_logprob_close, ref_linear, ref_logprobs_entropy
 

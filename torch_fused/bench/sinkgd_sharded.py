@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from ..settings import override
-from .common import CollectiveCounter
+from ..collectives import CollectiveCounter
 
 LLAMA3_8B_LAYER = [("q", 4096, 4096), ("k", 1024, 4096), ("v", 1024, 4096), ("o", 4096, 4096),
                    ("gate", 14336, 4096), ("up", 14336, 4096), ("down", 4096, 14336)]
