@@ -480,3 +480,21 @@ def test_shift_of_the_wrong_type_names_the_argument(bad):
                  lambda: torch_fused.logprobs_and_entropy(x, i, shift=bad)):
         with pytest.raises(TypeError, match=r"shift: expected a bool, got " + repr(bad)):
             call()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_path_differentiates_a_temperature_alone(device, monkeypatch):
+    """Logits that need no gradient and a temperature that does: the temperature's gradient
+    arrives on the fast path, equal to the registered op's."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 11, generator=g).to(device)
+    idx = torch.randint(0, 11, (3,), generator=g).to(device)
+
+    def grad_t():
+        t = torch.tensor(0.9, device=device, requires_grad=True)
+        lp, ent = torch_fused.logprobs_and_entropy(x, idx, temperature=t)
+        return torch.autograd.grad((lp * 0.7 + ent).sum(), t)[0]
+
+    fast = grad_t()
+    monkeypatch.setattr(torch_fused, "_eager_eligible", lambda *a: False)
+    assert torch.equal(fast, grad_t()) and fast != 0

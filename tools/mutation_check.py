@@ -329,6 +329,25 @@ MUTANTS: list[Mutant] = [
         [("    if worst > SSQ_SCALED:\n", "    if worst < 0.0:  # MUTANT: never redone scaled\n")],
         SINKGD_TESTS,
     ),
+    # 15. the eager fast path skips autograd when only a tensor temperature requires grad: its
+    # gradient silently never arrives
+    Mutant(
+        "fast-path-temperature-grad-dropped", "15 fast path drops the temperature's gradient",
+        "torch_fused/ops/logprobs.py", CPU,
+        [("    if not (torch.is_grad_enabled() and (logits.requires_grad or (temperature_t is not None\n"
+          "                                                                  and temperature_t.requires_grad))):\n",
+          "    if not (torch.is_grad_enabled() and logits.requires_grad):  # MUTANT\n")],
+        ["tests/test_logprobs_ops.py"],
+    ),
+    # 16. the backward reads a [rows, K] upstream gradient as if its K entries were contiguous:
+    # wrong (or out-of-bounds) for the expanded gradient of a .sum()
+    Mutant(
+        "bwd-grad-stride-ignored-triton", "16 upstream gradient's column stride ignored",
+        "torch_fused/kernels/logprobs.py", TRITON,
+        [("        b_g = tl.load(p_glp + row * glp_sr + o_k * glp_sk, mask=m_k, other=0.0).to(tl.float32)",
+          "        b_g = tl.load(p_glp + row * glp_sr + o_k, mask=m_k, other=0.0).to(tl.float32)  # MUTANT")],
+        LOGPROBS_TESTS,
+    ),
 ]
 
 
