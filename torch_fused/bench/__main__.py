@@ -58,7 +58,8 @@ Suites:
                standard library's sources, AdamW against SinkGD (plain and spectral) at equal
                tokens, lr swept per optimizer and width; best validation loss and lr, tokens
                to AdamW's final loss, hidden-state RMS, optimizer step time and state
-               (python -m torch_fused.bench.train runs it on any device; --quick on a CPU)
+               (python -m torch_fused.bench.train runs it on any device; --quick on a CPU;
+               python -m torch_fused.bench.seed_compare trains our SinkGD beside axolotl's)
 
 Results go to <out>/<suite>.json, <suite>.md and <suite>.png (the plot needs matplotlib:
 pip install -e '.[bench]').
