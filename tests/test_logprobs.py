@@ -428,3 +428,25 @@ def test_tensor_temperature_gradient_with_very_negative_logits(device):
         (rdt,) = torch.autograd.grad(rlp.sum() + rent.sum(), tr)
         assert math.isfinite(dt.item()), v
         assert abs(dt.item() - rdt.item()) <= 1e-4 * abs(rdt.item()) + 1e-3, (v, dt.item(), rdt.item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["expanded", "transposed"])
+def test_upstream_gradients_of_any_strides(device, layout):
+    """The backward reads the upstream gradients through their strides: an expanded one (a
+    ``.sum()``'s, stride 0) and a transposed one give the gradient of their contiguous copy,
+    exactly, for K ids per row and for the entropy."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 37, generator=g).to(device).requires_grad_(True)
+    idx = torch.randint(0, 37, (6, 3), generator=g).to(device)
+    lp, ent = torch_fused.logprobs_and_entropy(x, idx)
+    if layout == "expanded":
+        g_lp = torch.tensor(0.7, device=device).expand(6, 3)
+        g_ent = torch.tensor(-1.3, device=device).expand(6)
+    else:
+        g_lp = torch.randn(3, 6, generator=g).to(device).t()
+        g_ent = torch.randn(2, 6, generator=g).to(device)[1]
+    assert not g_lp.is_contiguous()
+    got = torch.autograd.grad((lp, ent), x, (g_lp, g_ent), retain_graph=True)[0]
+    want = torch.autograd.grad((lp, ent), x, (g_lp.contiguous(), g_ent.contiguous()))[0]
+    assert torch.equal(got, want)
