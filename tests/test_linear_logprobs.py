@@ -318,3 +318,42 @@ def test_edge_cases_across_chunks(device, settings_override):
     lp, _ = torch_fused.linear_logprobs_and_entropy(h.to(device), w.to(device), idx.to(device))
     rlp, _ = ref_linear(h, w, idx)
     assert (lp.double().cpu() - rlp).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [None, 2])
+def test_out_of_range_id_stays_in_its_row(device, k, gemm_path):
+    """On the kernel path an id outside [0, V) (not checked: a device sync) gives NaN at its
+    position and a NaN row of d hidden, as the logits ops do, and nothing else: d weight and d
+    bias are those of the same call with the id ignored, every other d hidden row too."""
+    if device == "cpu" and not INTERPRET:
+        pytest.skip("the plain CPU path raises IndexError (test_index_out_of_range_cpu)")
+    g = torch.Generator().manual_seed(4)
+    n, hdim, v = 6, 16, 40
+    # bf16: the fused-GEMM kernels' path as well as the chunks'
+    h = torch.randn(n, hdim, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(v, hdim, generator=g) / 4).to(device, torch.bfloat16)
+    b = torch.randn(v, generator=g).to(device, torch.bfloat16)
+    shape = (n,) if k is None else (n, k)
+    idx = torch.randint(0, v, shape, generator=g).to(device)
+    bad = idx.clone()
+    bad[2] = v + 3 if k is None else torch.tensor([1, -7])  # row 2: out of range (one of its ids)
+    ignored = idx.clone()
+    ignored[2] = -100 if k is None else torch.tensor([1, -100])
+    gl = torch.randn(shape, generator=g).to(device)
+    ge = torch.randn(n, generator=g).to(device)
+
+    def run(ids):
+        hh, ww, bb = (t.clone().requires_grad_(True) for t in (h, w, b))
+        lp, ent = torch_fused.linear_logprobs_and_entropy(hh, ww, ids, bias=bb)
+        return (lp, ent) + torch.autograd.grad(((lp.nan_to_num() * gl).sum() + (ent * ge).sum()), (hh, ww, bb))
+
+    lp, ent, dh, dw, db = run(bad)
+    lp0, ent0, dh0, dw0, db0 = run(ignored)
+    assert torch.isnan(lp[2]).any() and not torch.isnan(lp[torch.arange(n) != 2]).any()
+    assert torch.isfinite(dw).all() and torch.isfinite(db).all()
+    assert torch.isnan(dh[2]).all() and torch.isfinite(dh[torch.arange(n) != 2]).all()
+    torch.testing.assert_close(dw, dw0)
+    torch.testing.assert_close(db, db0)
+    torch.testing.assert_close(dh[torch.arange(n) != 2], dh0[torch.arange(n) != 2])
+    torch.testing.assert_close(ent, ent0)

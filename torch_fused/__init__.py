@@ -230,7 +230,9 @@ def linear_logprobs_and_entropy(
 
     Returns:
         ``(logp, entropy)``, float32 (float64 for float64 inputs), shaped like ``index`` and
-        ``[..., L]``. Differentiable in ``hidden``, ``weight`` and ``bias``: exact gradients
+        ``[..., L]``. An id outside ``[0, V)`` (not ``ignore_index``) raises ``IndexError`` on CPU;
+        on CUDA it gives NaN at its position and a NaN row of d hidden, with d weight and d bias
+        those of the id ignored. Differentiable in ``hidden``, ``weight`` and ``bias``: exact gradients
         (nothing filtered), d logits rounded once to the weight's dtype as a materialized path
         rounds them, every GEMM accumulating in fp32.
     """

@@ -414,6 +414,15 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
     ent2 = entropy.reshape(n)
     glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
     gh = grad_entropy.reshape(n) if grad_entropy is not None else None
+    bad_rows = None
+    if glp is not None and path.triton:
+        # an id outside the vocabulary (NaN forward; no check on the device: it would sync) makes its
+        # row's d hidden NaN, as the logits ops' d logits row: the d logits use the row as if the
+        # id were ignore_index, so d weight and d bias, which sum over every row, stay finite
+        bad = (idx2 != ignore_index) & ((idx2 < 0) | (idx2 >= v_total))
+        glp = glp.masked_fill(bad, 0.0)
+        idx2 = idx2.masked_fill(bad, ignore_index)
+        bad_rows = bad.reshape(n, -1).any(1)
     dev = hidden.device
     fused = _fused_gemm("backward", path, w, softcap) and hm.dtype == w.dtype
     if fused:  # d logits straight from the GEMM tiles: one w.dtype chunk buffer
@@ -455,6 +464,8 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
         if bias is not None:
             db[v0:v1] = dz.sum(0, dtype=acc).to(db.dtype)
         del dz  # (on CUDA it holds the chunk's memory: free it before the next chunk's GEMM)
+    if bad_rows is not None and hidden_grad:
+        dh.masked_fill_(bad_rows[:, None], float("nan"))
     return dh, dw, db
 
 
