@@ -137,16 +137,15 @@ def _rows(hidden, index, shift):
 
 
 def _logits_chunk(h2, w, bias, logit_scale, softcap):
-    """fp32 logits of rows h2 against vocabulary rows w: (z, tanh or None). With a softcap,
-    z = c tanh(s y / c) in place and tanh is returned for the backward; otherwise z = y (the
+    """fp32 logits z of rows h2 against vocabulary rows w, one chunk buffer. With a softcap,
+    z = c tanh(s y / c), computed in place (the backward's tanh is z / c); otherwise z = y (the
     scale is folded into the temperature by the caller)."""
     z = _mm_f32(h2, w.t())
     if bias is not None:
         z += bias.to(z.dtype)
-    if softcap is None:
-        return z, None
-    th = z.mul_(logit_scale / softcap).tanh_()
-    return th * softcap, th
+    if softcap is not None:
+        z.mul_(logit_scale / softcap).tanh_().mul_(softcap)
+    return z
 
 
 def _effective_temperature(temperature, logit_scale, softcap):
@@ -364,7 +363,7 @@ def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift,
     else:
         for v0 in range(0, v, step):
             v1 = min(v, v0 + step)
-            z, _ = _logits_chunk(h2, w[v0:v1], bias[v0:v1] if bias is not None else None, logit_scale, softcap)
+            z = _logits_chunk(h2, w[v0:v1], bias[v0:v1] if bias is not None else None, logit_scale, softcap)
             path.merge(z, ids, v0, v0 == 0, run, u, m_own, t_eff, c)
             del z
     m, s_run, t_run = run.unbind(1)
@@ -439,24 +438,20 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
         if fused:
             dz = torch.empty(n, v1 - v0, dtype=w.dtype, device=dev)
             _dlogits_fused_gemm(hm, w[v0:v1], b_c, ids, g_ids, coef, dz, v_off + v0, c)
-            th = None
         else:
-            z, th = _logits_chunk(hm, w[v0:v1], b_c, logit_scale, softcap)
-        if fused:
-            pass
-        elif in_place:
-            # row r's w.dtype values in the first bytes of row r's fp32 values (no second
-            # chunk-sized buffer)
-            dz = z.view(w.dtype)[:, :v1 - v0]
-            path.backward(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v_off + v0, v_total=v_total, out=dz)
-        else:
-            dz, _ = path.backward(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v_off + v0, v_total=v_total,
-                           out_dtype=z.dtype if th is not None else w.dtype)
-        if not fused:
+            z = _logits_chunk(hm, w[v0:v1], b_c, logit_scale, softcap)
+            if in_place:
+                # row r's w.dtype values in the first bytes of row r's fp32 values (no second
+                # chunk-sized buffer)
+                dz = z.view(w.dtype)[:, :v1 - v0]
+                path.backward(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v_off + v0, v_total=v_total,
+                              out=dz)
+            else:
+                dz, _ = path.backward(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v_off + v0,
+                                      v_total=v_total, out_dtype=z.dtype if softcap is not None else w.dtype)
+            if softcap is not None:  # d y = d z * s (1 - tanh^2), tanh = z / c, in fp32
+                dz = dz.mul_(z.div_(softcap).square_().neg_().add_(1.0)).mul_(logit_scale).to(w.dtype)
             del z
-        if th is not None:  # d y = d z * s (1 - tanh^2), in fp32, then to the GEMMs' dtype
-            dz = (dz.mul_(th.square_().neg_().add_(1.0)).mul_(logit_scale)).to(w.dtype)
-            del th
         if weight_grad:
             torch.mm(dz.t(), hm, out=dw[v0:v1]) if dw.dtype == dz.dtype else dw[v0:v1].copy_(dz.t() @ hm)
         if hidden_grad:
