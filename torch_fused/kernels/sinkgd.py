@@ -87,7 +87,21 @@ EOFF = tl.constexpr(14)  # index in the whole parameter of the local block's fir
 SALT = tl.constexpr(15)  # the matrix's stochastic-rounding salt (seed = step * SR_SEED_STRIDE + SALT)
 S_OFF = tl.constexpr(16)  # the finished column sums [B, n] in the sums buffer (_sinkgd_colsum_kernel)
 SU_OFF = tl.constexpr(17)  # and the finished |u|^2 sums [B]
-META_COLS = tl.constexpr(18)
+# the column names in order: the one list the launchers build rows from (meta_row)
+META_FIELDS = ("G_PTR", "W_PTR", "M", "N", "R_OFF", "C_OFF", "PR_OFF", "PC_OFF", "COEF_OFF", "N_PC", "V_PTR",
+               "U_OFF", "WQ_OFF", "MG", "EOFF", "SALT", "S_OFF", "SU_OFF")
+META_COLS = tl.constexpr(len(META_FIELDS))
+assert [globals()[f].value for f in META_FIELDS] == list(range(len(META_FIELDS))), "meta columns out of order"
+# the columns that place a sharded matrix's local block (optim/sharded.py passes them per matrix)
+SHARD_FIELDS = ("MG", "EOFF", "SALT", "S_OFF", "SU_OFF")
+
+
+def meta_row(**cols) -> list:
+    """One row of the meta table from its columns by name (every column of META_FIELDS, no other)."""
+    if cols.keys() != set(META_FIELDS):
+        raise KeyError(f"meta_row: missing {sorted(set(META_FIELDS) - cols.keys())}, "
+                       f"unknown {sorted(cols.keys() - set(META_FIELDS))}")
+    return [cols[f] for f in META_FIELDS]
 
 SCALE_MAX = tl.constexpr(_SCALE_MAX)  # the clamp of every r and c (see _library.SCALE_MAX)
 SQRT_FP32_MAX = tl.constexpr(_SQRT_FP32_MAX)  # about sqrt(fp32 max): a clamp whose square stays finite

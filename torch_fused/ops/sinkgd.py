@@ -69,9 +69,9 @@ class _Plan:
     kernels' ALIGN (kernels/sinkgd.py): 16 bytes of the narrower dtype where n is a multiple of
     it and G and W are 16-byte aligned, else 1.
 
-    ``shard`` (optim/sharded.py: the local rows of sharded matrices): per matrix (MG, EOFF,
-    SALT, S_OFF, SU_OFF), the meta columns of kernels/sinkgd.py that place the local block in
-    the whole matrix and its finished sums in the step's sums buffer. Without it every matrix
+    ``shard`` (optim/sharded.py: the local rows of sharded matrices): per matrix a dict of the
+    meta columns ``SHARD_FIELDS`` of kernels/sinkgd.py (MG, EOFF, SALT, S_OFF, SU_OFF) that
+    place the local block in the whole matrix and its finished sums in the step's sums buffer. Without it every matrix
     is whole: MG = m, EOFF = 0, SALT its index among the list's matrices of its load class, in
     list order (the update launches list them in the row passes' order)."""
 
@@ -112,7 +112,7 @@ class _Plan:
             b, m, n = _as3d(p).shape
             key, align = key_of[i]
             salt = salts[align] = salts.get(align, -1) + 1  # the matrix's index in its class, in list order
-            whole = (m, 0, salt, 0, 0)  # MG, EOFF, SALT, S_OFF, SU_OFF
+            place = dict(MG=m, EOFF=0, SALT=salt, S_OFF=0, SU_OFF=0) if shard is None else shard[i]
             if key is not None:
                 cfg = cfgs[key]
                 buckets.setdefault((cfg, align, len(key) == 2), []).append(i)
@@ -120,9 +120,9 @@ class _Plan:
             else:
                 wide.append((i, align))
                 n_pr, n_pc = cdiv(n, rbn), cdiv(m, cbm)
-            # row order = kernels/sinkgd.py's meta columns
-            rows.append([g.data_ptr(), p.data_ptr(), m, n, r_off, c_off, pr_off, pc_off, coef_off, n_pc, v_ptrs[i],
-                         u_off, wq_off, *(whole if shard is None else shard[i])])
+            rows.append(K.meta_row(G_PTR=g.data_ptr(), W_PTR=p.data_ptr(), M=m, N=n, R_OFF=r_off, C_OFF=c_off,
+                                   PR_OFF=pr_off, PC_OFF=pc_off, COEF_OFF=coef_off, N_PC=n_pc, V_PTR=v_ptrs[i],
+                                   U_OFF=u_off, WQ_OFF=wq_off, **place))
             shapes.append((b, m, n))
             self.spans.append((r_off, c_off, b, m, n))
             f = _lr_factor(n, lr_scale, base_width, width_exponent)
@@ -191,6 +191,7 @@ def _tile_settings() -> tuple:
 
 
 def _plan_key(ps, gs, lr_scale, base_width, width_exponent, vecs=(), shard=None) -> tuple:
+    shard = None if shard is None else tuple(tuple(sorted(cols.items())) for cols in shard)  # hashable
     return (lr_scale, base_width, width_exponent, _tile_settings(), tuple(v.data_ptr() for v in vecs), shard,
             tuple((p.data_ptr(), g.data_ptr(), p.shape, p.dtype, g.dtype, p.device) for p, g in zip(ps, gs)))
 

@@ -587,7 +587,8 @@ def _fused_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_d
             info = mats[k].info
             salt = salts[mats[k].index]
             eoff = (info.b_off * info.m + info.row_off) * info.n  # the local block's first element
-            shard.append((info.m, eoff, 0 if salt is None else salt, *layout[k]))
+            s_off, su_off = layout[k]
+            shard.append(dict(MG=info.m, EOFF=eoff, SALT=0 if salt is None else salt, S_OFF=s_off, SU_OFF=su_off))
         vecs = [mats[k].v for k in idx] if spectral_norm else []
         stochastic = bool(stochastic_round) and wdt == torch.bfloat16
         work.append(([mats[k].w for k in idx], [mats[k].g for k in idx], vecs, tuple(shard), stochastic))
