@@ -193,7 +193,7 @@ MUTANTS: list[Mutant] = [
         # the one-read row pass cannot take the columns first (it finishes rows, then adds their
         # columns); the two-pass path (n > MAX_FUSED_N, in the interpreter run n > 64) can: column
         # sums and scale, then row sums and scale, every launch reading only what is written
-        "sinkgd-cols-first-triton", "6 SinkGD columns normalized before rows", "torch_fused/ops/sinkgd.py", TRITON,
+        "sinkgd-cols-first-triton", "6 SinkGD columns normalized before rows", "torch_fused/ops/sinkgd/launch.py", TRITON,
         [("""            _row_stage(plan, bufs, gdt, eps, first)
             if reduce is not None:
                 _colsum_stage(plan, bufs, sums, with_u=False)
@@ -241,7 +241,7 @@ MUTANTS: list[Mutant] = [
     # 8. SinkGD spectral scale computed (the power iteration still updates the warm-start vectors)
     #    but not applied to the step
     Mutant(
-        "sinkgd-no-spectral-ref", "8 SinkGD spectral scale not applied", "torch_fused/ops/sinkgd.py", CPU,
+        "sinkgd-no-spectral-ref", "8 SinkGD spectral scale not applied", "torch_fused/ops/sinkgd/__init__.py", CPU,
         [("""            s = reference.sinkgd_spectral_scale(g3, r, c, spectral_vecs[i], spectral_iters, target, eps)
         else:
             s = torch.ones(b, dtype=torch.float32, device=p.device)
@@ -270,7 +270,7 @@ MUTANTS: list[Mutant] = [
           "    dz = -tl.exp2(d) * (a[:, None] - b[:, None] * tl.maximum(d, D_MIN))  # MUTANT\n")],
         LM_HEAD_TESTS,
     ),
-    # 10. sharded SinkGD on the kernels (optim/sharded.py, ops/sinkgd.py launch_sharded): the
+    # 10. sharded SinkGD on the kernels (optim/sharded.py, ops/sinkgd/launch.py launch_sharded): the
     #     column scale with the rank's row count instead of the whole matrix's, and the column
     #     sums never all-reduced
     Mutant(

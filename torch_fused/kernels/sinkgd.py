@@ -53,7 +53,7 @@ Work lists: an int64 table ``meta`` [n_mats, META_COLS] holds each matrix's addr
 spectral vector's too), sizes and offsets into the concatenated r / c / partials buffers;
 ``first`` [n_mats + 1] holds the first program id of each matrix in one launch. A program finds its matrix by binary search over
 ``first`` and its tile from the remainder. Every launch gets its own (meta, first) pair over
-the matrices it covers (ops/sinkgd.py::_Plan builds them once per set of parameters).
+the matrices it covers (ops/sinkgd/plan.py::_Plan builds them once per set of parameters).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ import triton.language as tl
 from .._library import SCALE_MAX as _SCALE_MAX, SQRT_FP32_MAX as _SQRT_FP32_MAX, SR_SEED_STRIDE as _SR_SEED_STRIDE
 
 # meta columns (constexpr globals: readable inside @triton.jit); the launcher writes rows in
-# exactly this order (ops/sinkgd.py::_Plan)
+# exactly this order (ops/sinkgd/plan.py::_Plan)
 G_PTR = tl.constexpr(0)
 W_PTR = tl.constexpr(1)
 M = tl.constexpr(2)
@@ -116,7 +116,7 @@ SCALE_BLOCK = 32  # _sinkgd_scale_kernel: entries per program (64 measured slowe
 SCALE_PARTS = 64  # and partials per trip
 # _sinkgd_rows_kernel tiles (rows_config), chosen by a tile sweep on an H200: elements per
 # thread and row, the most warps a program gets, rows per program, rows per trip. A plan
-# (ops/sinkgd.py::_Plan) reads them when it is built: code that changes them uses a new cache.
+# (ops/sinkgd/plan.py::_Plan) reads them when it is built: code that changes them uses a new cache.
 ROWS_ELEMS = 32
 ROWS_MAX_WARPS = 16
 ROWS_BM = 64

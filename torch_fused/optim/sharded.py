@@ -27,7 +27,7 @@ collective. Every other placement raises ValueError naming it.
 Two implementations of the same step:
 
 - on a Triton device (CUDA; the CPU under ``TRITON_INTERPRET=1``) the single-device op's
-  kernels run on the local rows (``ops/sinkgd.py::launch_sharded``): per Sinkhorn iteration the
+  kernels run on the local rows (``ops/sinkgd/launch.py::launch_sharded``): per Sinkhorn iteration the
   row pass writes column partials, ``_sinkgd_colsum_kernel`` finishes each rank's column sums
   into one fp32 buffer, the all-reduce sums that buffer's row-sharded region, and the column
   scale kernel reads the summed columns; the power iteration likewise. The update kernel keys
@@ -253,7 +253,7 @@ def stochastic_round_bf16(new: torch.Tensor, seed: torch.Tensor, index: torch.Te
 
 def update_salts(params, grads) -> list[int | None]:
     """The matrix index that salts each parameter's stochastic-rounding seed in the unsharded
-    op (ops/sinkgd.py: parameters grouped by (device, param dtype, grad dtype), then by the
+    op (ops/sinkgd/__init__.py: parameters grouped by (device, param dtype, grad dtype), then by the
     update kernel's alignment class: 16-byte loads where n is a multiple of 16 bytes' worth of
     the narrower dtype, the whole tensors taken as 16-byte aligned, as separately allocated
     parameters are). None where the op takes the float64 reference path or skips the
@@ -544,7 +544,7 @@ def _torch_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_d
         _update(mat, coef_x, coef_w, seed)
 
 
-# On a Triton device the step runs the single-device op's kernels on the local rows (ops/sinkgd.py
+# On a Triton device the step runs the single-device op's kernels on the local rows (ops/sinkgd/launch.py
 # ``launch_sharded``), with the all-reduces between their launches; the sinkgd_sharded_fused
 # setting off (TORCH_FUSED_SINKGD_SHARDED_FUSED=0) keeps the PyTorch ops everywhere.
 

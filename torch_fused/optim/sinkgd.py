@@ -56,7 +56,7 @@ def sinkgd_step(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05, weight_
             bool(stochastic_round), step)
     if cache is not None and not torch.compiler.is_compiling():
         # the op's implementation without torch.library's per-call wrapper (see
-        # ops/sinkgd.py::sinkgd_step_eager), reusing the cache's plans
+        # ops/sinkgd/__init__.py::sinkgd_step_eager), reusing the cache's plans
         sinkgd_step_eager(*args, cache=cache)
     else:
         torch.ops.fused.sinkgd_step(*args)
