@@ -39,3 +39,31 @@ def test_kernel_compiles_for_sm90(name, fn, sig, constexprs, warps):
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
     k = triton.compile(src, target=TARGET, options={"num_warps": warps})
     assert "cubin" in k.asm and len(k.asm["cubin"]) > 0
+
+
+@pytest.mark.parametrize("table,arch,limit_kib", [("CONFIG", 90, 227), ("CONFIG", 80, 163),
+                                                  ("SMALL_SMEM_CONFIG", 86, 99), ("SMALL_SMEM_CONFIG", 75, 64)])
+def test_lm_head_tiles_fit_the_shared_memory_they_are_chosen_for(table, arch, limit_kib):
+    """The fused head's GEMM kernels compiled with each tile table for a device it is picked for:
+    the shared memory the compiler allocates stays within pick_config's estimate (the operand
+    pipeline plus SMEM_MARGIN), so the estimate decides correctly, and within the device's limit."""
+    from torch_fused.kernels import lm_head as KL
+
+    limit = limit_kib << 10
+    cases = [c for c in KL.compile_cases() if not c[0].endswith("_tma")]
+    for kind, (name, fn, sig, constexprs, _) in zip(("stats", "dlogits"), cases):
+        bm, bn, bk, gm, warps, stages = getattr(KL, table)[kind]
+        assert KL.pick_config(kind, limit) == getattr(KL, table)[kind]
+        cx = dict(constexprs, BM=bm, BN=bn, BK=bk, GROUP_M=gm)
+        sig = dict(sig, **{k: "constexpr" for k in cx})
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": warps, "num_stages": stages})
+        shared = k.metadata.shared
+        assert shared <= KL.pipeline_smem((bm, bn, bk, gm, warps, stages)) + KL.SMEM_MARGIN, (name, shared)
+        assert shared <= limit, (name, shared)
+
+
+def test_lm_head_without_fitting_tiles_takes_the_cublas_path():
+    from torch_fused.kernels import lm_head as KL
+
+    assert KL.pick_config("stats", 40 << 10) is None

@@ -214,9 +214,34 @@ def _lm_head_dlogits_tma_kernel(
                           HAS_GLP, EXACT_SHIFT, BLOCK_K)
 
 
-# (BM, BN, BK, GROUP_M, num_warps, num_stages) per kernel, on CUDA
+# (BM, BN, BK, GROUP_M, num_warps, num_stages) per kernel. CONFIG: the tiles of devices with
+# 160 KiB or more of shared memory per block (A100, H100 / H200: the operand pipeline takes
+# stages * (BM + BN) * BK * 2 bytes = 144 KiB); one table for the four kernels, which share
+# the GEMM main loop (the pointer-load and TMA versions measured best at the same tile).
 CONFIG = {"stats": (128, 256, 64, 8, 8, 3), "dlogits": (128, 256, 64, 8, 8, 3),
           "stats_tma": (128, 256, 64, 8, 8, 3), "dlogits_tma": (128, 256, 64, 8, 8, 3)}
+# Devices with less (sm_86 / sm_89: 99 KiB; sm_75: 64 KiB): half the tile width and depth, a
+# 48 KiB pipeline. Chosen to fit, not tuned on those devices. Where neither fits, the fused
+# head makes its logits with cuBLAS GEMMs instead (ops/linear_logprobs.py).
+SMALL_SMEM_CONFIG = {"stats": (128, 128, 32, 8, 4, 3), "dlogits": (128, 128, 32, 8, 4, 3),
+                     "stats_tma": (128, 128, 32, 8, 4, 3), "dlogits_tma": (128, 128, 32, 8, 4, 3)}
+SMEM_MARGIN = 16 << 10  # bytes left beside the pipeline (the epilogue's layout conversions)
+
+
+def pipeline_smem(cfg, elem_bytes: int = 2) -> int:
+    """Shared memory of a config's operand pipeline: stages x (BM + BN) x BK elements."""
+    bm, bn, bk, _, _, stages = cfg
+    return stages * (bm + bn) * bk * elem_bytes
+
+
+def pick_config(kernel: str, smem_limit: int | None):
+    """The tiles for ``kernel`` on a device with ``smem_limit`` bytes of shared memory per block
+    (None: no limit, the interpreter): CONFIG's where it fits with SMEM_MARGIN to spare, else
+    SMALL_SMEM_CONFIG's, else None (the caller takes the cuBLAS path)."""
+    for table in (CONFIG, SMALL_SMEM_CONFIG):
+        if smem_limit is None or pipeline_smem(table[kernel]) + SMEM_MARGIN <= smem_limit:
+            return table[kernel]
+    return None
 
 
 def compile_cases():

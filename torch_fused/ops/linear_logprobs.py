@@ -208,7 +208,8 @@ def _fused_gemm(which: str, path, w, softcap) -> bool:
     kernels (kernels/lm_head.py): on the Triton path, for bf16 / fp16 weights without a softcap,
     where the ``lm_head_fused_gemm`` setting names the pass."""
     return (path.triton and which in settings.lm_head_fused_gemm and softcap is None
-            and w.dtype in (torch.bfloat16, torch.float16))
+            and w.dtype in (torch.bfloat16, torch.float16)
+            and _tiles("stats" if which == "forward" else "dlogits", w.device) is not None)
 
 
 def _has_tensor_descriptors() -> bool:
@@ -237,10 +238,24 @@ def _use_tma(h2, w) -> bool:
             and h2.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and _has_tensor_descriptors())
 
 
+def _smem_limit(device) -> int | None:
+    """Shared memory per block a kernel may opt into on ``device`` (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def _tiles(kernel, device):
+    """kernels/lm_head.py's tiles for ``kernel`` on ``device`` (None: none fits its shared memory)."""
+    from ..kernels import lm_head as K
+
+    return K.pick_config(kernel, _smem_limit(device))
+
+
 def _launch_args(h2, w, kernel):
     from ..kernels import lm_head as K
 
-    bm, bn, bk, gm, warps, stages = K.CONFIG[kernel]
+    bm, bn, bk, gm, warps, stages = _tiles(kernel, h2.device)
     if h2.stride(-1) != 1:
         h2 = h2.contiguous()
     if w.stride(-1) != 1:
