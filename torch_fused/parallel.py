@@ -401,7 +401,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             g_ent = None
         dx = logits_backward(g_logp, g_ent, x, index, stats, ent, temperature, ignore_index, shift,
                              layout.v_off, layout.v) if ctx.needs_input_grad[0] else None
-        return dx, None, None, None, None, None, None
+        return (dx,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
 class _VocabParallelLinear(torch.autograd.Function):
@@ -426,15 +426,16 @@ class _VocabParallelLinear(torch.autograd.Function):
         hidden, weight, index, bias, stats, ent = ctx.saved_tensors
         layout, temperature, ignore_index, shift, logit_scale, softcap = ctx.args
         need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+        n_in = len(ctx.needs_input_grad)  # one gradient (or None) per forward argument
         if not (need_h or need_w or need_b):
-            return (None,) * 10
+            return (None,) * n_in
         dh, dw, db = linear_backward(g_logp, g_ent, hidden, weight, index, bias, stats, ent, temperature,
                                      ignore_index, shift, logit_scale, softcap, layout.v_off, layout.v,
                                      hidden_grad=bool(need_h), weight_grad=bool(need_w))
         if need_h:  # the one collective of the backward: the ranks' partial d hidden, summed in fp32
             dh = LL._hidden_grad(_all_reduce_sum(dh, layout) if dh.numel() else dh, hidden, shift)
-        return (dh if need_h else None, dw if need_w else None, None,
-                db if (need_b and bias is not None) else None) + (None,) * 6
+        grads = (dh if need_h else None, dw if need_w else None, None, db if (need_b and bias is not None) else None)
+        return grads + (None,) * (n_in - len(grads))
 
 
 # ---------------------------------------------------------------------------------------------

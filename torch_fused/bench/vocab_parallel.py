@@ -135,8 +135,8 @@ def _head_rows(report, n, hd, v):
 
     def fwdbwd():
         _, ent, stats = fwd()
-        dh, dw, _ = P.linear_backward(ones, ones, h, w, idx, None, stats, ent, 1.0, -100, False, 1.0, None,
-                                      v_off, v)
+        dh, dw, _ = P.linear_backward(ones, ones, h, w, idx, None, stats, ent, temperature=1.0, ignore_index=-100,
+                                      shift=False, logit_scale=1.0, softcap=None, v_off=v_off, v_total=v)
         return LL._hidden_grad(dh, h, False), dw  # (the all-reduce of dh is not timed)
 
     dl = torch.randn(n, v_loc, device=DEVICE, dtype=torch.bfloat16, generator=g)
