@@ -76,6 +76,11 @@ examples:
   python -m torch_fused.bench --sweep --only logprobs          block-size sweep of the log-prob kernels
   bash benchmarks/device_run.sh                                CUDA tests, then every suite
 
+multi-GPU (one process per device; NCCL, or gloo with --device cpu):
+  torchrun --nproc-per-node 2 -m torch_fused.bench --distributed [--quick] [--out DIR]
+                       the vocab-parallel ops and SinkGD under FSDP2 on two ranks against one device,
+                       with correctness checks (torch_fused/bench/distributed.py; --help there)
+
 environment:
   TORCH_FUSED_BENCH_SINKGD_COMPILE=0  skip the torch.compile'd SinkGD loop baseline of the sinkgd suite
                        (its compilation takes minutes)"""
@@ -94,6 +99,13 @@ def _suites(only: str | None, positional: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    if "--distributed" in args_in:  # torchrun ... -m torch_fused.bench --distributed [its options]
+        from .distributed import main as distributed_main
+
+        raise SystemExit(distributed_main([a for a in args_in if a != "--distributed"]))
     ap = argparse.ArgumentParser(
         prog="python -m torch_fused.bench",
         description=DESCRIPTION,
