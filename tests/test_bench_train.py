@@ -125,3 +125,19 @@ def test_seed_compare_matches_axolotl_if_installed():
                data_mb=0.25)
     res = S.compare(cfg, torch.device("cpu"), seeds=1, eager=True, log=lambda s: None)
     assert res["settings"]["plain"]["max_abs_diff"] < 1e-3
+
+
+def test_base_width_variant_and_cli_settings(tmp_path):
+    """--optimizers adds the opt-in base_width variant (its groups carry the smallest width as
+    base_width); --set overrides a setting; bad values are refused naming the option."""
+    model = T.LM(32, 1, 8)
+    opt = T.make_optimizer("sinkgd_base_width", model, 0.1, 1e-3, base_width=32)
+    assert opt.param_groups[0]["base_width"] == 32
+    rep = T.main(["--quick", "--device", "cpu", "--optimizers", "adamw,sinkgd_base_width", "--set", "depth=1",
+                  "--out", str(tmp_path)])
+    res = rep.extra["train"]
+    assert res["config"]["depth"] == 1
+    assert set(res["widths"]["32"]["runs"]) == {"adamw", "sinkgd_base_width"}
+    for bad in (["--optimizers", "sinkgd"], ["--optimizers", "adamw,nope"], ["--set", "lr=3"]):
+        with pytest.raises(SystemExit, match="--optimizers|--set"):
+            T.main(["--quick", "--device", "cpu", "--out", str(tmp_path)] + bad)

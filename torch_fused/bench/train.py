@@ -47,6 +47,9 @@ QUICK = dict(widths=(32, 64), depth=2, seq=32, batch=4, steps=6, warmup=2, eval_
              data_mb=0.25, lrs={"adamw": (2e-3, 8e-3), "sinkgd": (0.1, 0.4), "sinkgd_spectral": (1.0, 4.0)},
              max_extend=0)
 OPTIMIZERS = ("adamw", "sinkgd", "sinkgd_spectral")
+# opt-in: plain SinkGD with base_width set to the experiment's smallest width (its lr then means
+# the same step size at every width, by the 1 / n rule); --optimizers adds it
+EXTRA_OPTIMIZERS = ("sinkgd_base_width",)
 VAL_MOD = 10  # one file in ten (by CRC32 of its path) is validation
 
 
@@ -156,7 +159,7 @@ class LM(nn.Module):
 # --------------------------------------------------------------------------------------------
 # One run
 # --------------------------------------------------------------------------------------------
-def make_optimizer(name, model, lr, adamw_lr):
+def make_optimizer(name, model, lr, adamw_lr, base_width=None):
     from torch_fused.optim import SinkGD, sinkgd_param_groups
 
     if name == "adamw":
@@ -167,7 +170,14 @@ def make_optimizer(name, model, lr, adamw_lr):
                                  lr=lr, betas=(0.9, 0.95), fused=fused or None)
     groups = sinkgd_param_groups(model, lr=adamw_lr, betas=(0.9, 0.95), weight_decay=0.0)
     kw = dict(spectral_norm=True, spectral_target="muon") if name == "sinkgd_spectral" else {}
+    if name == "sinkgd_base_width":
+        kw = dict(base_width=base_width)
     return SinkGD(groups, lr=lr, fallback_kwargs={"lr": adamw_lr, "betas": (0.9, 0.95)}, **kw)
+
+
+def partial_make(cfg):
+    """make_optimizer with the experiment's smallest width as base_width."""
+    return lambda name, model, lr, adamw_lr: make_optimizer(name, model, lr, adamw_lr, min(cfg["widths"]))
 
 
 def state_bytes(opt) -> int:
@@ -191,7 +201,7 @@ def train_one(name, width, lr, adamw_lr, train, val, cfg, device, seed=0, make=N
     """One run; ``make(name, model, lr, adamw_lr)`` builds the optimizer (default make_optimizer)."""
     torch.manual_seed(seed)
     model = LM(width, cfg["depth"], cfg["seq"]).to(device)
-    opt = (make or make_optimizer)(name, model, lr, adamw_lr)
+    opt = (make or partial_make(cfg))(name, model, lr, adamw_lr)
     base = [g["lr"] for g in opt.param_groups]
     fb = [dict(g.get("fallback_kwargs") or {}) for g in opt.param_groups]
     steps, warm = cfg["steps"], cfg["warmup"]
@@ -419,6 +429,12 @@ def main(argv=None) -> None:
                     help="the starting lr grid of one optimizer (adamw, sinkgd, sinkgd_spectral); repeatable")
     ap.add_argument("--max-extend", type=int, default=None, help="how many times a sweep may widen (default 2)")
     ap.add_argument("--out", default=None, help="result folder (default: a new torch_fused_bench_train_<time>)")
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                    help=f"comma-separated, adamw first (its best lr sets the AdamW part of the others): of "
+                         f"{', '.join(OPTIMIZERS + EXTRA_OPTIMIZERS)} (default: {','.join(OPTIMIZERS)})")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one setting of the configuration (depth, seq, batch, warmup, eval_every, "
+                         "eval_batches, data_mb); repeatable")
     ap.add_argument("--resume", default=None, metavar="TRAIN_JSON",
                     help="an earlier train.json of the same settings: its runs are reused at their lr, only new "
                          "sweep points are trained (e.g. a sweep extended with --lrs)")
@@ -430,11 +446,22 @@ def main(argv=None) -> None:
         cfg["steps"] = args.steps
     if args.max_extend is not None:
         cfg["max_extend"] = args.max_extend
-    cfg["lrs"] = dict(cfg["lrs"])
+    for spec in args.set:
+        key, _, val = spec.partition("=")
+        if key not in ("depth", "seq", "batch", "warmup", "eval_every", "eval_batches", "data_mb") or not val:
+            raise SystemExit(f"--set: expected KEY=VALUE with KEY one of depth, seq, batch, warmup, eval_every, "
+                             f"eval_batches, data_mb; got {spec!r}")
+        cfg[key] = float(val) if key == "data_mb" else int(val)
+    names = tuple(n for n in args.optimizers.split(",") if n)
+    if not names or names[0] != "adamw" or any(n not in OPTIMIZERS + EXTRA_OPTIMIZERS for n in names):
+        raise SystemExit(f"--optimizers: adamw first, then any of {', '.join(OPTIMIZERS[1:] + EXTRA_OPTIMIZERS)}; "
+                         f"got {args.optimizers!r}")
+    cfg["lrs"] = dict(cfg["lrs"], sinkgd_base_width=cfg["lrs"]["sinkgd"])
     for spec in args.lrs:
         name, _, vals = spec.partition("=")
-        if name not in OPTIMIZERS or not vals:
-            raise SystemExit(f"--lrs: expected OPT=LR,LR,... with OPT one of {', '.join(OPTIMIZERS)}, got {spec!r}")
+        if name not in OPTIMIZERS + EXTRA_OPTIMIZERS or not vals:
+            raise SystemExit(f"--lrs: expected OPT=LR,LR,... with OPT one of {', '.join(OPTIMIZERS + EXTRA_OPTIMIZERS)}, "
+                             f"got {spec!r}")
         cfg["lrs"][name] = tuple(float(v) for v in vals.split(","))
     device = torch.device(args.device)
     report = new_report(device)
@@ -449,8 +476,8 @@ def main(argv=None) -> None:
         import json
 
         resume = json.loads(Path(args.resume).read_text())["extra"]["train"]
-    report.extra["train"] = experiment(cfg, device, log=lambda s: print(s, flush=True), on_width=partial,
-                                       resume=resume)
+    report.extra["train"] = experiment(cfg, device, log=lambda s: print(s, flush=True), optimizers=names,
+                                       on_width=partial, resume=resume)
     save(report, out, "train")
     print(markdown(report))
     print(f"results written to {out.resolve()}")
