@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--sweep", action="store_true",
         help="instead of the benchmark tables, time each kernel configuration (block size, warps) "
-             "of the selected suites that offer a sweep (logprobs, lm_head) and write <out>/sweep_<suite>.json; "
+             "of the selected suites that offer a sweep (logprobs, lm_head, mask_reduce) and write <out>/sweep_<suite>.json; "
              "suites without a sweep are skipped")
     ap.add_argument(
         "--sweep-shape", default=None, metavar="INTS",

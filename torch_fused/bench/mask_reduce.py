@@ -74,3 +74,48 @@ def run(report, copy_gbps, quick=False):
         report.extra[name] = cost
         del x, mask
         torch.cuda.empty_cache()
+
+
+# --sweep: the strip tiles (kernels/mask_reduce.py TILES) on the few-output cases
+SWEEP_CASES = [((8, 4096, 4096), p) for p in ("1 M N expanded", "B 1 N expanded", "B M 1 expanded", "full")]
+SWEEP_GRID = dict(strip_min_bytes=(128, 256), strip_u=(4, 8, 16), strip_warps=(4, 8), programs_per_sm=(4, 8, 16))
+
+
+def sweep(copy_gbps, shape=None):
+    """Device time of fused::mask_reduce over dim 1 for every combination of SWEEP_GRID's strip
+    settings, per mask of SWEEP_CASES (``shape``: B,M,N instead of 8,4096,4096), beside
+    torch.compile's time; fractions of the floor. The shipped choice is ``TILES``."""
+    import itertools
+
+    from ..kernels import mask_reduce as K
+
+    shipped = dict(K.TILES)
+    cases = [(tuple(shape), p) for _, p in SWEEP_CASES] if shape else SWEEP_CASES
+    out = dict(copy_gbps=copy_gbps, shipped={k: shipped[k] for k in SWEEP_GRID}, cases=[])
+    try:
+        for shp, pattern in cases:
+            g = torch.Generator(device="cuda").manual_seed(0)
+            x = torch.randn(shp, device="cuda", dtype=torch.bfloat16, generator=g)
+            mask = make_mask(shp, pattern, g)
+            cost = torch_fused.mask_reduce_cost(x, 1, mask)
+            floor_ms = (cost["bytes"] if mask.stride(-1) == 0 else cost["floor_bytes"]) / (copy_gbps * 1e9) * 1e3
+            torch._dynamo.reset()
+            compiled = torch.compile(plain, dynamic=False)
+            c_ms = device_ms(lambda: compiled(x, mask), rep=30)[0]
+            rows = []
+            for values in itertools.product(*SWEEP_GRID.values()):
+                K.TILES.update(dict(zip(SWEEP_GRID, values)))
+                K.pick_blocks.cache_clear()
+                ms = device_ms(lambda: torch_fused.mask_reduce(x, 1, mask), rep=30)[0]
+                rows.append(dict(zip(SWEEP_GRID, values), ms=ms, frac=floor_ms / ms))
+            best = max(rows, key=lambda r: r["frac"])
+            print(f"mask_reduce sweep {shp} {pattern}: torch.compile {c_ms * 1e3:.1f} us "
+                  f"({floor_ms / c_ms:.3f}); best {best['ms'] * 1e3:.1f} us ({best['frac']:.3f}) at "
+                  f"{ {k: best[k] for k in SWEEP_GRID} }", flush=True)
+            out["cases"].append(dict(shape=list(shp), mask=pattern, floor_ms=floor_ms, compile_ms=c_ms, rows=rows))
+            K.TILES.update(shipped)
+            K.pick_blocks.cache_clear()
+    finally:
+        K.TILES.update(shipped)
+        K.pick_blocks.cache_clear()
+    return out
