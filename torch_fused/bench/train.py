@@ -208,8 +208,8 @@ def train_one(name, width, lr, adamw_lr, train, val, cfg, device, seed=0, make=N
     stream = batches(train, cfg["batch"], cfg["seq"], seed=seed)
     curve, opt_ms = [], []
     tokens_per_step = cfg["batch"] * cfg["seq"]
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
-                                                                                                    enabled=False)
+    # bf16 autocast: on CUDA by default, on a CPU with --set amp=1
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bool(cfg.get("amp", device.type == "cuda")))
     loss_v = float("nan")
     for step in range(steps):
         f = (step + 1) / warm if step < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
@@ -287,14 +287,14 @@ def tokens_to_reach(curve, target):
 
 
 # the settings a run's numbers depend on: a resumed result must match them
-RUN_KEYS = ("depth", "seq", "batch", "steps", "warmup", "eval_every", "eval_batches", "data_mb")
+RUN_KEYS = ("depth", "seq", "batch", "steps", "warmup", "eval_every", "eval_batches", "data_mb", "amp")
 
 
 def experiment(cfg, device, log=print, optimizers=OPTIMIZERS, on_width=None, resume=None) -> dict:
     """``resume``: an earlier result (train.json's ``extra["train"]``) whose runs are reused
     where the configuration and the lr match; the sweeps extend it."""
     if resume is not None:
-        diff = {k: (resume["config"].get(k), cfg[k]) for k in RUN_KEYS if resume["config"].get(k) != cfg[k]}
+        diff = {k: (resume["config"].get(k), cfg.get(k)) for k in RUN_KEYS if resume["config"].get(k) != cfg.get(k)}
         if diff:
             raise SystemExit(f"--resume: the earlier result ran other settings (earlier, now): {diff}")
     train, val, info = corpus(cfg["data_mb"])
@@ -434,7 +434,7 @@ def main(argv=None) -> None:
                          f"{', '.join(OPTIMIZERS + EXTRA_OPTIMIZERS)} (default: {','.join(OPTIMIZERS)})")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one setting of the configuration (depth, seq, batch, warmup, eval_every, "
-                         "eval_batches, data_mb); repeatable")
+                         "eval_batches, data_mb; amp=1/0: bf16 autocast, on by default on CUDA only); repeatable")
     ap.add_argument("--resume", default=None, metavar="TRAIN_JSON",
                     help="an earlier train.json of the same settings: its runs are reused at their lr, only new "
                          "sweep points are trained (e.g. a sweep extended with --lrs)")
@@ -448,9 +448,9 @@ def main(argv=None) -> None:
         cfg["max_extend"] = args.max_extend
     for spec in args.set:
         key, _, val = spec.partition("=")
-        if key not in ("depth", "seq", "batch", "warmup", "eval_every", "eval_batches", "data_mb") or not val:
+        if key not in ("depth", "seq", "batch", "warmup", "eval_every", "eval_batches", "data_mb", "amp") or not val:
             raise SystemExit(f"--set: expected KEY=VALUE with KEY one of depth, seq, batch, warmup, eval_every, "
-                             f"eval_batches, data_mb; got {spec!r}")
+                             f"eval_batches, data_mb, amp; got {spec!r}")
         cfg[key] = float(val) if key == "data_mb" else int(val)
     names = tuple(n for n in args.optimizers.split(",") if n)
     if not names or names[0] != "adamw" or any(n not in OPTIMIZERS + EXTRA_OPTIMIZERS for n in names):
