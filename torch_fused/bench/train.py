@@ -309,6 +309,7 @@ def experiment(cfg, device, log=print, optimizers=OPTIMIZERS, on_width=None, res
         per["adamw"] = adamw_runs
         adamw_best = best_of(adamw_runs)
         adamw_lr = adamw_best["lr"] if adamw_best else cfg["lrs"]["adamw"][0]
+        adamw_lr *= cfg.get("fallback_lr_scale", 1)  # the SinkGD runs' AdamW part: AdamW's best lr times this
         for name in optimizers:
             if name != "adamw":
                 per[name] = sweep(name, width, cfg["lrs"][name], adamw_lr, train, val, cfg, device, log,
@@ -434,7 +435,9 @@ def main(argv=None) -> None:
                          f"{', '.join(OPTIMIZERS + EXTRA_OPTIMIZERS)} (default: {','.join(OPTIMIZERS)})")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one setting of the configuration (depth, seq, batch, warmup, eval_every, "
-                         "eval_batches, data_mb; amp=1/0: bf16 autocast, on by default on CUDA only); repeatable")
+                         "eval_batches, data_mb; amp=1/0: bf16 autocast, on by default on CUDA only; "
+                         "fallback_lr_scale: the SinkGD runs' AdamW part at AdamW's best lr times this, default 1); "
+                         "repeatable")
     ap.add_argument("--resume", default=None, metavar="TRAIN_JSON",
                     help="an earlier train.json of the same settings: its runs are reused at their lr, only new "
                          "sweep points are trained (e.g. a sweep extended with --lrs)")
@@ -448,10 +451,11 @@ def main(argv=None) -> None:
         cfg["max_extend"] = args.max_extend
     for spec in args.set:
         key, _, val = spec.partition("=")
-        if key not in ("depth", "seq", "batch", "warmup", "eval_every", "eval_batches", "data_mb", "amp") or not val:
+        if key not in ("depth", "seq", "batch", "warmup", "eval_every", "eval_batches", "data_mb", "amp",
+                       "fallback_lr_scale") or not val:
             raise SystemExit(f"--set: expected KEY=VALUE with KEY one of depth, seq, batch, warmup, eval_every, "
-                             f"eval_batches, data_mb, amp; got {spec!r}")
-        cfg[key] = float(val) if key == "data_mb" else int(val)
+                             f"eval_batches, data_mb, amp, fallback_lr_scale; got {spec!r}")
+        cfg[key] = float(val) if key in ("data_mb", "fallback_lr_scale") else int(val)
     names = tuple(n for n in args.optimizers.split(",") if n)
     if not names or names[0] != "adamw" or any(n not in OPTIMIZERS + EXTRA_OPTIMIZERS for n in names):
         raise SystemExit(f"--optimizers: adamw first, then any of {', '.join(OPTIMIZERS[1:] + EXTRA_OPTIMIZERS)}; "
