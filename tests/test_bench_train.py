@@ -72,6 +72,9 @@ def test_resume_reuses_matching_runs_and_refuses_other_settings(monkeypatch):
                                            "sinkgd_spectral": (8.0, 16.0, 32.0)}, quick=True)
     first = T.experiment(cfg, torch.device("cpu"), log=lambda s: None)
     assert len(seen) == 9
+    assert {r["adamw_lr"] for r in first["widths"]["32"]["runs"]["sinkgd"]} == {8.0}  # AdamW's best lr
+    scaled = T.experiment(dict(cfg, fallback_lr_scale=2.0), torch.device("cpu"), log=lambda s: None)
+    assert {r["adamw_lr"] for r in scaled["widths"]["32"]["runs"]["sinkgd"]} == {16.0}
     seen.clear()
     cfg["lrs"] = dict(cfg["lrs"], sinkgd=(1.0, 2.0, 8.0))
     again = T.experiment(cfg, torch.device("cpu"), log=lambda s: None, resume=first)
