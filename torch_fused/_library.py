@@ -52,6 +52,20 @@ def check_value(cond, message) -> None:
     torch._check_value(cond, message)
 
 
+def eager_eligible(*tensors) -> bool:
+    """Whether a public function may take its eager fast path (the op's implementations and
+    autograd formula without the dispatcher; ops/logprobs.py, "Eager fast path") for these
+    arguments (tensors or None): not while Dynamo traces, under a dispatch or torch-function
+    mode, in a functorch transform or jit tracing, and only for plain tensors."""
+    if torch.compiler.is_compiling():
+        return False
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
+            return False
+    return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+                or torch._C._functorch.peek_interpreter_stack() is not None or torch._C._get_tracing_state())
+
+
 # A nominal multiprocessor count for grids sized off a GPU (the interpreter) and for the kernels'
 # ahead-of-time signature lists: an H100 / H200's.
 NOMINAL_SMS = 132

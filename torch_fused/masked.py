@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ._library import acc_dtype
+from ._library import acc_dtype, eager_eligible
+from .ops.mask_reduce import eager_mask_reduce
 from .meta.mask_reduce import _check, check_mask_reduce
 from .reference import stored_view
 
@@ -61,6 +62,8 @@ def mask_reduce(x, dim, mask=None, scale=None, *, out_dtype=None):
                          dict(x=x, mask=mask, scale=scale))
     if out is not None:
         return out
+    if eager_eligible(x, mask, scale):
+        return eager_mask_reduce(x, dim, mask, scale, out_dtype)
     return torch.ops.fused.mask_reduce(x, dim, mask, scale, out_dtype)
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, exact_shift, kernel_temperature,
-                        new_output, rows_strides)
+from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, eager_eligible, exact_shift,  # noqa: F401
+                        kernel_temperature, new_output, rows_strides)
 from .. import reference
 from ..meta import logprobs as meta
 
@@ -277,18 +277,6 @@ class _EagerCore(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent, g_stats):
         logits = ctx.saved_tensors[0]
         return _gradients(ctx, g_logp, g_ent, _impls(logits.device)[1])
-
-
-def eager_eligible(*tensors) -> bool:
-    """Whether the public functions may take the eager fast path for these arguments (tensors
-    or None)."""
-    if torch.compiler.is_compiling():
-        return False
-    for t in tensors:
-        if t is not None and type(t) is not torch.Tensor:
-            return False
-    return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-                or torch._C._functorch.peek_interpreter_stack() is not None or torch._C._get_tracing_state())
 
 
 def eager_core(name, logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):

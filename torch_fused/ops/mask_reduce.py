@@ -15,8 +15,7 @@ from .. import reference
 from ..meta import mask_reduce as meta
 
 
-@torch.library.custom_op(f"{NAMESPACE}::mask_reduce", mutates_args=())
-def mask_reduce(
+def _mask_reduce_default(
     x: torch.Tensor,
     dim: int,
     mask: torch.Tensor | None = None,
@@ -25,6 +24,10 @@ def mask_reduce(
 ) -> torch.Tensor:
     meta.check_mask_reduce(x, dim, mask, scale, out_dtype)
     return reference.mask_reduce_forward(x, dim, mask, scale, out_dtype)
+
+
+# the default implementation serves every device without a Triton one (CPU)
+mask_reduce = torch.library.custom_op(f"{NAMESPACE}::mask_reduce", mutates_args=())(_mask_reduce_default)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::mask_reduce_backward", mutates_args=())
@@ -114,3 +117,35 @@ def _backward(ctx, grad):
 
 
 mask_reduce.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Eager fast path (as the log-prob ops': ops/logprobs.py): torch_fused.mask_reduce calls the
+# implementation and this autograd formula without the dispatcher when nothing needs the op.
+class _EagerMaskReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, mask, scale, out_dtype):
+        impl = _mask_reduce_triton if x.device.type in TRITON_DEVICES else _mask_reduce_default
+        y = impl(x, dim, mask, scale, out_dtype)
+        _setup_context(ctx, (x, dim, mask, scale, out_dtype), y)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # as the backward op: no double backward
+    def backward(ctx, grad):
+        x, mask, scale = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        return reference.mask_reduce_backward(grad, x, ctx.dim, mask, scale), None, None, None, None
+
+
+def eager_mask_reduce(x, dim, mask, scale, out_dtype):
+    """fused::mask_reduce by the eager fast path (the caller checked eager_eligible); without
+    autograd where no input requires grad."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, mask, scale)):
+        fn = _EagerMaskReduce.apply
+    else:
+        fn = _mask_reduce_triton if x.device.type in TRITON_DEVICES else _mask_reduce_default
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.autograd.profiler.record_function("fused::mask_reduce"):
+            return fn(x, dim, mask, scale, out_dtype)
+    return fn(x, dim, mask, scale, out_dtype)
