@@ -409,8 +409,6 @@ def test_eager_fast_path_matches_the_registered_op(device, monkeypatch):
     """The public functions' eager fast path (one autograd.Function over the ops' implementations)
     gives the registered op's values and gradients bit for bit, and is the path a plain eager
     call takes: no fused:: op is dispatched. Under a dispatch mode the op is dispatched."""
-    from torch_fused.ops import logprobs as L
-
     def no_grad_outputs(fn, args, kwargs):
         with torch.no_grad():
             out = getattr(torch_fused, fn)(*args, **kwargs)
@@ -418,7 +416,6 @@ def test_eager_fast_path_matches_the_registered_op(device, monkeypatch):
 
     for fn, args, kwargs in _fast_path_cases(device):
         fast = _outputs_and_grads(fn, args, kwargs) + no_grad_outputs(fn, args, kwargs)
-        monkeypatch.setattr(L, "eager_eligible", lambda *a: False)
         monkeypatch.setattr(torch_fused, "_eager_eligible", lambda *a: False)
         slow = _outputs_and_grads(fn, args, kwargs) + no_grad_outputs(fn, args, kwargs)
         monkeypatch.undo()
@@ -435,7 +432,7 @@ def test_eager_fast_path_matches_the_registered_op(device, monkeypatch):
 
 
 def test_eager_fast_path_is_taken_only_where_nothing_needs_the_op():
-    from torch_fused.ops.logprobs import eager_eligible
+    from torch_fused._library import eager_eligible
 
     x = torch.randn(2, 5)
     assert eager_eligible(x, None)

@@ -11,7 +11,8 @@ import sys
 import torch
 
 from . import ops as _ops  # noqa: F401  (registers the fused:: ops)
-from .ops.logprobs import eager_core as _eager_core, eager_eligible as _eager_eligible
+from ._library import eager_eligible as _eager_eligible
+from .ops.logprobs import eager_core as _eager_core
 
 __version__ = "0.1.0"
 

@@ -66,6 +66,18 @@ def eager_eligible(*tensors) -> bool:
                 or torch._C._functorch.peek_interpreter_stack() is not None or torch._C._get_tracing_state())
 
 
+def call_eager(name: str, needs_grad, function, implementation, *args):
+    """An eager fast path's call: ``function`` (its autograd.Function's apply) where a gradient can
+    flow (grad mode on and a tensor of ``needs_grad`` requiring grad), else ``implementation``
+    alone; under the profiler, in a record named ``name`` (the op's), so traces keep the op."""
+    fn = function if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in needs_grad) \
+        else implementation
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.autograd.profiler.record_function(name):
+            return fn(*args)
+    return fn(*args)
+
+
 # A nominal multiprocessor count for grids sized off a GPU (the interpreter) and for the kernels'
 # ahead-of-time signature lists: an H100 / H200's.
 NOMINAL_SMS = 132

@@ -223,8 +223,7 @@ CONFIG = {"stats": (128, 256, 64, 8, 8, 3), "dlogits": (128, 256, 64, 8, 8, 3),
 # Devices with less (sm_86 / sm_89: 99 KiB; sm_75: 64 KiB): half the tile width and depth, a
 # 48 KiB pipeline. Chosen to fit, not tuned on those devices. Where neither fits, the fused
 # head makes its logits with cuBLAS GEMMs instead (ops/linear_logprobs.py).
-SMALL_SMEM_CONFIG = {"stats": (128, 128, 32, 8, 4, 3), "dlogits": (128, 128, 32, 8, 4, 3),
-                     "stats_tma": (128, 128, 32, 8, 4, 3), "dlogits_tma": (128, 128, 32, 8, 4, 3)}
+SMALL_SMEM_CONFIG = dict.fromkeys(CONFIG, (128, 128, 32, 8, 4, 3))
 SMEM_MARGIN = 16 << 10  # bytes left beside the pipeline (the epilogue's layout conversions)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, eager_eligible, exact_shift,  # noqa: F401
+from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift,
                         kernel_temperature, new_output, rows_strides)
 from .. import reference
 from ..meta import logprobs as meta
@@ -283,16 +283,8 @@ def eager_core(name, logits, index, temperature, ignore_index, compute_entropy, 
     """(logp, entropy, stats) of the core op by the eager fast path; ``name``: the public op's, for
     the profiler's record. Where no gradient can flow (no_grad, or no input requires grad) the
     implementation runs without the autograd.Function (and without the entropy copy it saves)."""
-    args = (logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
-    if not (torch.is_grad_enabled() and (logits.requires_grad or (temperature_t is not None
-                                                                  and temperature_t.requires_grad))):
-        fn = _impls(logits.device)[0]
-    else:
-        fn = _EagerCore.apply
-    if torch.autograd.profiler._is_profiler_enabled:
-        with torch.autograd.profiler.record_function(name):
-            return fn(*args)
-    return fn(*args)
+    return call_eager(name, (logits, temperature_t), _EagerCore.apply, _impls(logits.device)[0],
+                      logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
 
 
 # ---------------------------------------------------------------------------------------------

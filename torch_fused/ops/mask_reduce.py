@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._library import NAMESPACE, TRITON_DEVICES, acc_dtype, n_sm, new_output
+from .._library import NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, n_sm, new_output
 from .. import reference
 from ..meta import mask_reduce as meta
 
@@ -109,11 +109,16 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
+    return _gradients(ctx, grad, torch.ops.fused.mask_reduce_backward)
+
+
+def _gradients(ctx, grad, backward_op):
+    """The autograd formula, with the backward op (or, on the eager fast path, its
+    implementation) given."""
     x, mask, scale = ctx.saved_tensors
     if not ctx.needs_input_grad[0]:
         return None, None, None, None, None
-    dx = torch.ops.fused.mask_reduce_backward(grad, x, ctx.dim, mask, scale)
-    return dx, None, None, None, None
+    return backward_op(grad, x, ctx.dim, mask, scale), None, None, None, None
 
 
 mask_reduce.register_autograd(_backward, setup_context=_setup_context)
@@ -121,31 +126,24 @@ mask_reduce.register_autograd(_backward, setup_context=_setup_context)
 
 # Eager fast path (as the log-prob ops': ops/logprobs.py): torch_fused.mask_reduce calls the
 # implementation and this autograd formula without the dispatcher when nothing needs the op.
+def _forward_impl(device: torch.device):
+    return _mask_reduce_triton if device.type in TRITON_DEVICES else _mask_reduce_default
+
+
 class _EagerMaskReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, mask, scale, out_dtype):
-        impl = _mask_reduce_triton if x.device.type in TRITON_DEVICES else _mask_reduce_default
-        y = impl(x, dim, mask, scale, out_dtype)
+        y = _forward_impl(x.device)(x, dim, mask, scale, out_dtype)
         _setup_context(ctx, (x, dim, mask, scale, out_dtype), y)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # as the backward op: no double backward
     def backward(ctx, grad):
-        x, mask, scale = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        return reference.mask_reduce_backward(grad, x, ctx.dim, mask, scale), None, None, None, None
+        return _gradients(ctx, grad, reference.mask_reduce_backward)
 
 
 def eager_mask_reduce(x, dim, mask, scale, out_dtype):
-    """fused::mask_reduce by the eager fast path (the caller checked eager_eligible); without
-    autograd where no input requires grad."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, mask, scale)):
-        fn = _EagerMaskReduce.apply
-    else:
-        fn = _mask_reduce_triton if x.device.type in TRITON_DEVICES else _mask_reduce_default
-    if torch.autograd.profiler._is_profiler_enabled:
-        with torch.autograd.profiler.record_function("fused::mask_reduce"):
-            return fn(x, dim, mask, scale, out_dtype)
-    return fn(x, dim, mask, scale, out_dtype)
+    """fused::mask_reduce by the eager fast path (the caller checked eager_eligible)."""
+    return call_eager("fused::mask_reduce", (x, mask, scale), _EagerMaskReduce.apply, _forward_impl(x.device),
+                      x, dim, mask, scale, out_dtype)
