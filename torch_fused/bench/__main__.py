@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args_in = sys.argv[1:] if argv is None else list(argv)
     if "--distributed" in args_in:  # torchrun ... -m torch_fused.bench --distributed [its options]
-        from .distributed import main as distributed_main
+        from .distributed import run_and_exit
 
-        raise SystemExit(distributed_main([a for a in args_in if a != "--distributed"]))
+        run_and_exit([a for a in args_in if a != "--distributed"])
     ap = argparse.ArgumentParser(
         prog="python -m torch_fused.bench",
         description=DESCRIPTION,

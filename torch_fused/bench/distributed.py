@@ -288,9 +288,29 @@ def main(argv=None) -> int:
         (out / "distributed.md").write_text(markdown(meta, results))
         print(markdown(meta, results), flush=True)
         print(f"results written to {out.resolve()}; {int(bad)} failed check(s) over the ranks", flush=True)
+    dist.barrier()
     dist.destroy_process_group()
     return 1 if int(bad) else 0
 
 
+def run_and_exit(argv=None) -> None:
+    """Run main and leave the process without interpreter finalization.
+
+    Once every rank has written its results and the process group is destroyed, nothing is left to do;
+    but gloo's worker threads can still be torn down during finalization, and on torch 2.14 with two
+    CPU ranks that occasionally aborts the process (``terminate called without an active exception``)
+    after a clean run, which torchrun reports as a failed rank. Flushing and ``os._exit`` skip it.
+    """
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse and the torchrun check
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()
