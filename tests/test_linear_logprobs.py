@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_fused._library import INTERPRET
 from torch_fused.kernels import lm_head as KL
+from torch_fused.meta.linear_logprobs import HeadOptions
 from torch_fused.settings import override
 from _helpers import DEVICES, SMALL, assert_logprob_close, ref_linear
 
@@ -176,10 +177,12 @@ def test_frozen_input_skips_its_gradient(device, frozen, gemm_path):
         (g,) = torch.autograd.grad(lp.sum() + 0.5 * ent.sum(), hp if live == "hidden" else wp)
     assert torch.equal(g, full[live])
     assert len(seen) == 1 and seen[0][0 if frozen == "hidden" else 1] == 0, seen  # its GEMMs were skipped
-    stats = torch.ops.fused._linear_logprobs_entropy_forward(h, w, idx, None, 1.0, -100, True, 1.0, None)[2]
-    args = (torch.ones(2, 5, device=device), None, h, w, idx, None, stats, stats[..., 0], 1.0, -100, True, 1.0, None)
-    outs = torch.ops.fused._linear_logprobs_entropy_backward(*args, frozen != "hidden", frozen != "weight")
-    both = torch.ops.fused._linear_logprobs_entropy_backward(*args, True, True)
+    opts = HeadOptions(shift=True).values()
+    stats = torch.ops.fused._linear_logprobs_entropy_forward(h, w, idx, None, *opts)[2]
+    args = (torch.ones(2, 5, device=device), None, h, w, idx, None, stats, stats[..., 0], *opts)
+    outs = torch.ops.fused._linear_logprobs_entropy_backward(*args, hidden_grad=frozen != "hidden",
+                                                             weight_grad=frozen != "weight")
+    both = torch.ops.fused._linear_logprobs_entropy_backward(*args)
     k = 1 if frozen == "hidden" else 0
     assert outs[1 - k].numel() == 0
     # the live gradient of the direct call equals the one the full backward computes
@@ -198,7 +201,7 @@ def test_opcheck(device):
         torch.library.opcheck(torch.ops.fused.linear_logprobs_and_entropy, (h, w, idx),
                               {"bias": b, "shift": True, "temperature": 0.8})
         torch.library.opcheck(torch.ops.fused._linear_logprobs_entropy_forward,
-                              (h, w, idx, None, 1.0, -100, True, 2.0, 5.0))
+                              (h, w, idx, None, *HeadOptions(shift=True, logit_scale=2.0, softcap=5.0).values()))
 
 
 def test_gradcheck_float64():

@@ -495,3 +495,27 @@ def test_fast_path_differentiates_a_temperature_alone(device, monkeypatch):
     fast = grad_t()
     monkeypatch.setattr(torch_fused, "_eager_eligible", lambda *a: False)
     assert torch.equal(fast, grad_t()) and fast != 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_shift_is_the_kernels_rounded_difference(device):
+    """The shift difference of the GPU path (the vocabulary-parallel merge's, the fused head's), round(a c) - round(b c) in fp32, is bitwise the fp32
+    products' difference in eager, and the same under torch.compile: no product fused into the
+    subtraction (an fma would be off by up to half an ulp of a c, ~5e-4 at |a c| ~ 1.4e4; the
+    CPU's inductor code does not fuse, CUDA's Triton code did, even of fp64 products cast back
+    to fp32)."""
+    from torch_fused.ops.logprobs import shift_difference as _shift
+
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(4, 4096, generator=g) * 1e4).to(device)
+    b = a.amax(0)
+    c = 1.4426950408889634 / 0.7
+    want = a * c - b * c  # fp32 products, each rounded, then the difference
+    assert torch.equal(_shift(a, b, c, False), want)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, y: _shift(x, y, c, False), fullgraph=True)
+    assert torch.equal(compiled(a, b), want)
+    torch.library.opcheck(torch.ops.fused._merge_shift, (a, b, c))
+    # the inputs tell the two forms apart: the unrounded product's difference is not the same
+    c32 = float(torch.tensor(c, dtype=torch.float32))
+    assert not torch.equal(((a.double() - b.double()) * c32).float(), want)

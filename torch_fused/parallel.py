@@ -38,16 +38,17 @@ The pieces that touch no process group (``logits_partials``, ``merge_partials``,
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import struct
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import reference
-from ._library import LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, check, exact_shift, kernel_temperature
+from ._library import LN2, LOG2E, TRITON_DEVICES, acc_dtype, check, exact_shift, kernel_temperature
 from .meta import linear_logprobs as meta_ll
+from .meta.linear_logprobs import HeadOptions
 from .meta import logprobs as meta_lp
 from .meta.logprobs import row_shape
 from .ops import linear_logprobs as LL
@@ -214,32 +215,6 @@ def _exact_shift(t: torch.Tensor, dt: torch.dtype, c: float) -> bool:
     return exact_shift(c) or dt == torch.float64 or not _triton_path(t)
 
 
-def _shift(a, b, c: float, exact: bool):
-    """(a - b) c in the units of the local sums: see kernels/logprobs.py, _shift_diff. The
-    kernels' form is round(a c) - round(b c) in fp32 (c rounded to fp32 as the kernels take it),
-    computed by the custom op ``fused::_merge_shift``: a compiler (inductor under torch.compile)
-    sees no product to fuse into the subtraction as an fma, which would use the exact a c (off
-    by up to half an ulp of it, 5e-4 at |a c| ~ 1.4e4). Casts are no such barrier: inductor's
-    Triton code for an fp64 product cast back to fp32 still came out fused on CUDA."""
-    if exact:
-        return (a - b) * c
-    return torch.ops.fused._merge_shift(a, b, c)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::_merge_shift", mutates_args=())
-def _merge_shift(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
-    """round(a c) - round(b c) in fp32 (float32 a and b, broadcast; c rounded to fp32), each
-    product rounded before the subtraction."""
-    c32 = struct.unpack("f", struct.pack("f", c))[0]
-    return torch.sub(torch.mul(a, c32), torch.mul(b, c32))
-
-
-@_merge_shift.register_fake
-def _(a, b, c):
-    return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=torch.promote_types(a.dtype, b.dtype),
-                       device=a.device)
-
-
 def local_index(index2: torch.Tensor, v_off: int, v_local: int) -> torch.Tensor:
     """Ids of this slice as columns (0 .. v_local - 1); every other id (another slice's,
     ignore_index, out of range) reads column 0, whose value the merge discards."""
@@ -303,7 +278,7 @@ def merge_partials(parts: torch.Tensor, index2: torch.Tensor | None, ignore_inde
     empty = l2s_r == ninf  # s_r = 0: no columns, or only -inf logits (a NaN stays NaN)
     big = m_r.masked_fill(empty, ninf).amax(0)
     big = big.masked_fill(big == ninf, 0.0)  # a row of only -inf (the kernels' max 0)
-    a = l2s_r + _shift(m_r, big, c, exact)  # [W, n], -inf for empty slices
+    a = l2s_r + lp_ops.shift_difference(m_r, big, c, exact)  # [W, n], -inf for empty slices
     l2s = torch.exp2(a).sum(0).log2()  # fixed order: rank 0 .. W-1
     rel = a - l2s  # log2 w_r
     stats = torch.stack([big, l2s], 1)
@@ -329,16 +304,16 @@ def logits_backward(g_logp, g_ent, x, index, stats, ent, temperature: float, ign
     the log-prob backward op's implementation for the device, no collective."""
     if x.shape[-1] == 0 or (g_logp is None and g_ent is None):
         return torch.zeros_like(x, memory_format=torch.contiguous_format)
-    bwd = lp_ops._backward_triton if _triton_path(x) else reference.logprobs_entropy_backward
+    bwd = lp_ops.backward_triton if _triton_path(x) else reference.logprobs_entropy_backward
     dx, _ = bwd(g_logp, g_ent, x, index if g_logp is not None else None, stats, ent, temperature, ignore_index,
                 None, shift, v_off=v_off, v_total=v_total)
     return dx
 
 
-def linear_partials(hidden, weight, index, bias, temperature, shift, logit_scale, softcap, v_off: int):
+def linear_partials(hidden, weight, index, bias, opts: HeadOptions, v_off: int):
     """Per-row partial statistics [n, 3 + K] = (m, log2 s, H, lp_k) of the vocabulary slice held in
     weight [V_local, H] (ids v_off ..): the fused head's forward op on the local weight."""
-    lead = row_shape(hidden, shift)
+    lead = row_shape(hidden, opts.shift)
     n = math.prod(lead)
     dt = acc_dtype(hidden.dtype)
     idx2 = _index_rows(index, n, lead)
@@ -346,21 +321,18 @@ def linear_partials(hidden, weight, index, bias, temperature, shift, logit_scale
         return _empty_parts(n, idx2.shape[1], True, dt, hidden.device)
     loc = local_index(idx2, v_off, weight.shape[0]).reshape(index.shape)
     lp, ent, stats = torch.ops.fused._linear_logprobs_entropy_forward(
-        hidden, weight, loc, bias, temperature, -1, shift, logit_scale, softcap)
+        hidden, weight, loc, bias, *dataclasses.replace(opts, ignore_index=-1).values())
     return _parts_from(stats.reshape(n, 2), ent, lp.reshape(n, idx2.shape[1]), dt, n)
 
 
-def linear_backward(g_logp, g_ent, hidden, weight, index, bias, stats, ent, temperature, ignore_index, shift,
-                    logit_scale, softcap, v_off: int, v_total: int, hidden_grad: bool = True,
-                    weight_grad: bool = True):
+def linear_backward(g_logp, g_ent, hidden, weight, index, bias, stats, ent, opts: HeadOptions, v_off: int,
+                    v_total: int, hidden_grad: bool = True, weight_grad: bool = True):
     """(partial d hidden rows [n, H] in fp32 (fp64), d weight [V_local, H], d bias) of the slice:
     the fused head's backward chunks with the whole rows' stats; d hidden still to be summed
     over the ranks. Without hidden_grad (weight_grad) that gradient is an empty tensor and its
     GEMMs are skipped (a frozen head)."""
-    path = LL.TRITON if _triton_path(hidden) else LL.REFERENCE
-    return LL._backward_chunks(g_logp, g_ent, hidden, weight, index, bias, stats, ent, temperature, ignore_index,
-                               shift, logit_scale, softcap, path, v_off=v_off, v_total=v_total,
-                               hidden_grad=hidden_grad, weight_grad=weight_grad)
+    return LL.backward_chunks(g_logp, g_ent, hidden, weight, index, bias, stats, ent, opts, LL.path_for(hidden),
+                              v_off=v_off, v_total=v_total, hidden_grad=hidden_grad, weight_grad=weight_grad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,34 +378,33 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
 class _VocabParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, index, bias, layout, temperature, ignore_index, shift, logit_scale, softcap):
+    def forward(ctx, hidden, weight, index, bias, layout, opts):
         dt = acc_dtype(hidden.dtype)
-        lead = row_shape(hidden, shift)
+        lead = row_shape(hidden, opts.shift)
         if _checks_index(hidden):
-            reference.check_index_range(index, layout.v, ignore_index)
-        parts = linear_partials(hidden, weight, index, bias, temperature, shift, logit_scale, softcap, layout.v_off)
+            reference.check_index_range(index, layout.v, opts.ignore_index)
+        parts = linear_partials(hidden, weight, index, bias, opts, layout.v_off)
         world = _all_gather(parts, layout) if parts.numel() else parts.new_empty(layout.world, *parts.shape)
-        t_eff = LL._effective_temperature(temperature, logit_scale, softcap)
-        logp, ent, stats = _finish(world, index, lead, ignore_index, layout, LOG2E / t_eff,
-                                   _exact_shift(hidden, dt, LOG2E / t_eff), True, dt)
+        c = LOG2E / LL.effective_temperature(opts)
+        logp, ent, stats = _finish(world, index, lead, opts.ignore_index, layout, c, _exact_shift(hidden, dt, c), True,
+                                   dt)
         ctx.set_materialize_grads(False)
-        ctx.args = (layout, temperature, ignore_index, shift, logit_scale, softcap)
+        ctx.args = (layout, opts)
         ctx.save_for_backward(hidden, weight, index, bias, stats, ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, index, bias, stats, ent = ctx.saved_tensors
-        layout, temperature, ignore_index, shift, logit_scale, softcap = ctx.args
+        layout, opts = ctx.args
         need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
         n_in = len(ctx.needs_input_grad)  # one gradient (or None) per forward argument
         if not (need_h or need_w or need_b):
             return (None,) * n_in
-        dh, dw, db = linear_backward(g_logp, g_ent, hidden, weight, index, bias, stats, ent, temperature,
-                                     ignore_index, shift, logit_scale, softcap, layout.v_off, layout.v,
-                                     hidden_grad=bool(need_h), weight_grad=bool(need_w))
+        dh, dw, db = linear_backward(g_logp, g_ent, hidden, weight, index, bias, stats, ent, opts, layout.v_off,
+                                     layout.v, hidden_grad=bool(need_h), weight_grad=bool(need_w))
         if need_h:  # the one collective of the backward: the ranks' partial d hidden, summed in fp32
-            dh = LL._hidden_grad(_all_reduce_sum(dh, layout) if dh.numel() else dh, hidden, shift)
+            dh = LL.hidden_grad_from_rows(_all_reduce_sum(dh, layout) if dh.numel() else dh, hidden, opts.shift)
         grads = (dh if need_h else None, dw if need_w else None, None, db if (need_b and bias is not None) else None)
         return grads + (None,) * (n_in - len(grads))
 
@@ -463,13 +434,12 @@ def logprobs_entropy(logits, index, *, temperature=None, ignore_index: int = -10
             _replicate(ent, layout.mesh) if want_ent else None)
 
 
-def linear_logprobs_and_entropy(hidden, weight, index, *, bias=None, temperature: float = 1.0,
-                                ignore_index: int = -100, shift: bool = False, logit_scale: float = 1.0,
-                                softcap: float | None = None, mesh_dim=None):
+def linear_logprobs_and_entropy(hidden, weight, index, *, bias=None, mesh_dim=None, **options):
     """The fused head with a vocabulary-sharded weight: a DTensor ``Shard(0)`` [V, H] (bias, if
     any, a DTensor ``Shard(0)`` [V] on the same mesh); hidden and index plain tensors (the same on
     every rank) or Replicate DTensors. Returns Replicate DTensors; d weight (and d bias) stay
-    ``Shard(0)``, d hidden is summed over the ranks once."""
+    ``Shard(0)``, d hidden is summed over the ranks once. ``options``: the fields of
+    meta.linear_logprobs.HeadOptions (temperature, ignore_index, ...)."""
     if not isinstance(weight, DTensor):
         raise ValueError("weight: expected a DTensor with placement Shard(0) (a vocabulary-sharded lm_head) when "
                          f"hidden is a DTensor, got {type(weight).__name__}")
@@ -480,11 +450,12 @@ def linear_logprobs_and_entropy(hidden, weight, index, *, bias=None, temperature
             got = _fmt(bias.placements) if isinstance(bias, DTensor) else f"a plain {type(bias).__name__}"
             raise ValueError(f"bias: expected a DTensor placed as the weight, {_fmt(weight.placements)} on its mesh, "
                              f"got {got}")
-    t = _float_temperature(temperature)
+    opts = HeadOptions(**options)
+    opts = dataclasses.replace(opts, temperature=_float_temperature(opts.temperature))
     h = _replicated_local(hidden, "hidden", layout, "weight")
     idx = _replicated_local(index, "index", layout, "weight")
-    meta_ll.check_linear(h, weight, idx, bias, t, shift, logit_scale, softcap)  # global weight / bias shapes
+    meta_ll.check_linear(h, weight, idx, bias, opts)  # global weight / bias shapes
     w = weight.to_local()
     b = bias.to_local() if bias is not None else None
-    logp, ent = _VocabParallelLinear.apply(h, w, idx, b, layout, t, ignore_index, shift, logit_scale, softcap)
+    logp, ent = _VocabParallelLinear.apply(h, w, idx, b, layout, opts)
     return _replicate(logp, layout.mesh), _replicate(ent, layout.mesh)

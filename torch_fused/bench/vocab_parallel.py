@@ -117,6 +117,7 @@ def _logits_rows(report, copy_gbps, n):
 def _head_rows(report, n, hd, v):
     from .._library import LOG2E
     from ..ops import linear_logprobs as LL
+    from ..meta.linear_logprobs import HeadOptions
 
     P, v_off, v_loc, step = _rank_pieces(v)
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -128,16 +129,16 @@ def _head_rows(report, n, hd, v):
     exact = P._exact_shift(h, torch.float32, P.LOG2E)  # temperature 1
     ones = torch.ones(n, device=DEVICE)
     shape = f"N{n} H{hd} V{v} weight shard [{v_loc}, H] of {WORLD}"
+    opts = HeadOptions()  # temperature 1, no shift, no scale or softcap
 
     def fwd():
-        parts = P.linear_partials(h, w, idx, None, 1.0, False, 1.0, None, v_off)
+        parts = P.linear_partials(h, w, idx, None, opts, v_off)
         return P.merge_partials(torch.stack([parts, parts]), idx2, -100, step, v, LOG2E, exact, True)
 
     def fwdbwd():
         _, ent, stats = fwd()
-        dh, dw, _ = P.linear_backward(ones, ones, h, w, idx, None, stats, ent, temperature=1.0, ignore_index=-100,
-                                      shift=False, logit_scale=1.0, softcap=None, v_off=v_off, v_total=v)
-        return LL._hidden_grad(dh, h, False), dw  # (the all-reduce of dh is not timed)
+        dh, dw, _ = P.linear_backward(ones, ones, h, w, idx, None, stats, ent, opts, v_off=v_off, v_total=v)
+        return LL.hidden_grad_from_rows(dh, h, opts.shift), dw  # (the all-reduce of dh is not timed)
 
     dl = torch.randn(n, v_loc, device=DEVICE, dtype=torch.bfloat16, generator=g)
     warm_up(lambda: (h @ w.t(), dl @ w, dl.t() @ h))  # the floors are timed first: clocks up

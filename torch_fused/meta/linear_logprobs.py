@@ -1,5 +1,11 @@
-"""Input checks and fake (meta) implementations of the fused lm_head,
+"""The fused lm_head's options, input checks and fake (meta) implementations,
 ``fused::linear_logprobs_and_entropy``.
+
+``HeadOptions`` is the one list of the head's non-tensor arguments: the op schemas
+(ops/linear_logprobs.py), the fakes here, the implementations and the vocabulary-parallel head
+(parallel.py) derive theirs from it. Adding an option: a field of ``HeadOptions``, its check in
+``check_linear``, its use in ops/linear_logprobs.py (and the kernels or the reference where it acts), and
+the public function's keyword (torch_fused/__init__.py).
 
 ``check_linear`` is the one validation function, called by the fakes and by every
 implementation, so eager and compiled calls fail with the same message. Shapes and dtypes only.
@@ -7,6 +13,7 @@ implementation, so eager and compiled calls fail with the same message. Shapes a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -15,7 +22,37 @@ from .._library import FLOAT_DTYPES, acc_dtype, check
 from .logprobs import check_logits_index, row_shape
 
 
-def check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, softcap) -> None:
+# the schema type of each HeadOptions field's annotation
+_SCHEMA_TYPES = {"float": "float", "int": "int", "bool": "bool", "float | None": "float?"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadOptions:
+    """The fused head's arguments after (hidden, weight, index, bias), in schema order, with the
+    public function's defaults."""
+    temperature: float = 1.0
+    ignore_index: int = -100
+    shift: bool = False
+    logit_scale: float = 1.0
+    softcap: float | None = None
+
+    def values(self) -> tuple:
+        """The fields in order: the op's positional arguments."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    @classmethod
+    def schema(cls, defaults: bool = False) -> str:
+        """The fields as schema arguments, e.g. ``float temperature, int ignore_index, ...`` (with
+        ``=default`` each where ``defaults``)."""
+        parts = []
+        for f in dataclasses.fields(cls):
+            arg = f"{_SCHEMA_TYPES[f.type]} {f.name}"
+            parts.append(f"{arg}={f.default!r}" if defaults else arg)
+        return ", ".join(parts)
+
+
+def check_linear(hidden, weight, index, bias, opts: HeadOptions) -> None:
+    temperature, shift, logit_scale, softcap = opts.temperature, opts.shift, opts.logit_scale, opts.softcap
     check(hidden.dtype in FLOAT_DTYPES,
           lambda: f"hidden: expected dtype float16, bfloat16, float32 or float64, got {hidden.dtype}")
     check(hidden.dim() >= 1, lambda: "hidden: expected at least 1 dim [..., H], got a 0-dim tensor")
@@ -44,17 +81,18 @@ def check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, s
     check_logits_index(hidden, index, temperature, None, shift, what="hidden")
 
 
-def linear_forward_fake(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap):
-    check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, softcap)
+def linear_forward_fake(hidden, weight, index, bias, *options):
+    opts = HeadOptions(*options)
+    check_linear(hidden, weight, index, bias, opts)
     dt = acc_dtype(hidden.dtype)
-    lead = row_shape(hidden, shift)
+    lead = row_shape(hidden, opts.shift)
     return (hidden.new_empty(index.shape, dtype=dt), hidden.new_empty(lead, dtype=dt),
             hidden.new_empty(lead + (2,), dtype=dt))
 
 
-def linear_backward_fake(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                         ignore_index, shift, logit_scale, softcap, hidden_grad=True, weight_grad=True):
-    check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, softcap)
+def linear_backward_fake(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, *options,
+                         hidden_grad=True, weight_grad=True):
+    check_linear(hidden, weight, index, bias, HeadOptions(*options))
     db = hidden.new_empty(bias.shape if bias is not None else (0,))
     return (hidden.new_empty(hidden.shape if hidden_grad else (0,)),
             weight.new_empty(weight.shape if weight_grad else (0,)), db)

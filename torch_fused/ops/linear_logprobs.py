@@ -136,27 +136,23 @@ def _rows(hidden, index, shift):
     return h2, idx2
 
 
-def _logits_chunk(h2, w, bias, logit_scale, softcap):
+def _logits_chunk(h2, w, bias, opts):
     """fp32 logits z of rows h2 against vocabulary rows w, one chunk buffer. With a softcap,
     z = c tanh(s y / c), computed in place (the backward's tanh is z / c); otherwise z = y (the
     scale is folded into the temperature by the caller)."""
     z = _mm_f32(h2, w.t())
     if bias is not None:
         z += bias.to(z.dtype)
-    if softcap is not None:
-        z.mul_(logit_scale / softcap).tanh_().mul_(softcap)
+    if opts.softcap is not None:
+        z.mul_(opts.logit_scale / opts.softcap).tanh_().mul_(opts.softcap)
     return z
 
 
-def _effective_temperature(temperature, logit_scale, softcap):
-    return kernel_temperature(temperature if softcap is not None else temperature / logit_scale)
-
-
-def _shift_c(a, b, c, dt, exact=False):
-    """(a - b) in the kernels' base-2 units: the difference of the rounded shifts a c and b c that
-    the GPU kernels' sums are relative to (kernels/logprobs.py, _shift_diff); exact (a - b) c for
-    sums made that way (the reference, the interpreter, float64)."""
-    return (a - b) * c if exact or exact_shift(c) or dt == torch.float64 else a * c - b * c
+def effective_temperature(opts: meta.HeadOptions) -> float:
+    """The temperature the statistics kernels divide the chunk's logits by: T / logit_scale (the scale
+    folded in), or T with a softcap (the chunk already holds the scaled, capped logits)."""
+    t = opts.temperature
+    return kernel_temperature(t if opts.softcap is not None else t / opts.logit_scale)
 
 
 def _merge_reference(z, idx2, v0, first, run, u, m_own, t_eff, c):
@@ -164,7 +160,6 @@ def _merge_reference(z, idx2, v0, first, run, u, m_own, t_eff, c):
     (max m, s = sum 2^d, t = sum 2^d d against the shift m c) and, for the ids inside the chunk,
     u = their d against the chunk's shift and m_own = the chunk's max: the reference of
     kernels/logprobs.py's _chunk_merge_kernel."""
-    dt = run.dtype
     loc = idx2 - v0
     inside = (loc >= 0) & (loc < z.shape[1])
     lp_c, ent_c, st_c = reference.logprobs_entropy_forward(z, torch.where(inside, loc, 0), t_eff, -1, True)
@@ -180,7 +175,7 @@ def _merge_reference(z, idx2, v0, first, run, u, m_own, t_eff, c):
     # a side with s == 0 (only -inf logits so far) holds the placeholder max 0: it must not set
     # the max, and its factor is 0 (no 0 * inf)
     m_new = torch.where(s_c == 0, m, torch.where(s_run == 0, m_c, torch.maximum(m, m_c)))
-    da, db = _shift_c(m, m_new, c, dt, True), _shift_c(m_c, m_new, c, dt, True)
+    da, db = lp_ops.shift_difference(m, m_new, c, True), lp_ops.shift_difference(m_c, m_new, c, True)
     ea = torch.where(s_run == 0, torch.zeros_like(da), torch.exp2(da))
     eb = torch.where(s_c == 0, torch.zeros_like(db), torch.exp2(db))
     t_new = ea * (t_run + da * s_run) + eb * (t_c + db * s_c)
@@ -203,11 +198,11 @@ def _merge_triton(z, idx2, v0, first, run, u, m_own, t_eff, c):
     )
 
 
-def _fused_gemm(which: str, path, w, softcap) -> bool:
+def _fused_gemm(which: str, path, w, opts) -> bool:
     """Whether the logits GEMMs of pass ``which`` ("forward" / "backward") run inside the Triton
     kernels (kernels/lm_head.py): on the Triton path, for bf16 / fp16 weights without a softcap,
     where the ``lm_head_fused_gemm`` setting names the pass."""
-    return (path.triton and which in settings.lm_head_fused_gemm and softcap is None
+    return (path.triton and which in settings.lm_head_fused_gemm and opts.softcap is None
             and w.dtype in (torch.bfloat16, torch.float16)
             and _tiles("stats" if which == "forward" else "dlogits", w.device) is not None)
 
@@ -297,7 +292,7 @@ def _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c):
         live = s_t > 0
         m = torch.where(live, m_t, float("-inf")).amax(1)
         m = torch.where(live.any(1), m, torch.zeros_like(m))  # the placeholder 0 of an all -inf row
-        da = _shift_c(m_t, m[:, None], c, torch.float32)
+        da = lp_ops.shift_difference(m_t, m[:, None], c, exact_shift(c))
         e = torch.where(live, torch.exp2(da), torch.zeros_like(da))
         run[r0:r1, 0] = m
         run[r0:r1, 1] = (s_t * e).sum(1)
@@ -352,33 +347,33 @@ def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c):
             h2, w, *args, n, v, hd, k, h2.stride(0), w.stride(0), dz.stride(0), nt, v_off, c, **flags)
 
 
-def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap, path):
-    meta.check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, softcap)
+def _forward_impl(hidden, weight, index, bias, opts, path):
+    meta.check_linear(hidden, weight, index, bias, opts)
     dt = acc_dtype(hidden.dtype)
-    lead = row_shape(hidden, shift)
+    lead = row_shape(hidden, opts.shift)
     logp = new_output(index.shape, dt, hidden.device)
     ent = new_output(lead, dt, hidden.device)
     stats = new_output(tuple(lead) + (2,), dt, hidden.device)
-    h2, idx2 = _rows(hidden, index, shift)
+    h2, idx2 = _rows(hidden, index, opts.shift)
     n, v = h2.shape[0], weight.shape[0]
     if n == 0:
         return logp, ent, stats
     if not path.triton and hidden.device.type == "cpu":
-        reference.check_index_range(idx2, v, ignore_index)
+        reference.check_index_range(idx2, v, opts.ignore_index)
     w, h2 = _gemm_operands(weight, h2, not path.triton)
-    t_eff = _effective_temperature(temperature, logit_scale, softcap)
+    t_eff = effective_temperature(opts)
     c = LOG2E / t_eff
     step = _chunk_cols(hidden.device, n, 4, min_cols=settings.lm_head_min_cols.get(hidden.device.type, 1))
     ids = idx2.reshape(n, -1).contiguous()
     run = torch.empty(n, 3, dtype=dt, device=hidden.device)
     u = torch.zeros(ids.shape, dtype=dt, device=hidden.device)
     m_own = torch.zeros(ids.shape, dtype=dt, device=hidden.device)
-    if _fused_gemm("forward", path, w, softcap) and h2.dtype == w.dtype:
+    if _fused_gemm("forward", path, w, opts) and h2.dtype == w.dtype:
         _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c)
     else:
         for v0 in range(0, v, step):
             v1 = min(v, v0 + step)
-            z = _logits_chunk(h2, w[v0:v1], bias[v0:v1] if bias is not None else None, logit_scale, softcap)
+            z = _logits_chunk(h2, w[v0:v1], bias[v0:v1] if bias is not None else None, opts)
             path.merge(z, ids, v0, v0 == 0, run, u, m_own, t_eff, c)
             del z
     m, s_run, t_run = run.unbind(1)
@@ -386,24 +381,23 @@ def _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift,
     stats.view(n, 2)[:, 0] = m
     stats.view(n, 2)[:, 1] = log2s
     ent.view(n).copy_((log2s - t_run / s_run) * LN2)
-    lp = (u + _shift_c(m_own, m[:, None], c, dt, not path.triton) - log2s[:, None]) * LN2
+    exact = not path.triton or exact_shift(c) or dt == torch.float64
+    lp = (u + lp_ops.shift_difference(m_own, m[:, None], c, exact) - log2s[:, None]) * LN2
     lp = torch.where((ids >= 0) & (ids < v), lp, torch.full_like(lp, float("nan")))
-    logp.view(ids.shape).copy_(torch.where(ids == ignore_index, torch.zeros_like(lp), lp))
+    logp.view(ids.shape).copy_(torch.where(ids == opts.ignore_index, torch.zeros_like(lp), lp))
     return logp, ent, stats
 
 
-def _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                   ignore_index, shift, logit_scale, softcap, hidden_grad, weight_grad, path):
-    meta.check_linear(hidden, weight, index, bias, temperature, shift, logit_scale, softcap)
-    dh, dw, db = _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                                  ignore_index, shift, logit_scale, softcap, path, hidden_grad=hidden_grad,
-                                  weight_grad=weight_grad)
-    return (_hidden_grad(dh, hidden, shift) if hidden_grad else hidden.new_empty(0)), dw, db
+def _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, opts, hidden_grad,
+                   weight_grad, path):
+    meta.check_linear(hidden, weight, index, bias, opts)
+    dh, dw, db = backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, opts, path,
+                                 hidden_grad=hidden_grad, weight_grad=weight_grad)
+    return (hidden_grad_from_rows(dh, hidden, opts.shift) if hidden_grad else hidden.new_empty(0)), dw, db
 
 
-def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                     ignore_index, shift, logit_scale, softcap, path, *, v_off=0, v_total=None,
-                     hidden_grad=True, weight_grad=True):
+def backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, opts, path, *, v_off=0,
+                    v_total=None, hidden_grad=True, weight_grad=True):
     """(d hidden rows [N, H] in fp32 (fp64 for fp64), d weight, d bias) from vocabulary chunks.
     The weight's rows may be ids v_off .. of a vocabulary of v_total (the vocabulary-parallel
     head, torch_fused/parallel.py: stats and entropy of the whole rows, index the global ids);
@@ -412,9 +406,10 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
     dw = (torch.empty_like(weight, memory_format=torch.contiguous_format) if weight_grad
           else weight.new_empty(0))
     db = torch.empty(bias.shape if bias is not None else (0,), dtype=hidden.dtype, device=hidden.device)
-    h2, idx2 = _rows(hidden, index, shift)
+    h2, idx2 = _rows(hidden, index, opts.shift)
     n, v = h2.shape[0], weight.shape[0]
     v_total = v if v_total is None else v_total
+    ignore_index, softcap = opts.ignore_index, opts.softcap
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     dh = torch.empty(n if hidden_grad else 0, h2.shape[1], dtype=acc, device=hidden.device)
     if n == 0 or v == 0 or (grad_logp is None and grad_entropy is None):
@@ -423,7 +418,7 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
         db.zero_()
         return dh, dw, db
     w, hm = _gemm_operands(weight, h2, not path.triton)
-    t_eff = _effective_temperature(temperature, logit_scale, softcap)
+    t_eff = effective_temperature(opts)
     st2 = stats.reshape(n, 2)
     ent2 = entropy.reshape(n)
     glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
@@ -438,7 +433,7 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
         idx2 = idx2.masked_fill(bad, ignore_index)
         bad_rows = bad.reshape(n, -1).any(1)
     dev = hidden.device
-    fused = _fused_gemm("backward", path, w, softcap) and hm.dtype == w.dtype
+    fused = _fused_gemm("backward", path, w, opts) and hm.dtype == w.dtype
     if fused:  # d logits straight from the GEMM tiles: one w.dtype chunk buffer
         ids = idx2.reshape(n, -1).contiguous()
         coef, g_ids = _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total)
@@ -454,7 +449,7 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
             dz = torch.empty(n, v1 - v0, dtype=w.dtype, device=dev)
             _dlogits_fused_gemm(hm, w[v0:v1], b_c, ids, g_ids, coef, dz, v_off + v0, c)
         else:
-            z = _logits_chunk(hm, w[v0:v1], b_c, logit_scale, softcap)
+            z = _logits_chunk(hm, w[v0:v1], b_c, opts)
             if in_place:
                 # row r's w.dtype values in the first bytes of row r's fp32 values (no second
                 # chunk-sized buffer)
@@ -465,7 +460,7 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
                 dz, _ = path.backward(glp, gh, z, idx2, st2, ent2, t_eff, ignore_index, v_off=v_off + v0,
                                       v_total=v_total, out_dtype=z.dtype if softcap is not None else w.dtype)
             if softcap is not None:  # d y = d z * s (1 - tanh^2), tanh = z / c, in fp32
-                dz = dz.mul_(z.div_(softcap).square_().neg_().add_(1.0)).mul_(logit_scale).to(w.dtype)
+                dz = dz.mul_(z.div_(softcap).square_().neg_().add_(1.0)).mul_(opts.logit_scale).to(w.dtype)
             del z
         if weight_grad:
             torch.mm(dz.t(), hm, out=dw[v0:v1]) if dw.dtype == dz.dtype else dw[v0:v1].copy_(dz.t() @ hm)
@@ -479,7 +474,7 @@ def _backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats
     return dh, dw, db
 
 
-def _hidden_grad(dh, hidden, shift):
+def hidden_grad_from_rows(dh, hidden, shift):
     """d hidden in hidden's shape and dtype from the rows' fp32 sum (zero last position with shift)."""
     dh_full = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     if dh.numel():
@@ -495,7 +490,7 @@ def _bwd_reference(glp, gh, z, idx, st, ent, t, ignore_index, **kw):
 
 
 def _bwd_triton(glp, gh, z, idx, st, ent, t, ignore_index, **kw):
-    return lp_ops._backward_triton(glp, gh, z, idx, st, ent, t, ignore_index, **kw)
+    return lp_ops.backward_triton(glp, gh, z, idx, st, ent, t, ignore_index, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -511,46 +506,50 @@ REFERENCE = Path(False, _merge_reference, _bwd_reference)
 TRITON = Path(True, _merge_triton, _bwd_triton)
 
 
-@torch.library.custom_op(_FWD, mutates_args=())
-def linear_forward(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, bias: torch.Tensor | None,
-                   temperature: float, ignore_index: int, shift: bool, logit_scale: float,
-                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap,
-                         REFERENCE)
+def path_for(t: torch.Tensor) -> Path:
+    """The implementation the op's dispatcher would pick for a tensor on t's device."""
+    return TRITON if t.device.type in TRITON_DEVICES else REFERENCE
 
 
-@torch.library.custom_op(_BWD, mutates_args=())
-def linear_backward(grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None, hidden: torch.Tensor,
-                    weight: torch.Tensor, index: torch.Tensor, bias: torch.Tensor | None, stats: torch.Tensor,
-                    entropy: torch.Tensor, temperature: float, ignore_index: int, shift: bool,
-                    logit_scale: float, softcap: float | None, hidden_grad: bool = True,
-                    weight_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                          ignore_index, shift, logit_scale, softcap, hidden_grad, weight_grad, REFERENCE)
+_TENSORS = "Tensor hidden, Tensor weight, Tensor index, Tensor? bias"
+
+
+@torch.library.custom_op(_FWD, mutates_args=(),
+                         schema=f"({_TENSORS}, {meta.HeadOptions.schema()}) -> (Tensor, Tensor, Tensor)")
+def linear_forward(hidden, weight, index, bias, *options):
+    return _forward_impl(hidden, weight, index, bias, meta.HeadOptions(*options), REFERENCE)
+
+
+@torch.library.custom_op(_BWD, mutates_args=(), schema=(
+    f"(Tensor? grad_logp, Tensor? grad_entropy, {_TENSORS}, Tensor stats, Tensor entropy, "
+    f"{meta.HeadOptions.schema()}, *, bool hidden_grad=True, bool weight_grad=True) -> (Tensor, Tensor, Tensor)"))
+def linear_backward_op(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, *options,
+                       hidden_grad=True, weight_grad=True):
+    return _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy,
+                          meta.HeadOptions(*options), hidden_grad, weight_grad, REFERENCE)
 
 
 linear_forward.register_fake(meta.linear_forward_fake)
-linear_backward.register_fake(meta.linear_backward_fake)
+linear_backward_op.register_fake(meta.linear_backward_fake)
 
 if TRITON_DEVICES:
     @linear_forward.register_kernel(TRITON_DEVICES)
-    def _linear_forward_triton(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap):
-        return _forward_impl(hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap,
-                             TRITON)
+    def _linear_forward_triton(hidden, weight, index, bias, *options):
+        return _forward_impl(hidden, weight, index, bias, meta.HeadOptions(*options), TRITON)
 
-    @linear_backward.register_kernel(TRITON_DEVICES)
-    def _linear_backward_triton(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                                ignore_index, shift, logit_scale, softcap, hidden_grad=True, weight_grad=True):
-        return _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, temperature,
-                              ignore_index, shift, logit_scale, softcap, hidden_grad, weight_grad, TRITON)
+    @linear_backward_op.register_kernel(TRITON_DEVICES)
+    def _linear_backward_triton(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, *options,
+                                hidden_grad=True, weight_grad=True):
+        return _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy,
+                              meta.HeadOptions(*options), hidden_grad, weight_grad, TRITON)
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap = inputs
+    hidden, weight, index, bias = inputs[:4]
     _, ent, stats = output
     ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)
-    ctx.args = (temperature, ignore_index, shift, logit_scale, softcap)
+    ctx.options = inputs[4:]
     # the entropy is an output the caller may modify in place: the backward keeps its own copy (O(rows))
     ctx.save_for_backward(hidden, weight, index, bias, stats, ent.detach().clone())
 
@@ -562,24 +561,21 @@ def _backward(ctx, g_logp, g_ent, _g_stats):
     if not (need_h or need_w or need_b):
         return (None, None, None, None) + rest
     dh, dw, db = torch.ops.fused._linear_logprobs_entropy_backward(
-        g_logp, g_ent, hidden, weight, index, bias, stats, ent, *ctx.args, bool(need_h), bool(need_w))
+        g_logp, g_ent, hidden, weight, index, bias, stats, ent, *ctx.options, hidden_grad=bool(need_h),
+        weight_grad=bool(need_w))
     return (dh if need_h else None, dw if need_w else None, None,
             db if (need_b and bias is not None) else None) + rest
 
 
 linear_forward.register_autograd(_backward, setup_context=_setup_context)
 
-LIB.define(
-    "linear_logprobs_and_entropy(Tensor hidden, Tensor weight, Tensor index, *, Tensor? bias=None, "
-    "float temperature=1.0, int ignore_index=-100, bool shift=False, float logit_scale=1.0, "
-    "float? softcap=None) -> (Tensor, Tensor)"
-)
+LIB.define(f"linear_logprobs_and_entropy(Tensor hidden, Tensor weight, Tensor index, *, Tensor? bias=None, "
+           f"{meta.HeadOptions.schema(defaults=True)}) -> (Tensor, Tensor)")
 
 
-def _linear_logprobs_and_entropy(hidden, weight, index, *, bias=None, temperature=1.0, ignore_index=-100,
-                                 shift=False, logit_scale=1.0, softcap=None):
+def _linear_logprobs_and_entropy(hidden, weight, index, *, bias=None, **options):
     logp, ent, _ = torch.ops.fused._linear_logprobs_entropy_forward(
-        hidden, weight, index, bias, temperature, ignore_index, shift, logit_scale, softcap)
+        hidden, weight, index, bias, *meta.HeadOptions(**options).values())
     return logp, ent
 
 

@@ -13,6 +13,8 @@ are composite, ``torch.compile`` sees straight through them to the two opaque co
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift,
@@ -118,9 +120,37 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
     return logp, ent, stats
 
 
-def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
-                     temperature_t=None, shift=False, *, v_off=0, v_total=None, out_dtype=None, out=None,
-                     exact=None):
+def shift_difference(a, b, c: float, exact: bool):
+    """(a - b) c in the units of sums that the kernels made relative to a shift m c (kernels/logprobs.py,
+    _shift_diff): exactly where the sums are relative to the exact m c (``exact``: the reference, the
+    interpreter, float64, a large scale c: _library.exact_shift), else as the GPU kernels form it,
+    round(a c) - round(b c) in fp32 (c rounded to fp32 as the kernels take it). The rounded form is
+    the custom op ``fused::_merge_shift``, so that a compiler (inductor, where the caller is traced)
+    sees no product to fuse into the subtraction as an fma, which would use the exact a c (off by up
+    to half an ulp of it, 5e-4 at |a c| ~ 1.4e4). Casts are no such barrier: inductor's Triton code
+    for an fp64 product cast back to fp32 still came out fused on CUDA."""
+    if exact:
+        return (a - b) * c
+    return torch.ops.fused._merge_shift(a, b, c)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::_merge_shift", mutates_args=())
+def _merge_shift(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
+    """round(a c) - round(b c) in fp32 (float32 a and b, broadcast; c rounded to fp32), each
+    product rounded before the subtraction."""
+    c32 = struct.unpack("f", struct.pack("f", c))[0]
+    return torch.sub(torch.mul(a, c32), torch.mul(b, c32))
+
+
+@_merge_shift.register_fake
+def _(a, b, c):
+    return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=torch.promote_types(a.dtype, b.dtype),
+                       device=a.device)
+
+
+def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
+                    temperature_t=None, shift=False, *, v_off=0, v_total=None, out_dtype=None, out=None,
+                    exact=None):
     """The backward op's Triton implementation. Keyword-only extras for the fused lm_head
     (ops/linear_logprobs.py): the logits may be columns v_off .. v_off + V - 1 of a vocabulary
     of v_total (stats and entropy of the whole rows), and d logits may be of another dtype, or
@@ -188,7 +218,7 @@ def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, tem
 
 if TRITON_DEVICES:
     logprobs_entropy_forward.register_kernel(TRITON_DEVICES)(_forward_triton)
-    logprobs_entropy_backward.register_kernel(TRITON_DEVICES)(_backward_triton)
+    logprobs_entropy_backward.register_kernel(TRITON_DEVICES)(backward_triton)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,7 +288,7 @@ logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_conte
 # ---------------------------------------------------------------------------------------------
 def _impls(device: torch.device):
     if device.type in TRITON_DEVICES:
-        return _forward_triton, _backward_triton
+        return _forward_triton, backward_triton
     return _forward_default, _backward_default
 
 
