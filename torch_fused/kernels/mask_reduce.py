@@ -14,7 +14,7 @@ compile-time constants) and becomes the fast axis of the tile, so both the MoE c
 (reduce a small middle dim, contiguous hidden size) and token losses (reduce the contiguous
 last dim) read coalesced memory with the same code.
 
-What carries the bandwidth (measured on an H200):
+What carries the bandwidth:
 - Register layout. The fast-axis offsets are marked contiguous in runs of VEC = 16 bytes of x
   only, so x and a narrower mask get the same layout (one 16-byte x vector and one VEC-byte mask
   vector per thread and row). Left alone, the compiler may give a bool mask 16 elements per
@@ -203,27 +203,28 @@ def _mask_reduce_forward_kernel(
     tl.store(p_y + outer * I + o_y, y.to(p_y.dtype.element_ty), mask=o_y < I)
 
 
-# The shipped tile choices. The figures are fractions of the memory floor, from device-timed tile
-# sweeps of the three bench cases (bf16 x, bool mask; torch_fused/bench/mask_reduce.py) on an H200.
+# The shipped tile choices, each the best of the device-timed tile sweep of the bench cases (bf16 x,
+# bool mask): python -m torch_fused.bench --sweep --only mask_reduce (it prints the fraction of the
+# memory floor per choice; figures in docs/BENCHMARKS.md).
 TILES = {
-    # many outputs ([T, k, H] -> [T, H]): one row run per tile; 1 / 2 / 4 KB rows measured 0.948 / 0.927 / 0.892
+    # many outputs ([T, k, H] -> [T, H]): bytes of one row run per tile (wider runs leave fewer programs)
     "row_bytes": 1024,
     # many outputs: rows per thread and trip; few registers, so many small programs stay resident
     "row_u": 4,
     # strips narrow until there are this many programs per SM (few outputs, long reduce dim)
     "programs_per_sm": 8,
-    # strips: narrowest row; on (8, 4096, 4096) 128 B rows beat 256 B (0.953) and 512 B (0.874)
+    # strips: narrowest row (one 128-byte line per row of threads)
     "strip_min_bytes": 128,
-    # strips: rows per thread and trip; 0.957-0.961 of the floor against 0.932 with 4
+    # strips: rows per thread and trip (the bytes in flight per thread)
     "strip_u": 8,
-    # strips: warps, 32 rows of threads with 128 B rows; 16 rows measured 0.796, 64 rows 0.817-0.857
+    # strips: warps (32 rows of threads with 128-byte rows)
     "strip_warps": 8,
     # contiguous reduce dim ([B, L] -> [B]): the widest tile, one 8-warp row of 16-byte vectors
     "contig_warps": 8,
 }
-# Software pipelining (PIPELINE) is on for the contiguous-r tiles only: in the strips it measured
-# 0.905 of the floor against 0.957 without, every value carried across the loop's back edge
-# being unpacked per element.
+# Software pipelining (PIPELINE) is on for the contiguous-r tiles only: in the strips every value
+# carried across the loop's back edge is unpacked per element, which costs more registers than the
+# early loads gain.
 
 
 def _np2(n: int) -> int:

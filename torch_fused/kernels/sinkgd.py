@@ -112,7 +112,7 @@ MAX_FUSED_N = 16384  # widest row a _sinkgd_rows_kernel program holds in registe
 ROW_TILE = (8, 1024, 4)  # two-pass path, row sums: BM, BN, warps
 COL_TILE = (128, 64, 4)  # two-pass path, column sums
 UPD_TILE = (32, 256, 4)  # [BM, BN] tiles of the update: BN 256 divides the common widths (768, 3072)
-SCALE_BLOCK = 32  # _sinkgd_scale_kernel: entries per program (64 measured slower on the sinkgd suite)
+SCALE_BLOCK = 32  # _sinkgd_scale_kernel: entries per program (the faster of 32 and 64 on the sinkgd suite)
 SCALE_PARTS = 64  # and partials per trip
 # _sinkgd_rows_kernel tiles (rows_config), chosen by a tile sweep on an H200: elements per
 # thread and row, the most warps a program gets, rows per program, rows per trip. A plan
@@ -238,8 +238,8 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
     worst = 0.0  # the largest row sum of squares: past SSQ_SCALED, the rows are redone scaled
     # software pipelined: with PIPE (rows_pipe) by Triton, PIPE - 1 trips' loads staged through
     # shared memory ahead of this one; else the next trip's rows are loaded into registers
-    # during this trip's reduction (two or three trips ahead in registers, and c re-read every
-    # trip instead of held, measured slower). The trip
+    # during this trip's reduction (deeper register prefetch, or c re-read every trip instead of
+    # held, were slower on the sinkgd suite). The trip
     # is issue-bound as much as memory-bound, so per element it does only a convert, y = g c,
     # q = y^2, a sum and one fma: r stays out of the elementwise work, since
     # |r g c| = r |g c| for the row norm and (r_new g c)^2 = r_new^2 q for the column terms.
