@@ -67,6 +67,9 @@ class Config:
     clip_eps: float = 0.2
     entropy_coef: float = 1e-3
     lr: float = 1e-6
+    kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as heads
+    checkpoint: bool = False  # activation checkpointing per block (each block's forward rerun in the backward)
+    stochastic_round: bool = False  # SinkGD's bf16 parameter updates rounded stochastically (torch_fused path)
 
     def check(self) -> None:
         for name in ("vocab", "layers", "hidden", "heads", "intermediate", "seq", "batch"):
@@ -77,6 +80,9 @@ class Config:
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:
             raise ValueError(f"hidden: expected a multiple of heads ({self.heads}) with an even head size, "
                              f"got {self.hidden}")
+        if self.kv_heads < 0 or self.heads % (self.kv_heads or self.heads):
+            raise ValueError(f"kv_heads: expected 0 (as many as heads) or a divisor of heads ({self.heads}), "
+                             f"got {self.kv_heads}")
         if not 0 <= self.prompt < self.seq:
             raise ValueError(f"prompt: expected 0 <= prompt < seq ({self.seq}), got {self.prompt}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -87,6 +93,12 @@ FULL = Config()
 QUICK = Config(layers=2, seq=2048, batch=4)
 TINY = Config(vocab=512, layers=2, hidden=64, heads=4, intermediate=128, seq=33, prompt=8, batch=2,
               dtype="float32")
+# Llama-3-8B's shape (32 layers, hidden 4096, 32 query and 8 key/value heads, MLP 14336, vocab
+# 128256, rope theta 5e5), bf16 parameters, full-parameter training with activation checkpointing
+# per block; SinkGD with stochastic rounding on the torch_fused path (python -m torch_fused.bench step_8b)
+LLAMA3_8B = Config(vocab=128256, layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, seq=4096,
+                   prompt=256, batch=1, rope_theta=5e5, checkpoint=True, stochastic_round=True)
+PRESETS = {"default": FULL, "quick": QUICK, "tiny": TINY, "llama3-8b": LLAMA3_8B}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,8 +133,9 @@ class Block(nn.Module):
     def __init__(self, cfg: Config, **kw):
         super().__init__()
         self.heads, self.head_dim = cfg.heads, cfg.hidden // cfg.heads
+        self.kv_heads = cfg.kv_heads or cfg.heads
         self.attn_norm = RMSNorm(cfg.hidden, **kw)
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False, **kw)
+        self.qkv = nn.Linear(cfg.hidden, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=False, **kw)
         self.o = nn.Linear(cfg.hidden, cfg.hidden, bias=False, **kw)
         self.mlp_norm = RMSNorm(cfg.hidden, **kw)
         self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.intermediate, bias=False, **kw)
@@ -130,9 +143,12 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin):
         b, s, d = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, self.head_dim).unbind(2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, head_dim]
+        qkv = self.qkv(self.attn_norm(x)).view(b, s, self.heads + 2 * self.kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], 2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads (kv_heads), S, head_dim]
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.kv_heads != self.heads:  # grouped-query attention: each key/value head serves heads / kv_heads queries
+            k, v = (t.repeat_interleave(self.heads // self.kv_heads, 1) for t in (k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, -1)
@@ -172,6 +188,17 @@ class Model(nn.Module):
 
 def _block_call(blk, x, cos, sin):
     return blk(x, cos, sin)
+
+
+def checkpointed(block_fn):
+    """block_fn with activation checkpointing: only the block's input is kept for the backward,
+    which reruns its forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    def call(blk, x, cos, sin):
+        return checkpoint(block_fn, blk, x, cos, sin, use_reentrant=False)
+
+    return call
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,9 +270,9 @@ def trl_head():
     return head_trl, trl.__version__, chunk
 
 
-def make_optimizer(path, model, lr):
+def make_optimizer(path, model, lr, stochastic_round=False):
     if path == "torch_fused":
-        return SinkGD(sinkgd_param_groups(model, lr=lr), lr=lr)
+        return SinkGD(sinkgd_param_groups(model, lr=lr), lr=lr, stochastic_round=stochastic_round)
     return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
 
 
@@ -267,12 +294,14 @@ class Stepper:
 
     def __init__(self, path, mode, model, cfg, head, compile_state):
         self.path, self.mode, self.model, self.cfg = path, mode, model, cfg
-        self.opt = make_optimizer(path, model, cfg.lr)
+        self.opt = make_optimizer(path, model, cfg.lr, cfg.stochastic_round)
         self.head, self.raw_head, self.block_fn = head, head, None
         self.note = ""
         if mode == "compiled":
             self.block_fn = compile_state["block"]
             self.head = torch.compile(head, fullgraph=True, dynamic=False)
+        if cfg.checkpoint:
+            self.block_fn = checkpointed(self.block_fn or _block_call)
 
     def step(self, batch):
         ids, adv, mask = batch
@@ -573,10 +602,15 @@ def bars(res, modes) -> dict:
 def run(report, copy_gbps, quick=False, device="cuda"):
     """The suite, as python -m torch_fused.bench step runs it. --quick: 2 layers, S = 2048, eager
     only, the largest batch by doubling only; the full suite: the published configuration."""
-    from .common import Row
-
     cfg = Config(**asdict(QUICK if quick else FULL))
     kw = dict(modes=("eager",), reps=3, bisect=False, max_batch_cap=128, budget_s=90) if quick else dict(budget_s=300)
+    run_config(report, cfg, quick, device, **kw)
+
+
+def run_config(report, cfg: Config, quick, device, **kw):
+    """measure(cfg, device, **kw) into report: its extra["step"] and one row per timed step."""
+    from .common import Row
+
     res = measure(cfg, device, **kw, log=lambda s: print(s, flush=True))
     res["quick"] = quick
     report.extra["step"] = res
@@ -603,31 +637,37 @@ def markdown(report) -> str:
         f"Device: {report.device}; torch {report.torch}; triton {report.triton}"
         + (f"; trl {res['versions']['trl']}" if "trl" in res["versions"] else ""),
         "",
-        f"One GRPO training step: {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} heads, "
-        f"MLP {cfg['intermediate']}, vocab {cfg['vocab']} (untied head), {cfg['dtype']} parameters, "
-        f"{res['params'] / 1e6:.1f}M parameters; sequences of {cfg['seq']} tokens, the first {cfg['prompt']} "
-        f"outside the completion mask." + (" Quick run (--quick): not the published configuration." if res.get("quick") else ""),
+        f"One GRPO training step: {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} heads"
+        + (f" ({cfg['kv_heads']} key/value heads)" if cfg.get("kv_heads") else "")
+        + f", MLP {cfg['intermediate']}, vocab {cfg['vocab']} (untied head), {cfg['dtype']} parameters, "
+        f"{res['params'] / 1e6:.1f}M parameters ({res['param_mib']:.0f} MiB); sequences of {cfg['seq']} tokens, "
+        f"the first {cfg['prompt']} outside the completion mask."
+        + (" Activation checkpointing per block." if cfg.get("checkpoint") else "")
+        + (" SinkGD with stochastic rounding of the bf16 parameters." if cfg.get("stochastic_round") else "")
+        + (" Quick run (--quick): not the published configuration." if res.get("quick") else ""),
         "",
         f"At micro-batch {cfg['batch']} ({cfg['batch'] * cfg['seq']} tokens); peak = max_memory_allocated over one "
-        "step; held = parameters + optimizer state between steps. Compiled: every block and the head + loss "
+        "step; held = parameters + optimizer state between steps (state = held - parameters). Compiled: every "
+        "block and the head + loss "
         "under torch.compile(fullgraph=True); first step = compilation + first run. tokens/s counts every "
         f"token of the micro-batch. The trl path scores only the {cfg['seq'] - max(cfg['prompt'] - 1, 0) - 1} "
         f"completion positions of each sequence's {cfg['seq'] - 1} (as TRL's trainers do on a Triton device), "
         "the others all of them.",
         "",
-        "| path | mode | step ms | tokens/s | peak MiB | held MiB | first step s | note |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "| path | mode | step ms | tokens/s | peak MiB | held MiB | state MiB | first step s | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for key, r in res["equal_batch"].items():
         path, mode = key.split()
         pk = "" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
         hd = "" if r["held_mib"] is None else f"{r['held_mib']:.0f}"
-        lines.append(f"| {path} | {mode} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {pk} | {hd} | "
+        stt = "" if r["held_mib"] is None else f"{r['held_mib'] - res['param_mib']:.0f}"
+        lines.append(f"| {path} | {mode} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {pk} | {hd} | {stt} | "
                      f"{r['first_step_s']:.1f} | {r['note']} |")
     for key, err in res["errors"].items():
-        lines.append(f"| {key} | | | | | | | failed: {err} |")
+        lines.append(f"| {key} | | | | | | | | failed: {err} |")
     for path, why in res["skipped"].items():
-        lines.append(f"| {path} | | | | | | | skipped: {why} |")
+        lines.append(f"| {path} | | | | | | | | skipped: {why} |")
     if res["largest_batch"]:
         lines += ["", "Largest micro-batch that fits (eager only: compiling every candidate batch would take too "
                   "long), found by doubling" + ("" if res.get("quick") else " then bisection to 1/8 of it")
@@ -690,7 +730,16 @@ def main(argv=None) -> None:
                                  description="The GRPO training-step suite on any device; --tiny: a tiny model "
                                              "(a check of the code paths, e.g. on CPU).")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tiny", action="store_true", help="a tiny float32 model (vocab 512, 2 layers, hidden 64)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny float32 model (vocab 512, 2 layers, hidden 64); "
+                                                        "the same as --preset tiny")
+    ap.add_argument("--preset", default=None, choices=tuple(PRESETS),
+                    help="the model and run settings: default (the step suite's), quick, tiny, llama3-8b (the "
+                         "step_8b suite's: 32 layers, hidden 4096, vocab 128256, checkpointing, SinkGD with "
+                         "stochastic rounding)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (grouped-query attention)")
+    ap.add_argument("--checkpoint", default=None, choices=("0", "1"), help="activation checkpointing per block")
+    ap.add_argument("--stochastic-round", default=None, choices=("0", "1"),
+                    help="SinkGD's stochastic rounding of bf16 parameters (torch_fused path)")
     ap.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, compiled")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated from {','.join(PATHS)}")
     ap.add_argument("--no-max-batch", action="store_true", help="skip the largest-micro-batch search")
@@ -702,10 +751,15 @@ def main(argv=None) -> None:
     for f in ("layers", "hidden", "heads", "intermediate", "seq", "batch", "vocab"):
         ap.add_argument(f"--{f}", type=int, default=None)
     args = ap.parse_args(argv)
-    cfg = Config(**asdict(TINY if args.tiny else FULL))
-    for f in ("layers", "hidden", "heads", "intermediate", "seq", "batch", "vocab"):
+    if args.tiny and args.preset not in (None, "tiny"):
+        raise SystemExit(f"--tiny: the tiny preset; it contradicts --preset {args.preset}")
+    cfg = Config(**asdict(PRESETS[args.preset or ("tiny" if args.tiny else "default")]))
+    for f in ("layers", "hidden", "heads", "intermediate", "seq", "batch", "vocab", "kv_heads"):
         if getattr(args, f) is not None:
             setattr(cfg, f, getattr(args, f))
+    for f in ("checkpoint", "stochastic_round"):
+        if getattr(args, f) is not None:
+            setattr(cfg, f, getattr(args, f) == "1")
     if args.dtype is not None:
         cfg.dtype = args.dtype
     cfg.prompt = min(cfg.prompt, cfg.seq // 4)
