@@ -25,7 +25,7 @@ from ..._library import NAMESPACE, TRITON_DEVICES, acc_dtype
 from ... import reference
 from ...meta import sinkgd as meta
 from .cache import SinkGDCache
-from .graphs import _run_group, _triton_group
+from .graphs import _group_replay_or_launch, _group_step
 from .launch import launch_sharded
 from .plan import _Plan, _as3d, _call_key, _coefs, _spectral_target
 
@@ -38,9 +38,9 @@ __all__ = ["SinkGDCache", "launch_sharded", "sinkgd_step", "sinkgd_step_eager", 
 # factors: a plan found under a key is valid for any tensors with that key.
 _OP_CACHE = SinkGDCache(max_plans=16, cuda_graphs=False)
 
-def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
-          spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, use_triton,
-          cache=None):
+def _step_impl(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
+               spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, use_triton,
+               cache=None):
     store = (cache if cache is not None else _OP_CACHE) if use_triton else None
     call_key = None
     if store is not None:
@@ -54,9 +54,9 @@ def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhor
             for pdt, idx, plan in known:
                 ps = [params[i] for i in idx]
                 vs = [spectral_vecs[i] for i in idx] if spectral_norm else []
-                _run_group(plan, ps, [grads[i] for i in idx], vs, vs, lr, weight_decay, eps, sinkhorn_iters,
-                           spectral_norm, spectral_target, spectral_iters,
-                           bool(stochastic_round) and pdt == torch.bfloat16, seed, store)
+                _group_replay_or_launch(plan, ps, [grads[i] for i in idx], vs, vs, lr, weight_decay, eps,
+                                        sinkhorn_iters, spectral_norm, spectral_target, spectral_iters,
+                                        bool(stochastic_round) and pdt == torch.bfloat16, seed, store)
             return
     meta.check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
                       spectral_iters, eps, seed)
@@ -84,10 +84,10 @@ def _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhor
         reference.sinkgd_update_(w3, g3, r, c, coef_x, coef_w)
     known = []
     for (_, pdt, _), idx in groups.items():
-        plan = _triton_group([params[i] for i in idx], [grads[i] for i in idx],
-                             [spectral_vecs[i] for i in idx] if spectral_norm else [], lr, lr_scale, weight_decay,
-                             eps, sinkhorn_iters, spectral_norm, spectral_target, spectral_iters, base_width,
-                             width_exponent, bool(stochastic_round) and pdt == torch.bfloat16, seed, store)
+        plan = _group_step([params[i] for i in idx], [grads[i] for i in idx],
+                           [spectral_vecs[i] for i in idx] if spectral_norm else [], lr, lr_scale, weight_decay,
+                           eps, sinkhorn_iters, spectral_norm, spectral_target, spectral_iters, base_width,
+                           width_exponent, bool(stochastic_round) and pdt == torch.bfloat16, seed, store)
         known.append((pdt, idx, plan))
     if (call_key is not None and not reference_path and call_key[0]
             and all(k[-1] and k[-2] for k in call_key[0]) and all(k[-1] for k in call_key[1])
@@ -120,8 +120,8 @@ def sinkgd_step(
     """The positional schema of one SinkGD step; ``torch_fused.optim.sinkgd_step`` is the keyword
     entry point and documents every argument (``seed`` is its ``step``). This body is the CPU
     (reference) implementation."""
-    _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
-          spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, False)
+    _step_impl(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
+               spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, False)
 
 
 def sinkgd_step_eager(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters,
@@ -136,9 +136,9 @@ def sinkgd_step_eager(params, grads, spectral_vecs, lr, lr_scale, weight_decay, 
     one, plans come from the op's own cache (plans only). Under torch.compile the optimizer
     calls the op."""
     use_triton = bool(params) and params[0].device.type in TRITON_DEVICES
-    _step(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
-          spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, use_triton,
-          cache)
+    _step_impl(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, sinkhorn_iters, spectral_norm,
+               spectral_target, spectral_iters, base_width, width_exponent, stochastic_round, seed, use_triton,
+               cache)
 
 
 sinkgd_step.register_fake(meta.sinkgd_step_fake)

@@ -12,7 +12,7 @@ from .plan import _Plan, _plan_key
 class SinkGDCache:
     """What repeated SinkGD steps over the same tensors reuse: the plans of the matrix groups
     seen (the ``max_plans`` most recently used) and, with ``cuda_graphs``, each plan's CUDA
-    graphs (see _triton_group). ``torch_fused.optim.SinkGD`` owns one; ``sinkgd_step_eager``
+    graphs (see _group_step). ``torch_fused.optim.SinkGD`` owns one; ``sinkgd_step_eager``
     and ``torch_fused.optim.sinkgd_step`` take one as ``cache``. Dropping the cache (or
     ``clear()``) frees the graphs and the memory they hold. A plan built while a CUDA graph is
     being captured is used for that call only, never kept (its tensors live in the capture's
@@ -26,7 +26,7 @@ class SinkGDCache:
         # tables at every replay, so they are never evicted (clear() drops them)
         self.captured: dict = {}
         # calls already checked and grouped: _call_key -> [(param dtype, indices, plan)] (see
-        # _step); dropped whenever a plan is evicted, so every plan here is one of self.plans
+        # _step_impl); dropped whenever a plan is evicted, so every plan here is one of self.plans
         self.calls: dict = {}
 
     def plan(self, ps, gs, lr_scale, base_width, width_exponent, vecs=(), shard=None) -> _Plan:

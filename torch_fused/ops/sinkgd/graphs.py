@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...settings import current as settings
-from .launch import _launch_group
+from .launch import _group_launches
 
 
 # Replay a step's launches from a CUDA graph once the same plan and scalars come back
@@ -18,8 +18,8 @@ _MAX_GRAPHS = 4  # graphs per plan (per distinct scalars and lr / seed tensors)
 _MAX_SEEN = 64  # keys counted per plan before the counts start over
 
 
-def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral_norm, spectral_target,
-                  spectral_iters, base_width, width_exponent, stochastic, seed, cache=None):
+def _group_step(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral_norm, spectral_target,
+                spectral_iters, base_width, width_exponent, stochastic, seed, cache=None):
     """One SinkGD step for matrices sharing a (param dtype, grad dtype) pair: per iteration one
     row pass per row-width bucket and one column scale launch (plus three launches for rows
     wider than MAX_FUSED_N), then, with the spectral step, per power iteration one power pass
@@ -39,21 +39,21 @@ def _triton_group(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral
     gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
     held = [v if v.is_contiguous() else v.contiguous() for v in vecs]
     plan = cache.plan(ps, gs, lr_scale, base_width, width_exponent, held)
-    _run_group(plan, ps, gs, vecs, held, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
-               spectral_iters, stochastic, seed, cache)
+    _group_replay_or_launch(plan, ps, gs, vecs, held, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
+                            spectral_iters, stochastic, seed, cache)
     return plan
 
 
-def _run_group(plan, ps, gs, vecs, held, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
-               spectral_iters, stochastic, seed, cache):
-    """_triton_group's launches (or graph replay) with its plan found; ``held``: the spectral
+def _group_replay_or_launch(plan, ps, gs, vecs, held, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
+                            spectral_iters, stochastic, seed, cache):
+    """_group_step's launches (or graph replay) with its plan found; ``held``: the spectral
     vectors as the kernels update them (contiguous), ``vecs`` the caller's."""
     args = (ps, gs, held, lr, weight_decay, eps, iters, spectral_norm, spectral_target, spectral_iters,
             stochastic, seed)
     dev = ps[0].device
     if not (cache is not None and cache.cuda_graphs and settings.sinkgd_graphs and dev.type == "cuda"
             and all(h is v for h, v in zip(held, vecs)) and not torch.cuda.is_current_stream_capturing()):
-        _launch_group(plan, *args)
+        _group_launches(plan, *args)
         for h, v in zip(held, vecs):
             if h is not v:  # a non-contiguous vector was updated in a contiguous copy
                 v.copy_(h)
@@ -66,12 +66,12 @@ def _run_group(plan, ps, gs, vecs, held, lr, weight_decay, eps, iters, spectral_
             plan.graph_seen.clear()
         seen = plan.graph_seen[key] = plan.graph_seen.get(key, 0) + 1
         if seen < GRAPH_AFTER or len(plan.graphs) >= _MAX_GRAPHS:
-            _launch_group(plan, *args)  # also compiles the kernels before any capture
+            _group_launches(plan, *args)  # also compiles the kernels before any capture
             return
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(dev):
             with torch.cuda.graph(graph):
-                _launch_group(plan, *args)
+                _group_launches(plan, *args)
         plan.graphs[key] = graph
     with torch.cuda.device(dev):
         graph.replay()

@@ -158,8 +158,8 @@ def _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, 
                                          num_warps=uw)
 
 
-def _run_step(work, eps, iters, spectral_norm, spectral_target, spectral_iters, lr_d, seed_d, weight_decay,
-              reduce=None, sums=None):
+def _run_stages(work, eps, iters, spectral_norm, spectral_target, spectral_iters, lr_d, seed_d, weight_decay,
+                reduce=None, sums=None):
     """The stages of one step over ``work`` [(plan, buffers, grad dtype carrier, param dtype
     carrier, stochastic)]: per Sinkhorn iteration the row passes, then the column scales; per
     power iteration the power passes, then w, v and the spectral scale; then the updates. With
@@ -192,15 +192,15 @@ def _run_step(work, eps, iters, spectral_norm, spectral_target, spectral_iters, 
         _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, spectral_norm)
 
 
-def _launch_group(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
-                  spectral_iters, stochastic, seed):
-    """The launches of one step of a matrix group (see _triton_group). Every buffer is made
+def _group_launches(plan, ps, gs, vecs, lr, weight_decay, eps, iters, spectral_norm, spectral_target,
+                    spectral_iters, stochastic, seed):
+    """The launches of one step of a matrix group (see _group_step). Every buffer is made
     here, per call: under a capture they belong to the graph's pool and nothing keeps them."""
     dev = ps[0].device
     # gs[0], ps[0]: dtype carriers (the addresses come from the tables)
     work = [(plan, _Buffers(plan, iters, spectral_norm, dev), gs[0], ps[0], stochastic)]
-    _run_step(work, eps, iters, spectral_norm, spectral_target, spectral_iters, lr.to(dev, torch.float32),
-              seed.to(dev), weight_decay)
+    _run_stages(work, eps, iters, spectral_norm, spectral_target, spectral_iters, lr.to(dev, torch.float32),
+                seed.to(dev), weight_decay)
 
 
 def launch_sharded(groups, sums_len, reduce, *, lr, lr_scale, weight_decay, eps, iters, spectral_norm,
@@ -220,7 +220,7 @@ def launch_sharded(groups, sums_len, reduce, *, lr, lr_scale, weight_decay, eps,
         plan = cache.plan(ps, gs, lr_scale, base_width, width_exponent, vecs, shard)
         work.append((plan, _Buffers(plan, iters, spectral_norm, dev), gs[0], ps[0], stochastic))
     sums = torch.zeros(max(sums_len, 1), dtype=torch.float32, device=dev)
-    _run_step(work, eps, iters, spectral_norm, spectral_target, spectral_iters, lr.to(dev, torch.float32),
-              seed.to(dev), weight_decay, reduce, sums)
+    _run_stages(work, eps, iters, spectral_norm, spectral_target, spectral_iters, lr.to(dev, torch.float32),
+                seed.to(dev), weight_decay, reduce, sums)
 
 

@@ -70,7 +70,7 @@ class _Plan:
         rows, shapes, buckets, wide, upd, salts = [], [], {}, [], {}, {}
         r_off = c_off = pr_off = pc_off = coef_off = u_off = wq_off = 0
         factors_b, self.spans = [], []
-        self.graphs: dict = {}  # CUDA graphs of this plan's launches, per scalars (_triton_group)
+        self.graphs: dict = {}  # CUDA graphs of this plan's launches, per scalars (_group_step)
         self.graph_seen: dict = {}
         vec = 16 // min(ps[0].element_size(), gs[0].element_size())
         v_ptrs = [v.data_ptr() for v in vecs] if vecs else [0] * len(ps)
@@ -181,7 +181,7 @@ def _plan_key(ps, gs, lr_scale, base_width, width_exponent, vecs=(), shard=None)
 
 
 def _call_key(params, grads, vecs, lr_scale, base_width, width_exponent):
-    """What makes two calls of _step the same for its checks, grouping and plans: every
+    """What makes two calls of _step_impl the same for its checks, grouping and plans: every
     tensor's address, shape, dtype, device and contiguity, the lr-shape settings and the tile
     constants. None where a tensor has no storage (a sparse one: the full checks name it)."""
     try:
