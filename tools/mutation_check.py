@@ -347,6 +347,21 @@ MUTANTS: list[Mutant] = [
           "        b_g = tl.load(p_glp + row * glp_sr + o_k, mask=m_k, other=0.0).to(tl.float32)  # MUTANT")],
         LOGPROBS_TESTS,
     ),
+    # 17. the fused head's options lose one on their way (meta.linear_logprobs.HeadOptions to the
+    #     implementation): logit_scale not folded into the temperature, and the vocabulary-parallel head
+    #     dropping the softcap
+    Mutant(
+        "lm-head-logit-scale-dropped-ref", "17 fused head option dropped", "torch_fused/ops/linear_logprobs.py", CPU,
+        [("    return kernel_temperature(t if opts.softcap is not None else t / opts.logit_scale)",
+          "    return kernel_temperature(t)  # MUTANT")],
+        LM_HEAD_TESTS,
+    ),
+    Mutant(
+        "vocab-parallel-softcap-dropped-ref", "17 fused head option dropped", "torch_fused/parallel.py", CPU,
+        [("    opts = HeadOptions(**options)\n",
+          "    opts = HeadOptions(**{k: v for k, v in options.items() if k != 'softcap'})  # MUTANT\n")],
+        ["tests/test_vocab_parallel.py"],
+    ),
 ]
 
 
