@@ -38,15 +38,14 @@ The pieces that touch no process group (``logits_partials``, ``merge_partials``,
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import reference
-from ._library import LN2, LOG2E, TRITON_DEVICES, acc_dtype, check, exact_shift, kernel_temperature
+from ._library import LN2, LOG2E, TRITON_DEVICES, acc_dtype, check, kernel_temperature
 from .meta import linear_logprobs as meta_ll
 from .meta.linear_logprobs import HeadOptions
 from .meta import logprobs as meta_lp
@@ -209,10 +208,9 @@ def _checks_index(t: torch.Tensor) -> bool:
 
 
 def _exact_shift(t: torch.Tensor, dt: torch.dtype, c: float) -> bool:
-    """Whether the local statistics are relative to the exact shift m c (interpreter, float64,
-    the plain-PyTorch reference, a large scale c: _library.exact_shift) or to the rounded product
-    round(m c) (the GPU kernels)."""
-    return exact_shift(c) or dt == torch.float64 or not _triton_path(t)
+    """Whether the local statistics of t's device are relative to the exact shift m c
+    (ops.logprobs.shift_is_exact)."""
+    return lp_ops.shift_is_exact(_triton_path(t), dt, c)
 
 
 def local_index(index2: torch.Tensor, v_off: int, v_local: int) -> torch.Tensor:
@@ -321,7 +319,7 @@ def linear_partials(hidden, weight, index, bias, opts: HeadOptions, v_off: int):
         return _empty_parts(n, idx2.shape[1], True, dt, hidden.device)
     loc = local_index(idx2, v_off, weight.shape[0]).reshape(index.shape)
     lp, ent, stats = torch.ops.fused._linear_logprobs_entropy_forward(
-        hidden, weight, loc, bias, *dataclasses.replace(opts, ignore_index=-1).values())
+        hidden, weight, loc, bias, *replace(opts, ignore_index=-1).values())
     return _parts_from(stats.reshape(n, 2), ent, lp.reshape(n, idx2.shape[1]), dt, n)
 
 
@@ -451,7 +449,7 @@ def linear_logprobs_and_entropy(hidden, weight, index, *, bias=None, mesh_dim=No
             raise ValueError(f"bias: expected a DTensor placed as the weight, {_fmt(weight.placements)} on its mesh, "
                              f"got {got}")
     opts = HeadOptions(**options)
-    opts = dataclasses.replace(opts, temperature=_float_temperature(opts.temperature))
+    opts = replace(opts, temperature=_float_temperature(opts.temperature))
     h = _replicated_local(hidden, "hidden", layout, "weight")
     idx = _replicated_local(index, "index", layout, "weight")
     meta_ll.check_linear(h, weight, idx, bias, opts)  # global weight / bias shapes

@@ -292,7 +292,7 @@ def _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c):
         live = s_t > 0
         m = torch.where(live, m_t, float("-inf")).amax(1)
         m = torch.where(live.any(1), m, torch.zeros_like(m))  # the placeholder 0 of an all -inf row
-        da = lp_ops.shift_difference(m_t, m[:, None], c, exact_shift(c))
+        da = lp_ops.shift_difference(m_t, m[:, None], c, lp_ops.shift_is_exact(True, m_t.dtype, c))
         e = torch.where(live, torch.exp2(da), torch.zeros_like(da))
         run[r0:r1, 0] = m
         run[r0:r1, 1] = (s_t * e).sum(1)
@@ -381,7 +381,7 @@ def _forward_impl(hidden, weight, index, bias, opts, path):
     stats.view(n, 2)[:, 0] = m
     stats.view(n, 2)[:, 1] = log2s
     ent.view(n).copy_((log2s - t_run / s_run) * LN2)
-    exact = not path.triton or exact_shift(c) or dt == torch.float64
+    exact = lp_ops.shift_is_exact(path.triton, dt, c)
     lp = (u + lp_ops.shift_difference(m_own, m[:, None], c, exact) - log2s[:, None]) * LN2
     lp = torch.where((ids >= 0) & (ids < v), lp, torch.full_like(lp, float("nan")))
     logp.view(ids.shape).copy_(torch.where(ids == opts.ignore_index, torch.zeros_like(lp), lp))

@@ -120,6 +120,13 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
     return logp, ent, stats
 
 
+def shift_is_exact(triton_path: bool, dtype: torch.dtype, c: float) -> bool:
+    """Whether statistics made in ``dtype`` are relative to the exact shift m c (the plain-PyTorch
+    reference, the interpreter, float64, a large scale c: _library.exact_shift) or to the rounded
+    product round(m c) (the GPU kernels): the ``exact`` of shift_difference."""
+    return not triton_path or exact_shift(c) or dtype == torch.float64
+
+
 def shift_difference(a, b, c: float, exact: bool):
     """(a - b) c in the units of sums that the kernels made relative to a shift m c (kernels/logprobs.py,
     _shift_diff): exactly where the sums are relative to the exact m c (``exact``: the reference, the
