@@ -20,6 +20,7 @@ import torch
 from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift,
                         kernel_temperature, new_output, rows_strides)
 from .. import reference
+from .._launch import launch
 from ..meta import logprobs as meta
 
 _FWD = f"{NAMESPACE}::_logprobs_entropy_forward"
@@ -67,56 +68,80 @@ logprobs_entropy_backward.register_fake(meta.logprobs_entropy_backward_fake)
 # ---------------------------------------------------------------------------------------------
 # Triton implementations
 # ---------------------------------------------------------------------------------------------
-def _row_layout(logits: torch.Tensor):
-    """(logits, (inner_size, stride_outer, stride_inner)) without a copy whenever possible."""
-    layout = rows_strides(logits) if logits.stride(-1) == 1 else None
-    if layout is None:  # leading dims that don't collapse to two strided dims, or V strided
-        logits = logits.contiguous()
-        layout = rows_strides(logits)
-    return logits, layout
+class _Plans(dict):
+    """Launch plans by call key (shapes, strides, dtypes, devices and the scalar arguments): what
+    the checks and the layout arithmetic of a call made of those inputs concluded, so that a
+    repeated call (a training loop's) does neither again. Bounded: cleared past MAX entries."""
+    MAX = 1024
+
+    def put(self, key, plan):
+        if len(self) >= self.MAX:
+            self.clear()
+        self[key] = plan
+        return plan
 
 
-def _index_rows(index: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
-    k = index.numel() // rows if rows else 1
-    return index.reshape(rows, k).contiguous(), k
+_FWD_PLANS = _Plans()
 
 
-def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, temperature_t=None, shift=False):
+def _tensor_key(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _forward_plan(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
+    """(out shapes, dtype, rows, copy the logits?, layout, index as [rows, K] needs a copy?, k,
+    kernel constexprs and options, scale c) of a forward call; raises on bad input."""
     meta.check_logits_index(logits, index, temperature, temperature_t, shift)
-    if logits.dtype == torch.float64:
-        # float64 is a validation dtype: the reference on the same device keeps fp64 accuracy
-        return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy,
-                                                  temperature_t, shift)
     from ..kernels import logprobs as K
 
-    if shift:  # rows 0..L-1 of [..., L+1, V], read in place
-        logits = logits[..., :-1, :]
-    dt = acc_dtype(logits.dtype)
-    lead = logits.shape[:-1]
-    v = logits.shape[-1]
-    rows = logits.numel() // v
-    logp = new_output(index.shape if index is not None else (0,), dt, logits.device)
-    ent = new_output(lead if compute_entropy else (0,), dt, logits.device)
-    stats = new_output(tuple(lead) + (2,), dt, logits.device)
-    if rows == 0:
-        return logp, ent, stats
-    x, (inner, s_outer, s_inner) = _row_layout(logits)
-    if index is not None:
-        idx, k = _index_rows(index, rows)
-    else:
-        idx, k = stats, 1  # unused pointer
+    x = logits[..., :-1, :] if shift else logits  # rows 0..L-1 of [..., L+1, V], read in place
+    v = x.shape[-1]
+    rows = x.numel() // v
+    lead = tuple(x.shape[:-1])
+    layout = rows_strides(x) if x.stride(-1) == 1 else None
+    copy = layout is None  # leading dims that don't collapse to two strided dims, or V strided
+    if copy:
+        layout = rows_strides(x.contiguous())
+    k = (index.numel() // rows if rows else 1) if index is not None else 1
+    index_copy = index is not None and not index.is_contiguous()
     block_v, warps = K.pick_block(v, x.element_size(), "fwd_ent" if compute_entropy else "fwd")
     c = LOG2E / kernel_temperature(temperature)  # the float temperature's scale (a placeholder with temperature_t)
-    K._logprobs_entropy_forward_kernel[(rows,)](
-        x, idx, logp, ent, stats, temperature_t if temperature_t is not None else stats,
-        v, k, inner, s_outer, s_inner,
-        c, ignore_index,
+    constexprs = dict(
         HAS_INDEX=index is not None, HAS_ENT=compute_entropy,
         EXACT_SHIFT=exact_shift(None if temperature_t is not None else c),
         T_FROM_PTR=temperature_t is not None,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)), EPT=16 // x.element_size(),
         num_warps=warps,
     )
+    shapes = (tuple(index.shape) if index is not None else (0,), lead if compute_entropy else (0,), lead + (2,))
+    return shapes, acc_dtype(x.dtype), rows, copy, layout, index_copy, k, v, c, constexprs, K
+
+
+def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, temperature_t=None, shift=False):
+    if logits.dtype == torch.float64:
+        # float64 is a validation dtype: the reference on the same device keeps fp64 accuracy
+        meta.check_logits_index(logits, index, temperature, temperature_t, shift)
+        return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy,
+                                                  temperature_t, shift)
+    key = (_tensor_key(logits), _tensor_key(index), temperature, ignore_index, compute_entropy,
+           _tensor_key(temperature_t), shift)
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        plan = _FWD_PLANS.put(key, _forward_plan(logits, index, temperature, ignore_index, compute_entropy,
+                                                 temperature_t, shift))
+    (s_logp, s_ent, s_stats), dt, rows, copy, (inner, s_outer, s_inner), index_copy, k, v, c, constexprs, K = plan
+    device = logits.device
+    logp = new_output(s_logp, dt, device)
+    ent = new_output(s_ent, dt, device)
+    stats = new_output(s_stats, dt, device)
+    if rows == 0:
+        return logp, ent, stats
+    # with shift the rows are the first L of every [L+1, V] block: the same first element
+    x = (logits[..., :-1, :] if shift else logits).contiguous() if copy else logits
+    idx = stats if index is None else index.contiguous() if index_copy else index  # [rows, K] row-major
+    launch(K._logprobs_entropy_forward_kernel, (rows,),
+           x, idx, logp, ent, stats, temperature_t if temperature_t is not None else stats,
+           v, k, inner, s_outer, s_inner, c, ignore_index, **constexprs)
     return logp, ent, stats
 
 
@@ -155,6 +180,66 @@ def _(a, b, c):
                        device=a.device)
 
 
+_BWD_PLANS = _Plans()
+
+
+def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_index, temperature_t, shift, v_off,
+                   v_total, out_dtype, out, in_place, exact):
+    """(d logits dtype, rows, which operands need a copy, the kernel's scalar arguments, its
+    constexprs and options, grid size) of a backward call."""
+    from ..kernels import logprobs as K
+
+    dx_dtype = out.dtype if out is not None else out_dtype or logits.dtype
+    # d logits' layout, from a meta tensor of its shape and strides (out's, or a fresh contiguous one)
+    dx = (torch.empty_strided(out.shape, out.stride(), dtype=dx_dtype, device="meta") if out is not None
+          else torch.empty(logits.shape, dtype=dx_dtype, device="meta"))
+    x = logits[..., :-1, :] if shift else logits
+    v = x.shape[-1]
+    rows = x.numel() // v
+    has_dt = temperature_t is not None
+    tail_rows = dx.numel() // max(v, 1) - rows
+    layout = rows_strides(x) if x.stride(-1) == 1 else None
+    x_copy = layout is None  # leading dims that don't collapse to two strided dims, or V strided
+    if x_copy:
+        layout = rows_strides(x.contiguous())
+    inner, s_outer, s_inner = layout
+    if shift:
+        d_inner, d_outer, d_stride = rows_strides(dx[..., :-1, :])
+        z_inner, z_outer, z_stride = rows_strides(dx[..., -1, :])
+    else:
+        d_inner, d_outer, d_stride = max(rows, 1), 0, dx.stride(0) if dx.dim() == 2 else v
+        z_inner, z_outer, z_stride = 1, 0, 0
+    has_glp = grad_logp is not None and index is not None
+    k, idx_copy, glp_copy, glp_sr, glp_sk = 1, False, False, 0, 0
+    if has_glp:
+        k = index.numel() // rows if rows else 1
+        idx_copy = not index.is_contiguous()
+        glp = grad_logp.reshape(rows, k)
+        glp_copy = glp.data_ptr() != grad_logp.data_ptr()  # reshape could not view it
+        glp_sr, glp_sk = glp.stride()
+    has_gh = grad_entropy is not None
+    gh_copy, gh_s = False, 0
+    if has_gh:
+        gh = grad_entropy.reshape(rows)
+        gh_copy = gh.data_ptr() != grad_entropy.data_ptr()  # likewise
+        gh_s = gh.stride(0)
+    block_v, warps = K.pick_block(v, x.element_size(), "bwd")
+    t = kernel_temperature(temperature)
+    segs, seg_len = (1, v) if has_dt or in_place else K.backward_segments(v, block_v)
+    scalars = (v, k, rows, inner, s_outer, s_inner, v_off, v if v_total is None else v_total,
+               d_inner, d_outer, d_stride, z_inner, z_outer, z_stride,
+               LOG2E / t, 1.0 / t, ignore_index, segs, seg_len, glp_sr, glp_sk, gh_s)
+    constexprs = dict(
+        HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1,
+        EXACT_SHIFT=exact if exact is not None else exact_shift(None if has_dt else LOG2E / t),
+        T_FROM_PTR=has_dt, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0, IN_PLACE=in_place,
+        BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
+        num_warps=warps,
+    )
+    grid = (rows + tail_rows) * segs if dx.numel() else 0
+    return dx_dtype, rows, (x_copy, idx_copy, glp_copy, gh_copy), scalars, constexprs, grid, K
+
+
 def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
                     temperature_t=None, shift=False, *, v_off=0, v_total=None, out_dtype=None, out=None,
                     exact=None):
@@ -170,57 +255,38 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
         return reference.logprobs_entropy_backward(
             grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift,
             v_off=v_off, v_total=v_total, out_dtype=out_dtype)
-    from ..kernels import logprobs as K
-
+    in_place = out is not None and out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+    key = (_tensor_key(grad_logp), _tensor_key(grad_entropy), _tensor_key(logits), _tensor_key(index), temperature,
+           ignore_index, _tensor_key(temperature_t), shift, v_off, v_total, out_dtype, _tensor_key(out), in_place,
+           exact)
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
+        plan = _BWD_PLANS.put(key, _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_index,
+                                                  temperature_t, shift, v_off, v_total, out_dtype, out, in_place,
+                                                  exact))
+    dx_dtype, rows, copies, scalars, constexprs, grid, K = plan  # scalars: (V, K, rows, ...) of the kernel
     # d logits has the logits' full shape; with shift its rows L of every sequence are zero and
     # are written by the same launch (programs past the live rows), never by a second pass
-    dx = out if out is not None else new_output(logits.shape, out_dtype or logits.dtype, logits.device)
-    if shift:
-        logits = logits[..., :-1, :]
-    v = logits.shape[-1]
-    rows = logits.numel() // v
+    dx = out if out is not None else new_output(logits.shape, dx_dtype, logits.device)
     has_dt = temperature_t is not None
     xdx = new_output((rows if has_dt else 0,), torch.float32, logits.device)
-    tail_rows = dx.numel() // max(v, 1) - rows
-    if dx.numel() == 0:
+    if grid == 0:
         return dx, reference.temperature_grad(xdx, temperature_t)
-    x, (inner, s_outer, s_inner) = _row_layout(logits)
-    if shift:
-        d_inner, d_outer, d_stride = rows_strides(dx[..., :-1, :])
-        tail = dx[..., -1, :]
-        z_inner, z_outer, z_stride = rows_strides(tail)
+    x_copy, idx_copy, glp_copy, gh_copy = copies
+    x = (logits[..., :-1, :] if shift else logits).contiguous() if x_copy else logits
+    # the upstream gradients are read through their strides (the expanded ones of a .sum(), stride
+    # 0, without a copy); a copy only where their shape does not reshape to [rows, K] as a view
+    if constexprs["HAS_GLP"]:
+        idx = index.contiguous() if idx_copy else index
+        glp = grad_logp.reshape(rows, scalars[1]) if glp_copy else grad_logp
     else:
-        d_inner, d_outer, d_stride = max(rows, 1), 0, dx.stride(0) if dx.dim() == 2 else v
-        tail, z_inner, z_outer, z_stride = dx, 1, 0, 0
-    has_glp = grad_logp is not None and index is not None
-    # the upstream gradients are read through their strides: the expanded ones of a .sum() (stride
-    # 0) without a copy
-    if has_glp:
-        idx, k = _index_rows(index, rows)
-        glp = grad_logp.reshape(rows, k)
-        glp_sr, glp_sk = glp.stride()
-    else:
-        idx, k, glp, glp_sr, glp_sk = stats, 1, stats, 0, 0  # unused pointers
-    has_gh = grad_entropy is not None
-    gh = grad_entropy.reshape(rows) if has_gh else stats
-    gh_s = gh.stride(0) if has_gh else 0
-    block_v, warps = K.pick_block(v, x.element_size(), "bwd")
-    t = kernel_temperature(temperature)
-    in_place = out is not None and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-    segs, seg_len = (1, v) if has_dt or in_place else K.backward_segments(v, block_v)
-    K._logprobs_entropy_backward_kernel[((rows + tail_rows) * segs,)](
-        x, idx, glp, gh, stats, entropy if has_gh else stats, dx, tail,
-        temperature_t if has_dt else stats, xdx if has_dt else stats,
-        v, k, rows, inner, s_outer, s_inner, v_off, v if v_total is None else v_total,
-        d_inner, d_outer, d_stride, z_inner, z_outer, z_stride,
-        LOG2E / t, 1.0 / t, ignore_index, segs, seg_len, glp_sr, glp_sk, gh_s,
-        HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1,
-        EXACT_SHIFT=exact if exact is not None else exact_shift(None if has_dt else LOG2E / t),
-        T_FROM_PTR=has_dt, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0, IN_PLACE=in_place,
-        BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
-        num_warps=warps,
-    )
-    return dx, reference.temperature_grad(xdx, temperature_t)
+        idx = glp = stats  # unused pointers
+    gh = (grad_entropy.reshape(rows) if gh_copy else grad_entropy) if constexprs["HAS_GH"] else stats
+    tail = dx[..., -1, :] if shift else dx
+    launch(K._logprobs_entropy_backward_kernel, (grid,),
+           x, idx, glp, gh, stats, entropy if constexprs["HAS_GH"] else stats, dx, tail,
+           temperature_t if has_dt else stats, xdx if has_dt else stats, *scalars, **constexprs)
+    return dx, xdx if not has_dt else reference.temperature_grad(xdx, temperature_t)
 
 
 if TRITON_DEVICES:

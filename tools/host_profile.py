@@ -1,0 +1,108 @@
+"""Where the host time of a small eager call goes (CUDA): wall time per call of the pieces of the
+public log-prob path, and cProfile / torch.profiler summaries. Writes $OUT/host_profile.txt."""
+import cProfile, io, os, pstats, sys, threading, time
+import torch
+import torch_fused
+from torch_fused.ops import logprobs as L
+from torch_fused.kernels import logprobs as K
+from torch_fused.bench.small import wall_us, _empty_op
+
+out = open(os.path.join(os.environ.get("OUT", "."), "host_profile.txt"), "w")
+def say(*a):
+    s = " ".join(str(x) for x in a); print(s, flush=True); out.write(s + "\n"); out.flush()
+
+n, v = 64, 1024
+g = torch.Generator(device="cuda").manual_seed(0)
+x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
+xg = x.detach().requires_grad_(True)
+idx = torch.randint(0, v, (n,), device="cuda", generator=g)
+empty = _empty_op()
+
+def fb(f):
+    return lambda: torch.autograd.grad(f(xg).sum(), xg)[0]
+
+class Ident(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t): return t.view_as(t)
+    @staticmethod
+    def backward(ctx, gr): return gr
+
+class Mul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t): return t * 2
+    @staticmethod
+    def backward(ctx, gr): return gr * 2
+
+logp, ent, stats = L._forward_triton(x, idx, 1.0, -100, False)
+gl = torch.ones_like(logp)
+c = 1.4426950408889634
+bv, w = K.pick_block(v, 2, "fwd")
+args = (x, idx.reshape(n, 1), logp, ent, stats, stats, v, 1, n, 0, v, c, -100)
+kw = dict(HAS_INDEX=True, HAS_ENT=False, EXACT_SHIFT=False, T_FROM_PTR=False, BLOCK_V=bv, BLOCK_K=2, EPT=8, num_warps=w)
+launch = lambda: K._logprobs_entropy_forward_kernel[(n,)](*args, **kw)
+from torch_fused._launch import launch as fast_launch
+direct = lambda: fast_launch(K._logprobs_entropy_forward_kernel, (n,), *args, **kw)
+core = torch.ops.fused._logprobs_entropy_forward
+cases = [
+    ("torch.empty x3", lambda: (torch.empty(64, device="cuda"), torch.empty(0, device="cuda"), torch.empty(64, 2, device="cuda"))),
+    ("x * 2 (one torch op)", lambda: x * 2),
+    ("bare triton launch, fwd kernel", launch),
+    ("_launch.launch, fwd kernel", direct),
+    ("core op (dispatcher), no grad", lambda: core(x, idx, 1.0, -100, False, None, False)),
+    ("_forward_triton", lambda: L._forward_triton(x, idx, 1.0, -100, False)),
+    ("backward_triton", lambda: L.backward_triton(gl, None, x, idx, stats, ent, 1.0, -100)),
+    ("public fwd", lambda: torch_fused.selective_log_softmax(x, idx)),
+    ("torch formula fwd", lambda: torch.log_softmax(x.float(), -1).gather(-1, idx[:, None])),
+    ("empty op fwd", lambda: empty(x, idx)),
+    ("grad of xg * 2 (C++ node)", fb(lambda t: t * 2)),
+    ("grad of Ident (python node, view)", fb(Ident.apply)),
+    ("grad of Mul (python node)", fb(Mul.apply)),
+    ("torch formula fwd+bwd", fb(lambda t: torch.log_softmax(t.float(), -1).gather(-1, idx[:, None]))),
+    ("public fwd+bwd", fb(lambda t: torch_fused.selective_log_softmax(t, idx))),
+    ("public fwd+bwd, .backward()", lambda: torch_fused.selective_log_softmax(xg, idx).sum().backward()),
+    ("empty op fwd+bwd", fb(lambda t: empty(t, idx))),
+]
+for name, f in cases:
+    say(f"{name:40s} {wall_us(f):8.1f} us")
+with torch.autograd.set_multithreading_enabled(False):
+    for name, f in cases[-7:]:
+        say(f"[autograd multithreading off] {name:40s} {wall_us(f):8.1f} us")
+for name, f in (("public fwd+bwd", fb(lambda t: torch_fused.selective_log_softmax(t, idx))),
+                ("grad of Mul (python node)", fb(Mul.apply))):
+    s = io.StringIO()
+    pr = cProfile.Profile(); pr.enable()
+    for _ in range(300): f()
+    torch.cuda.synchronize(); pr.disable()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+    say("cProfile (main thread) 300 x", name); say(s.getvalue())
+from torch.profiler import profile, ProfilerActivity
+f = fb(lambda t: torch_fused.selective_log_softmax(t, idx))
+for _ in range(20): f()
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    for _ in range(50): f()
+    torch.cuda.synchronize()
+say(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+
+# compiled GRPO loss
+from torch_fused.bench.small import grpo_loss, plain_both
+old = torch.randn(n, device="cuda") - 5; adv = torch.randn(n, device="cuda"); mask = torch.ones(n, device="cuda")
+def grpo(name, fn):
+    cf = torch.compile(grpo_loss(fn), fullgraph=True)
+    call = lambda: torch.autograd.grad(cf(xg, idx, old, adv, mask), xg)[0]
+    say(f"compiled GRPO {name}: {wall_us(call):.1f} us")
+    s = io.StringIO(); pr = cProfile.Profile(); pr.enable()
+    for _ in range(200): call()
+    torch.cuda.synchronize(); pr.disable()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
+    say(s.getvalue())
+grpo("plain", plain_both)
+grpo("ours", torch_fused.logprobs_and_entropy)
+# the same with the core ops' CUDA kernels registered directly (no custom_op backend wrapper)
+import warnings
+warnings.simplefilter("ignore")
+_lib = torch.library.Library("fused", "IMPL")
+_lib.impl("_logprobs_entropy_forward", L._forward_triton, "CUDA")
+_lib.impl("_logprobs_entropy_backward", L.backward_triton, "CUDA")
+torch._dynamo.reset()
+say(f"core op direct registration, no grad: {wall_us(lambda: core(x, idx, 1.0, -100, False, None, False)):.1f} us")
+grpo("ours, direct CUDA registration", torch_fused.logprobs_and_entropy)
