@@ -12,10 +12,6 @@ from torch_fused._library import INTERPRET
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
-# The shipped versions of kernel settings that the interpreter run replaces with tiny ones
-# (tests/conftest.py records them here before replacing them); a test that needs the shipped
-# choice reads it here, falling back to the module's own where nothing was replaced.
-SHIPPED: dict = {}
 
 # Per-element tolerances. Forward outputs are float32 for every input dtype (bf16/fp16 logits
 # are exact in fp32) and are held to fp32 accuracy: |out - ref| <= FWD_RTOL * (|ref| + 1 + ln V),

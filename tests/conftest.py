@@ -32,40 +32,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "interpret" if INTERP
 warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
 
 
-if INTERPRET:
-    # The interpreter runs with tiny blocks so that small shapes still cover every path of the
-    # kernels: several unmasked full blocks (with the prefetch loop), then a masked tail.
-    from torch_fused.kernels import logprobs as _lpk
-
-    from torch_fused.kernels import mask_reduce as _mrk
-
-    _lpk.pick_block = lambda v, elem_size, kind="fwd": (16, 1)
-    # mask_reduce: [2, 2, 4] trips (U=2 rows of 2 per thread), the pipelined loop for even reduce
-    # lengths, the plain one for odd ones
-    from _helpers import SHIPPED
-
-    SHIPPED["mask_reduce.pick_blocks"] = _mrk.pick_blocks
-    _mrk.pick_blocks = lambda r, i, n_outer, r_contiguous, *a: (2, 4, 1, 2, r % 2 == 0, 2)
-    # sinkgd: rows wider than 64 take the two-pass path; the one-read row pass gets programs of
-    # 4 rows in 1-2 row trips, so small matrices still have several programs and trips each
-    from torch_fused.kernels import sinkgd as _sgk
-
-    _sgk.MAX_FUSED_N = 64
-    _sgk.ROWS_ELEMS = 1
-    _sgk.ROWS_BM = 4
-    _sgk.ROWS_MAX_PARTIALS = 16  # a 70-row matrix gets 8-row programs, small ones 4
-    _sgk.SCALE_PARTS = 4  # several partial trips per column, with a masked tail
-    # two-pass path and update: 64-wide tiles, so rows of 65-150 already span several tiles
-    # (several row partials per row) and matrices of more than 8 rows several column partials
-    _sgk.ROW_TILE = (8, 64, 4)
-    _sgk.COL_TILE = (8, 64, 4)
-    _sgk.UPD_TILE = (8, 64, 4)
-
-
-# the interpreter run: backward rows wider than 48 columns split into segments of 48 (three
-# 16-column blocks), the last one ragged, so the segmented launch runs in every backward test
-# past that width
-_RUN_SETTINGS = dict(logprobs_bwd_segment=48) if INTERPRET else {}
+# The interpreter run: every kernel takes its smallest tiles (settings.small_tiles), so that small
+# shapes still cover every path of the kernels (several unmasked full blocks with the prefetch
+# loop, then a masked tail; several programs and trips per matrix); backward rows wider than 48
+# columns split into segments of 48 (three 16-column blocks), the last one ragged, so the
+# segmented launch runs in every backward test past that width.
+_RUN_SETTINGS = dict(logprobs_bwd_segment=48, small_tiles=True) if INTERPRET else {}
 
 
 @pytest.fixture(autouse=True)

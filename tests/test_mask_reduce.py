@@ -243,15 +243,14 @@ SHIPPED_TILE_CASES = [
 
 @pytest.mark.skipif(not INTERPRET, reason="the shipped tiles run as-is on CUDA; here through the interpreter")
 @pytest.mark.parametrize("case", SHIPPED_TILE_CASES, ids=lambda c: "x".join(map(str, c[0])) if isinstance(c, tuple) else None)
-def test_shipped_tile_configs_match_reference(case, monkeypatch):
+def test_shipped_tile_configs_match_reference(case, monkeypatch, settings_override):
     """The suite runs the interpreter with tiny tiles; this runs the tiles the picker ships
     (software-pipelined loop, several rows per thread, masked tails) on small shapes."""
     from torch_fused.kernels import mask_reduce as K
 
-    from _helpers import SHIPPED
-
     shape, dtype, dim, mshape, sshape, flags = case
-    shipped = SHIPPED.get("mask_reduce.pick_blocks", K.pick_blocks)
+    settings_override(small_tiles=False)
+    shipped = K.pick_blocks
     monkeypatch.setattr(K, "pick_blocks", lambda r, i, n_outer, rc, xb, n_sm: shipped(r, i, n_outer, rc, xb, 1))
     seen = _record_launches(monkeypatch)
     gen = torch.Generator().manual_seed(7)
@@ -355,8 +354,8 @@ def test_broadcast_mask_is_never_materialized():
     stay far below that size too."""
     code = textwrap.dedent("""
         import resource, torch, torch_fused
-        from torch_fused import reference
-        reference._CHUNK_ELEMS = 1 << 16
+        from torch_fused.settings import override
+        override(reference_chunk_elems=1 << 16).__enter__()  # for the whole (short-lived) process
         T, K, H = 512, 64, 1024
         keep = (torch.rand(T, K, 1) > 0.5)
         mask = keep.expand(T, K, H)                      # 32 MiB logical, 32 KiB stored

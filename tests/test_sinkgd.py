@@ -8,6 +8,7 @@ loops run in the plain CPU run only."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
 
@@ -570,15 +571,15 @@ def test_each_optimizer_owns_its_plans(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("max_fused_n", [0, 1 << 20], ids=["two-pass", "one-read"])
-def test_row_pass_paths_match_reference(device, max_fused_n, monkeypatch):
-    """Rows up to MAX_FUSED_N take the one-read row pass, wider ones the two-pass path; each
+def test_row_pass_paths_match_reference(device, max_fused_n, settings_override):
+    """Rows up to max_fused_n take the one-read row pass, wider ones the two-pass path; each
     path alone, on every shape, against the float64 reference (two iterations: the first,
     where r and c are still ones, and a later one)."""
     if device == "cpu" and not INTERPRET:
         pytest.skip("the CPU path is the reference implementation, not the kernels")
     from torch_fused.kernels import sinkgd as K
 
-    monkeypatch.setattr(K, "MAX_FUSED_N", max_fused_n)
+    settings_override(sinkgd_tiles=dataclasses.replace(K.tiles(), max_fused_n=max_fused_n))
     gen = torch.Generator().manual_seed(3)
     shapes = [(37, 50), (2, 9, 130), (70, 3)] + ([] if device == "cpu" else [(300, 3), (70, 2000), (5, 20000)])
     iters = 2 if device == "cpu" else 5
@@ -594,13 +595,13 @@ def test_row_pass_paths_match_reference(device, max_fused_n, monkeypatch):
 
 
 @NEEDS_TRITON
-def test_row_pass_column_partials_stay_bounded_per_column(monkeypatch):
+def test_row_pass_column_partials_stay_bounded_per_column(settings_override):
     """Extra memory stays O(rows + cols) per matrix: however tall the matrix, the row pass
-    writes at most ROWS_MAX_PARTIALS column partials per column (its programs get more rows)."""
+    writes at most rows_max_partials column partials per column (its programs get more rows)."""
     from torch_fused.kernels import sinkgd as K
     from torch_fused.ops import sinkgd as S
 
-    monkeypatch.setattr(K, "ROWS_MAX_PARTIALS", 8)
+    settings_override(sinkgd_tiles=dataclasses.replace(K.tiles(), rows_max_partials=8))
     for m, n in [(5000, 8), (3, 40), (777, 1)]:
         p, g = torch.zeros(m, n), torch.zeros(m, n)
         plan = S._Plan([p], [g], 0.05, None, 1.0)
@@ -627,15 +628,16 @@ SPECTRAL_SHAPES = [(37, 50), (2, 9, 130), (70, 3), (6, 20)]  # (6, 20): its grad
 @pytest.mark.parametrize("max_fused_n", [0, 1 << 20], ids=["two-pass", "one-read"])
 @pytest.mark.parametrize("dtype,target,spectral_iters,iters", [
     (torch.float32, "unit", 2, 2), (torch.bfloat16, "muon", 1, 1), (torch.float16, "muon", 3, 0)])
-def test_spectral_step_paths_match_reference(device, max_fused_n, dtype, target, spectral_iters, iters, monkeypatch):
-    """The spectral step on each row-pass path (MAX_FUSED_N = 0: every matrix takes the
+def test_spectral_step_paths_match_reference(device, max_fused_n, dtype, target, spectral_iters, iters,
+                                             settings_override):
+    """The spectral step on each row-pass path (max_fused_n = 0: every matrix takes the
     two-pass power pass; 1 << 20: the one-read one): batched, tall, short and all-zero
     gradients in one multi-tensor call, every grad dtype, both targets, several power
     iterations and sinkhorn_iters = 0, against the float64 reference (W and the warm-start
     vectors it writes back)."""
     from torch_fused.kernels import sinkgd as K
 
-    monkeypatch.setattr(K, "MAX_FUSED_N", max_fused_n)
+    settings_override(sinkgd_tiles=dataclasses.replace(K.tiles(), max_fused_n=max_fused_n))
     gen = torch.Generator().manual_seed(9)
     ws = [torch.randn(s, generator=gen).to(dtype) for s in SPECTRAL_SHAPES]
     gs = [(torch.randn(s, generator=gen) * 1e-2).to(dtype) for s in SPECTRAL_SHAPES]
@@ -685,7 +687,7 @@ def test_bad_spectral_vectors_raise():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_op_reuses_its_plans_and_keys_them_by_tile_settings(device, monkeypatch):
+def test_op_reuses_its_plans_and_keys_them_by_tile_settings(device, monkeypatch, settings_override):
     """Calls of the op without a SinkGDCache (a compiled step) reuse the op's own plans for the
     same tensors; a changed tile constant (a sweep) gets a new plan, never a stale one."""
     if device == "cpu" and not INTERPRET:
@@ -705,7 +707,7 @@ def test_op_reuses_its_plans_and_keys_them_by_tile_settings(device, monkeypatch)
         if _ == 0:
             first = plans[0]
     assert plans[0] is first
-    monkeypatch.setattr(K, "ROWS_BM", K.ROWS_BM * 2)
+    settings_override(sinkgd_tiles=dataclasses.replace(K.tiles(), rows_bm=K.tiles().rows_bm * 2))
     before = [w.clone() for w in ws]
     sinkgd_step(ws, gs, lr=0.1, sinkhorn_iters=1)
     assert len(S._OP_CACHE.plans) == 2
@@ -866,7 +868,7 @@ def test_huge_gradients_give_the_finite_normalized_step(device, spectral, gdtype
     """SinkGD normalizes the gradient, so scaling it by 2^k (exact in every float dtype) must not
     change the step: the row and column norms are computed scaled, and a gradient whose squares
     overflow fp32 (entries past about 1.8e19 / sqrt(n)) is neither skipped (W unchanged) nor NaN.
-    Rows up to 48 wide take the kernels' one-read row pass (the interpreter's MAX_FUSED_N is 64)."""
+    Rows up to 48 wide take the kernels' one-read row pass (the interpreter's max_fused_n is 64)."""
     g0 = torch.Generator().manual_seed(7)
     w = torch.randn(2, 24, 48, generator=g0).to(device)
     g = torch.randn(2, 24, 48, generator=g0).to(gdtype).to(device)

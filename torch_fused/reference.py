@@ -13,13 +13,11 @@ import math
 import torch
 
 from ._library import LN2, LOG2E, SCALE_MAX, T_MAX, T_MIN, acc_dtype, kernel_temperature
-
-# Rows per chunk are chosen so that one chunk's float temporaries stay near this many elements.
-_CHUNK_ELEMS = 1 << 21
+from .settings import current as _settings
 
 
 def _chunks(rows: int, v: int):
-    step = max(1, _CHUNK_ELEMS // max(v, 1))
+    step = max(1, _settings.reference_chunk_elems // max(v, 1))
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
 
@@ -269,7 +267,7 @@ def mask_reduce_forward(x, dim, mask=None, scale=None, out_dtype=None):
     cdim = 0 if dim != 0 else (1 if x.dim() > 1 else None)
     n = shape[cdim] if cdim is not None else 1
     per = max(1, x.numel() // max(n, 1))
-    step = max(1, _CHUNK_ELEMS // max(per, 1))
+    step = max(1, _settings.reference_chunk_elems // max(per, 1))
     for a in range(0, n, step):
         b = min(n, a + step)
 
@@ -351,7 +349,7 @@ def _xmv(g: torch.Tensor, r: torch.Tensor, c: torch.Tensor, vec: torch.Tensor, t
     sums stay finite whatever the gradient's magnitude. In r's dtype."""
     b, m, n = g.shape
     dt = r.dtype
-    step = max(1, _CHUNK_ELEMS // max(n, 1))
+    step = max(1, _settings.reference_chunk_elems // max(n, 1))
     out = (torch.zeros if transpose else torch.empty)(b, n if transpose else m, dtype=dt, device=g.device)
     for a in range(0, m, step):
         xc = r[:, a:a + step, None] * g[:, a:a + step].to(dt) * c[:, None, :]

@@ -19,10 +19,16 @@ read once, when this module is imported, and gives the starting value.
 | ``lm_head_tma`` | True | | the fused GEMMs read their operands through TMA on compute capability 9 and later |
 | ``lm_head_part_bytes`` | 64 MiB | | the fused forward's tile statistics buffer, at most |
 | ``logprobs_bwd_segment`` | 32768 | | the log-prob backward splits a row into programs of about this many columns (0: one program per row) |
+| ``reference_chunk_elems`` | 2**21 | | the plain-PyTorch implementations (CPU) work in chunks of rows whose float temporaries stay near this many elements |
+| ``small_tiles`` | False | | every kernel takes its smallest tiles, which still take every code path (full blocks, masked tails, several programs and trips) at small shapes: the interpreter test run |
+| ``logprobs_block`` | None | | (BLOCK_V, num_warps) of every log-prob launch instead of the shipped choice (kernels/logprobs.py pick_block): the block sweep |
+| ``mask_reduce_tiles`` | None | | a full replacement of kernels/mask_reduce.py ``TILES``: the tile sweep |
+| ``lm_head_tiles`` | None | | a full replacement of kernels/lm_head.py ``CONFIG`` (tiles per kernel): the GEMM-path sweep |
+| ``sinkgd_tiles`` | None | | a kernels/sinkgd.py ``Tiles`` instead of the shipped one (a plan keeps the tiles it was built with and is keyed by them) |
 | ``bench_sinkgd_compile`` | True | ``TORCH_FUSED_BENCH_SINKGD_COMPILE`` (0: off) | the sinkgd benchmark also times the torch.compile'd formula (slow to compile) |
 
-Settings that shape a cached plan (the SinkGD kernels' tiles) are not here: they are constants
-of ``kernels/sinkgd.py``, read when a plan is built.
+The tile settings replace the shipped tables of the kernel modules (their constants, which the
+code never reassigns); None keeps them.
 """
 
 from __future__ import annotations
@@ -52,6 +58,12 @@ DEFAULTS = dict(
     lm_head_tma=True,
     lm_head_part_bytes=64 << 20,
     logprobs_bwd_segment=32768,
+    reference_chunk_elems=1 << 21,
+    small_tiles=False,
+    logprobs_block=None,
+    mask_reduce_tiles=None,
+    lm_head_tiles=None,
+    sinkgd_tiles=None,
     bench_sinkgd_compile=_env_flag("TORCH_FUSED_BENCH_SINKGD_COMPILE", True),
 )
 

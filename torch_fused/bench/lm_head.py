@@ -128,69 +128,63 @@ SWEEP = [((), True, _T3, _T3, 128, 2048), (_BOTH, True, _T3, _T3, 128, 2048), (_
 def sweep(copy_gbps, shape=None):
     """Forward and forward+backward times of the fused head for each GEMM tile setting of SWEEP,
     as multiples of the same run's bare GEMMs, with the peak extra memory."""
-    from ..kernels import lm_head as KL
-
     res = []
     shapes = [tuple(shape)] if shape else SHAPES
-    saved_tiles = dict(KL.CONFIG)  # the kernels' tile table, restored at the end
-    try:
-        for n, hd, v in shapes:
-            g = torch.Generator(device="cuda").manual_seed(0)
-            h = torch.randn(n, hd, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
-            w = (torch.randn(v, hd, device="cuda", generator=g) / hd**0.5 * 2).to(torch.bfloat16).requires_grad_(True)
-            idx = torch.randint(0, v, (n,), device="cuda", generator=g)
-            hb, wb = h.detach(), w.detach()
-            dl = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
-            gemm1 = bench_ms(lambda: hb @ wb.t())
-            gemm3 = bench_ms(lambda: (hb @ wb.t(), dl @ wb, dl.t() @ hb))
-            del dl
-            torch.cuda.empty_cache()
+    for n, hd, v in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        h = torch.randn(n, hd, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
+        w = (torch.randn(v, hd, device="cuda", generator=g) / hd**0.5 * 2).to(torch.bfloat16).requires_grad_(True)
+        idx = torch.randint(0, v, (n,), device="cuda", generator=g)
+        hb, wb = h.detach(), w.detach()
+        dl = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
+        gemm1 = bench_ms(lambda: hb @ wb.t())
+        gemm3 = bench_ms(lambda: (hb @ wb.t(), dl @ wb, dl.t() @ hb))
+        del dl
+        torch.cuda.empty_cache()
 
-            def fwd():
-                return torch_fused.linear_logprobs_and_entropy(hb, wb, idx)
+        def fwd():
+            return torch_fused.linear_logprobs_and_entropy(hb, wb, idx)
 
-            def fwdbwd():
-                lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx)
-                return torch.autograd.grad(lp.sum() + ent.sum(), (h, w))
+        def fwdbwd():
+            lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx)
+            return torch.autograd.grad(lp.sum() + ent.sum(), (h, w))
 
-            ref = None
-            for passes, tma, t_fwd, t_bwd, chunk_mib, min_cols in SWEEP:
-                KL.CONFIG = {"stats": t_fwd, "dlogits": t_bwd, "stats_tma": t_fwd, "dlogits_tma": t_bwd}
-                cfg = (passes, tma, t_fwd, t_bwd, chunk_mib, min_cols)
-                config = override(lm_head_fused_gemm=frozenset(passes), lm_head_tma=tma,
-                                  lm_head_chunk_bytes=dict(settings.lm_head_chunk_bytes, cuda=chunk_mib << 20),
-                                  lm_head_min_cols=dict(settings.lm_head_min_cols, cuda=min_cols),
-                                  lm_head_dlogits_min_cols=dict(settings.lm_head_dlogits_min_cols, cuda=min_cols))
-                try:
-                    config.__enter__()
-                    out = fwdbwd()
-                    lp = fwd()[0]
-                    if ref is None:
-                        ref = (lp, out)
-                    err = max((lp - ref[0]).abs().max().item(),
-                              *((a.float() - b.float()).norm().item() / b.float().norm().item()
-                                for a, b in zip(out, ref[1])))
-                    del out
-                    warm_up(fwd, 100)
-                    f = bench_ms(fwd, warmup=5, rep=150)
-                    warm_up(fwdbwd, 100)
-                    fb = bench_ms(fwdbwd, warmup=5, rep=300)
-                    pk = peak_extra_mb(fwdbwd, h.numel() * 2 + w.numel() * 2)
-                except Exception as e:  # a tile setting that does not compile or fit
-                    print(f"N{n} H{hd} V{v} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    continue
-                finally:
-                    config.__exit__(None, None, None)
-                r = dict(shape=f"N{n} H{hd} V{v}", fused=passes, tma=tma, tiles_fwd=t_fwd, tiles_bwd=t_bwd,
-                         chunk_mib=chunk_mib, min_cols=min_cols, fwd_ms=f, fwd_x_gemm=f / gemm1, fwdbwd_ms=fb,
-                         fwdbwd_x_gemm=fb / gemm3, peak_extra_mib=pk, max_diff_vs_first=err)
-                res.append(r)
-                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
-                      flush=True)
-            del h, w, hb, wb, idx, ref
-            torch.cuda.empty_cache()
-    finally:
-        KL.CONFIG = saved_tiles
+        ref = None
+        for passes, tma, t_fwd, t_bwd, chunk_mib, min_cols in SWEEP:
+            tiles = {"stats": t_fwd, "dlogits": t_bwd, "stats_tma": t_fwd, "dlogits_tma": t_bwd}
+            cfg = (passes, tma, t_fwd, t_bwd, chunk_mib, min_cols)
+            config = override(lm_head_fused_gemm=frozenset(passes), lm_head_tma=tma, lm_head_tiles=tiles,
+                              lm_head_chunk_bytes=dict(settings.lm_head_chunk_bytes, cuda=chunk_mib << 20),
+                              lm_head_min_cols=dict(settings.lm_head_min_cols, cuda=min_cols),
+                              lm_head_dlogits_min_cols=dict(settings.lm_head_dlogits_min_cols, cuda=min_cols))
+            try:
+                config.__enter__()
+                out = fwdbwd()
+                lp = fwd()[0]
+                if ref is None:
+                    ref = (lp, out)
+                err = max((lp - ref[0]).abs().max().item(),
+                          *((a.float() - b.float()).norm().item() / b.float().norm().item()
+                            for a, b in zip(out, ref[1])))
+                del out
+                warm_up(fwd, 100)
+                f = bench_ms(fwd, warmup=5, rep=150)
+                warm_up(fwdbwd, 100)
+                fb = bench_ms(fwdbwd, warmup=5, rep=300)
+                pk = peak_extra_mb(fwdbwd, h.numel() * 2 + w.numel() * 2)
+            except Exception as e:  # a tile setting that does not compile or fit
+                print(f"N{n} H{hd} V{v} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            finally:
+                config.__exit__(None, None, None)
+            r = dict(shape=f"N{n} H{hd} V{v}", fused=passes, tma=tma, tiles_fwd=t_fwd, tiles_bwd=t_bwd,
+                     chunk_mib=chunk_mib, min_cols=min_cols, fwd_ms=f, fwd_x_gemm=f / gemm1, fwdbwd_ms=fb,
+                     fwdbwd_x_gemm=fb / gemm3, peak_extra_mib=pk, max_diff_vs_first=err)
+            res.append(r)
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+                  flush=True)
+        del h, w, hb, wb, idx, ref
+        torch.cuda.empty_cache()
     return res
 
 

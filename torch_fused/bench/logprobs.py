@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_fused
+from torch_fused.settings import override
 
 from .common import Row, bench_ms, peak_extra_mb, warm_up
 
@@ -156,17 +157,13 @@ def sweep(copy_gbps, shape=None):
     the backward (forward+backward minus forward). Returns a dict for ``sweep_logprobs.json``:
     the copy bandwidth, the shape and, per configuration, the times in ms and the fractions of
     the memory floor. The shipped choice is ``_CONFIGS`` in ``torch_fused/kernels/logprobs.py``."""
-    from ..kernels import logprobs as K
-
     b, l, v = shape or SWEEP_SHAPE
     x, idx = _inputs(b, l, v, "strided")
     xg = x.detach().requires_grad_(True)
     floor_ms = x.numel() * x.element_size() / (copy_gbps * 1e9) * 1e3
-    shipped = K.pick_block
     results = []
-    try:
-        for block, warps in SWEEP_CONFIGS:
-            K.pick_block = lambda v_, e_, kind="fwd", _b=block, _w=warps: (min(_b, K.triton.next_power_of_2(v_)), _w)
+    for block, warps in SWEEP_CONFIGS:
+        with override(logprobs_block=(block, warps)):
             try:
                 f = bench_ms(lambda: torch_fused.selective_log_softmax(x, idx))
                 fe = bench_ms(lambda: torch_fused.logprobs_and_entropy(x, idx))
@@ -179,6 +176,4 @@ def sweep(copy_gbps, shape=None):
             results.append(r)
             print(f"block {block:5d} warps {warps}: fraction of floor: fwd {r['fwd']:.3f}  fwd_ent {r['fwd_ent']:.3f}  "
                   f"bwd {r['bwd']:.3f}", flush=True)
-    finally:
-        K.pick_block = shipped
     return dict(copy_gbps=copy_gbps, shape=[b, l, v], results=results)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 import torch_fused
+from torch_fused.settings import override
 
 from .common import Row, device_ms, peak_extra_mb, warm_up
 
@@ -92,30 +93,23 @@ def sweep(copy_gbps, shape=None):
     shipped = dict(K.TILES)
     cases = [(tuple(shape), p) for _, p in SWEEP_CASES] if shape else SWEEP_CASES
     out = dict(copy_gbps=copy_gbps, shipped={k: shipped[k] for k in SWEEP_GRID}, cases=[])
-    try:
-        for shp, pattern in cases:
-            g = torch.Generator(device="cuda").manual_seed(0)
-            x = torch.randn(shp, device="cuda", dtype=torch.bfloat16, generator=g)
-            mask = make_mask(shp, pattern, g)
-            cost = torch_fused.mask_reduce_cost(x, 1, mask)
-            floor_ms = (cost["bytes"] if mask.stride(-1) == 0 else cost["floor_bytes"]) / (copy_gbps * 1e9) * 1e3
-            torch._dynamo.reset()
-            compiled = torch.compile(plain, dynamic=False)
-            c_ms = device_ms(lambda: compiled(x, mask), rep=30)[0]
-            rows = []
-            for values in itertools.product(*SWEEP_GRID.values()):
-                K.TILES.update(dict(zip(SWEEP_GRID, values)))
-                K.pick_blocks.cache_clear()
+    for shp, pattern in cases:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(shp, device="cuda", dtype=torch.bfloat16, generator=g)
+        mask = make_mask(shp, pattern, g)
+        cost = torch_fused.mask_reduce_cost(x, 1, mask)
+        floor_ms = (cost["bytes"] if mask.stride(-1) == 0 else cost["floor_bytes"]) / (copy_gbps * 1e9) * 1e3
+        torch._dynamo.reset()
+        compiled = torch.compile(plain, dynamic=False)
+        c_ms = device_ms(lambda: compiled(x, mask), rep=30)[0]
+        rows = []
+        for values in itertools.product(*SWEEP_GRID.values()):
+            with override(mask_reduce_tiles={**K.TILES, **dict(zip(SWEEP_GRID, values))}):
                 ms = device_ms(lambda: torch_fused.mask_reduce(x, 1, mask), rep=30)[0]
-                rows.append(dict(zip(SWEEP_GRID, values), ms=ms, frac=floor_ms / ms))
-            best = max(rows, key=lambda r: r["frac"])
-            print(f"mask_reduce sweep {shp} {pattern}: torch.compile {c_ms * 1e3:.1f} us "
-                  f"({floor_ms / c_ms:.3f}); best {best['ms'] * 1e3:.1f} us ({best['frac']:.3f}) at "
-                  f"{ {k: best[k] for k in SWEEP_GRID} }", flush=True)
-            out["cases"].append(dict(shape=list(shp), mask=pattern, floor_ms=floor_ms, compile_ms=c_ms, rows=rows))
-            K.TILES.update(shipped)
-            K.pick_blocks.cache_clear()
-    finally:
-        K.TILES.update(shipped)
-        K.pick_blocks.cache_clear()
+            rows.append(dict(zip(SWEEP_GRID, values), ms=ms, frac=floor_ms / ms))
+        best = max(rows, key=lambda r: r["frac"])
+        print(f"mask_reduce sweep {shp} {pattern}: torch.compile {c_ms * 1e3:.1f} us "
+              f"({floor_ms / c_ms:.3f}); best {best['ms'] * 1e3:.1f} us ({best['frac']:.3f}) at "
+              f"{ {k: best[k] for k in SWEEP_GRID} }", flush=True)
+        out["cases"].append(dict(shape=list(shp), mask=pattern, floor_ms=floor_ms, compile_ms=c_ms, rows=rows))
     return out

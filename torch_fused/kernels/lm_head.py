@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..settings import current as settings
 from .._library import NOMINAL_SMS
 from .logprobs import D_MIN, _shifted
 
@@ -236,8 +237,9 @@ def pipeline_smem(cfg, elem_bytes: int = 2) -> int:
 def pick_config(kernel: str, smem_limit: int | None):
     """The tiles for ``kernel`` on a device with ``smem_limit`` bytes of shared memory per block
     (None: no limit, the interpreter): CONFIG's where it fits with SMEM_MARGIN to spare, else
-    SMALL_SMEM_CONFIG's, else None (the caller takes the cuBLAS path)."""
-    for table in (CONFIG, SMALL_SMEM_CONFIG):
+    SMALL_SMEM_CONFIG's, else None (the caller takes the cuBLAS path). The lm_head_tiles setting
+    replaces CONFIG."""
+    for table in (settings.lm_head_tiles or CONFIG, SMALL_SMEM_CONFIG):
         if smem_limit is None or pipeline_smem(table[kernel]) + SMEM_MARGIN <= smem_limit:
             return table[kernel]
     return None

@@ -423,7 +423,13 @@ def backward_segments(v: int, block_v: int) -> tuple[int, int]:
 
 def pick_block(v: int, elem_size: int, kind: str = "fwd") -> tuple[int, int]:
     """(BLOCK_V, num_warps) for a row of v elements of elem_size bytes; kind is 'fwd'
-    (log-probs only), 'fwd_ent' (with the entropy) or 'bwd'."""
+    (log-probs only), 'fwd_ent' (with the entropy) or 'bwd'. The logprobs_block and small_tiles
+    settings replace the choice."""
+    if settings.logprobs_block is not None:
+        block, warps = settings.logprobs_block
+        return min(block, triton.next_power_of_2(max(v, 16))), warps
+    if settings.small_tiles:  # several full 16-column blocks and a masked tail at small V
+        return 16, 1
     block, warps = _CONFIGS[kind]
     if elem_size > 2:
         block //= 2  # same bytes per load

@@ -36,6 +36,7 @@ import functools
 import triton
 import triton.language as tl
 
+from ..settings import current as settings
 from .._library import NOMINAL_SMS, cdiv
 
 
@@ -222,6 +223,7 @@ TILES = {
     # contiguous reduce dim ([B, L] -> [B]): the widest tile, one 8-warp row of 16-byte vectors
     "contig_warps": 8,
 }
+_SHIPPED_KEY = tuple(sorted(TILES.items()))
 # Software pipelining (PIPELINE) is on for the contiguous-r tiles only: in the strips every value
 # carried across the loop's back edge is unpacked per element, which costs more registers than the
 # early loads gain.
@@ -231,9 +233,21 @@ def _np2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-@functools.lru_cache(maxsize=4096)
 def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int = 2,
                 n_sm: int = NOMINAL_SMS) -> tuple[int, int, int, int, bool, int]:
+    """The tiles of _pick_blocks from TILES, or from the mask_reduce_tiles setting; under the
+    small_tiles setting [2, 2, 4] trips (U = 2 rows of 2 per thread), the pipelined loop for even
+    reduce lengths and the plain one for odd ones."""
+    if settings.small_tiles:
+        return 2, 4, 1, 2, r % 2 == 0, 2
+    tiles = settings.mask_reduce_tiles
+    return _pick_blocks(r, i, n_outer, r_contiguous, x_bytes, n_sm,
+                        _SHIPPED_KEY if tiles is None else tuple(sorted(tiles.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int, n_sm: int,
+                 tiles: tuple) -> tuple[int, int, int, int, bool, int]:
     """(BLOCK_R, BLOCK_I, num_warps, VEC, PIPELINE, U), VEC = 16 bytes of x. A trip loads a
     [U * BLOCK_R, BLOCK_I] tile, U 16-byte x vectors per thread and column run, whose U rows a
     thread adds in registers; the accumulator is [BLOCK_R, BLOCK_I], one per thread and vector.
@@ -246,29 +260,30 @@ def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int =
       (Splitting the reduce dim instead, with fp32 partials, measured no faster, and it needs a
       workspace larger than the output.)
     - reduce dim contiguous (token losses, [B, L] -> [B]): the tile's fast axis is r, pipelined.
-    The numbers are in TILES.
+    The numbers are in ``tiles`` (TILES as sorted items).
     """
+    t = dict(tiles)
     vec = max(1, 16 // x_bytes)
-    cap = vec * 32 * TILES["contig_warps"]
+    cap = vec * 32 * t["contig_warps"]
     r2 = _np2(max(r, 1))
     i2 = _np2(max(i, 1))
     if r_contiguous:
         block_r = min(r2, cap)
         block_i = max(1, min(i2, cap * 2 // block_r))
-        warps = max(1, min(TILES["contig_warps"], block_r * block_i // (vec * 32 * 2)))
+        warps = max(1, min(t["contig_warps"], block_r * block_i // (vec * 32 * 2)))
         return block_r, block_i, warps, vec, True, 1
-    min_i = max(1, TILES["strip_min_bytes"] // x_bytes)
-    block_i = min(i2, TILES["row_bytes"] // x_bytes)
-    enough = TILES["programs_per_sm"] * n_sm
+    min_i = max(1, t["strip_min_bytes"] // x_bytes)
+    block_i = min(i2, t["row_bytes"] // x_bytes)
+    enough = t["programs_per_sm"] * n_sm
     while block_i > min_i and n_outer * cdiv(i, block_i) < enough:
         block_i //= 2
     if n_outer * cdiv(i, block_i) >= enough:
-        u, block_r = min(TILES["row_u"], r2), 1
+        u, block_r = min(t["row_u"], r2), 1
     else:
-        u = min(TILES["strip_u"], r2)
+        u = min(t["strip_u"], r2)
         # threads along r: all of the program's threads not needed along i, fewer if r is short
-        block_r = max(1, min(r2 // u, TILES["strip_warps"] * 32 * vec // block_i))
-    warps = max(1, min(TILES["strip_warps"], block_r * block_i // (vec * 32)))
+        block_r = max(1, min(r2 // u, t["strip_warps"] * 32 * vec // block_i))
+    warps = max(1, min(t["strip_warps"], block_r * block_i // (vec * 32)))
     return block_r, block_i, warps, vec, False, u
 
 

@@ -4,7 +4,7 @@ of matrices (of one device and param/grad dtype pair), however many parameters t
 Every SR-Sinkhorn iteration is a diagonal scaling, X = diag(r) G diag(c), so the kernels carry
 only the scale vectors r [B, m] and c [B, n] of each matrix, never a full-size temporary.
 
-One iteration reads G once (matrices with n <= MAX_FUSED_N, all common LLM weights):
+One iteration reads G once (matrices with n <= max_fused_n, all common LLM weights):
 
 - ``_sinkgd_rows_kernel``: a program owns BM whole rows of one matrix and walks them RB at a
   time. Holding a whole row, it finishes that row's norm of r_i G_ij c_j itself and rescales
@@ -15,7 +15,7 @@ One iteration reads G once (matrices with n <= MAX_FUSED_N, all common LLM weigh
   c <- c sqrt(m) / max(sqrt(sum), eps), clamped at 1e30 (see reference.sinkgd_scales).
 
 So a step is L + 3 passes over the gradient's bytes (L row passes, then the update reads G and W
-and writes W) plus the small partials. Wider matrices (n > MAX_FUSED_N) take two passes per
+and writes W) plus the small partials. Wider matrices (n > max_fused_n) take two passes per
 iteration: ``_sinkgd_sums_kernel`` (AXIS=0) writes row partials of [BM, BN] tiles and
 ``_sinkgd_scale_kernel`` (AXIS=0) finishes r, then ``_sinkgd_sums_kernel`` (AXIS=1) writes the
 column partials that the same column scale launch finishes.
@@ -59,9 +59,12 @@ the matrices it covers (ops/sinkgd/plan.py::_Plan builds them once per set of pa
 from __future__ import annotations
 
 
+import dataclasses
+
 import triton
 import triton.language as tl
 
+from ..settings import current as settings
 from .._library import SCALE_MAX as _SCALE_MAX, SQRT_FP32_MAX as _SQRT_FP32_MAX, SR_SEED_STRIDE as _SR_SEED_STRIDE
 
 # meta columns (constexpr globals: readable inside @triton.jit); the launcher writes rows in
@@ -78,7 +81,7 @@ COEF_OFF = tl.constexpr(8)
 N_PC = tl.constexpr(9)  # column partials per batch entry (row blocks of the pass that wrote them)
 V_PTR = tl.constexpr(10)  # the spectral warm-start vectors [B, n] (fp32; 0 without the spectral step)
 U_OFF = tl.constexpr(11)  # |u|^2 partials of the power pass: N_PC per batch entry
-WQ_OFF = tl.constexpr(12)  # |w|^2 partials: one per SCALE_BLOCK columns and batch entry
+WQ_OFF = tl.constexpr(12)  # |w|^2 partials: one per scale_block columns and batch entry
 # sharded parameters (optim/sharded.py: a rank's rows of each matrix); a whole matrix has
 # MG = M and EOFF = 0; SALT is the matrix's index among the list's matrices of its load class
 # (ALIGN), in list order
@@ -108,57 +111,80 @@ SQRT_FP32_MAX = tl.constexpr(_SQRT_FP32_MAX)  # about sqrt(fp32 max): a clamp wh
 SR_SEED_STRIDE = tl.constexpr(_SR_SEED_STRIDE)
 SSQ_SCALED = tl.constexpr(1e37)  # a row sum of squares above this (or inf) is recomputed scaled
 
-MAX_FUSED_N = 16384  # widest row a _sinkgd_rows_kernel program holds in registers
-ROW_TILE = (8, 1024, 4)  # two-pass path, row sums: BM, BN, warps
-COL_TILE = (128, 64, 4)  # two-pass path, column sums
-UPD_TILE = (32, 256, 4)  # [BM, BN] tiles of the update: BN 256 divides the common widths (768, 3072)
-SCALE_BLOCK = 32  # _sinkgd_scale_kernel: entries per program (the faster of 32 and 64 on the sinkgd suite)
-SCALE_PARTS = 64  # and partials per trip
-# _sinkgd_rows_kernel tiles (rows_config), chosen by a tile sweep on an H200: elements per
-# thread and row, the most warps a program gets, rows per program, rows per trip. A plan
-# (ops/sinkgd/plan.py::_Plan) reads them when it is built: code that changes them uses a new cache.
-ROWS_ELEMS = 32
-ROWS_MAX_WARPS = 16
-ROWS_BM = 64
-ROWS_MIN_PROGRAMS = 4  # per SM, see rows_bm
-ROWS_MAX_PARTIALS = 1024  # per column of a matrix, see rows_bm
-ROWS_RB = 1
-# The row and power passes' loads are software pipelined by Triton (tl.range num_stages, staged
-# through shared memory: more bytes in flight than registers allow) where ROWS_PIPE stages of a trip fit in
-# ROWS_PIPE_BYTES; else (and with ROWS_PIPE = 0) the kernels prefetch one trip in registers.
-ROWS_PIPE = 3
-ROWS_PIPE_BYTES = 64 << 10
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The tile constants the launchers (ops/sinkgd/launch.py) and plans (ops/sinkgd/plan.py) read;
+    a plan is built from one set and keyed by it. ``tiles()`` is the set in use."""
+    max_fused_n: int = 16384  # widest row a _sinkgd_rows_kernel program holds in registers
+    row_tile: tuple = (8, 1024, 4)  # two-pass path, row sums: BM, BN, warps
+    col_tile: tuple = (128, 64, 4)  # two-pass path, column sums
+    upd_tile: tuple = (32, 256, 4)  # [BM, BN] tiles of the update: BN 256 divides the common widths (768, 3072)
+    scale_block: int = 32  # _sinkgd_scale_kernel: entries per program (the faster of 32 and 64 on the sinkgd suite)
+    scale_parts: int = 64  # and partials per trip
+    # _sinkgd_rows_kernel tiles (rows_config), chosen by a tile sweep on an H200: elements per
+    # thread and row, the most warps a program gets, rows per program, rows per trip
+    rows_elems: int = 32
+    rows_max_warps: int = 16
+    rows_bm: int = 64
+    rows_min_programs: int = 4  # per SM, see rows_bm
+    rows_max_partials: int = 1024  # per column of a matrix, see rows_bm
+    rows_rb: int = 1
+    # The row and power passes' loads are software pipelined by Triton (tl.range num_stages,
+    # staged through shared memory: more bytes in flight than registers allow) where rows_pipe
+    # stages of a trip fit in rows_pipe_bytes; else (and with rows_pipe = 0) the kernels prefetch
+    # one trip in registers.
+    rows_pipe: int = 3
+    rows_pipe_bytes: int = 64 << 10
 
 
-def rows_pipe(block_n: int, rb: int, elem_bytes: int) -> int:
+SHIPPED_TILES = Tiles()
+# The small_tiles setting (the interpreter test run): rows wider than 64 take the two-pass path;
+# the one-read row pass gets programs of 4 rows in 1-2 row trips, so small matrices still have
+# several programs and trips each (a 70-row matrix gets 8-row programs); several partial trips
+# per column with a masked tail; 64-wide two-pass and update tiles, so rows of 65-150 already span
+# several tiles and matrices of more than 8 rows have several column partials.
+SMALL_TILES = dataclasses.replace(SHIPPED_TILES, max_fused_n=64, rows_elems=1, rows_bm=4, rows_max_partials=16,
+                                  scale_parts=4, row_tile=(8, 64, 4), col_tile=(8, 64, 4), upd_tile=(8, 64, 4))
+
+
+def tiles() -> Tiles:
+    """The tiles in use: the sinkgd_tiles setting, else SMALL_TILES under the small_tiles setting,
+    else SHIPPED_TILES."""
+    return settings.sinkgd_tiles or (SMALL_TILES if settings.small_tiles else SHIPPED_TILES)
+
+
+def rows_pipe(block_n: int, rb: int, elem_bytes: int, t: Tiles | None = None) -> int:
     """The PIPE constexpr of a row or power pass over [rb, block_n] trips of elem_bytes-wide
-    gradient elements (see ROWS_PIPE)."""
-    return ROWS_PIPE if ROWS_PIPE * rb * block_n * elem_bytes <= ROWS_PIPE_BYTES else 0
+    gradient elements (see rows_pipe)."""
+    t = t or tiles()
+    return t.rows_pipe if t.rows_pipe * rb * block_n * elem_bytes <= t.rows_pipe_bytes else 0
 
 
 def rows_config(n: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, RB, BM, num_warps) of _sinkgd_rows_kernel for rows of n
-    elements: a trip loads RB rows (ROWS_RB, fewer for long rows, more for short ones) with
-    ROWS_ELEMS elements per thread and row (more where ROWS_MAX_WARPS caps the warps); a program
+    elements: a trip loads RB rows (rows_rb, fewer for long rows, more for short ones) with
+    rows_elems elements per thread and row (more where rows_max_warps caps the warps); a program
     owns BM rows (BM / RB trips; m / BM column partials per column)."""
+    t = tiles()
     block_n = max(16, triton.next_power_of_2(n))
-    # more rows per trip only where ROWS_ELEMS per thread still holds (the registers spill else)
-    rb = max(1, min(ROWS_RB, ROWS_ELEMS * 32 * ROWS_MAX_WARPS // block_n))
-    warps = max(1, min(ROWS_MAX_WARPS, rb * block_n // (32 * ROWS_ELEMS)))
-    rb = max(rb, ROWS_ELEMS * 32 * warps // block_n)
-    return block_n, rb, max(rb, ROWS_BM), warps
+    # more rows per trip only where rows_elems per thread still holds (the registers spill else)
+    rb = max(1, min(t.rows_rb, t.rows_elems * 32 * t.rows_max_warps // block_n))
+    warps = max(1, min(t.rows_max_warps, rb * block_n // (32 * t.rows_elems)))
+    rb = max(rb, t.rows_elems * 32 * warps // block_n)
+    return block_n, rb, max(rb, t.rows_bm), warps
 
 
 def rows_bm(total_rows: int, rb: int, n_sm: int, max_m: int) -> int:
-    """Rows per program of a row-pass launch over total_rows rows: ROWS_BM, halved (not below
-    16 or RB) until the launch has ROWS_MIN_PROGRAMS programs per SM (a launch of a few long
+    """Rows per program of a row-pass launch over total_rows rows: rows_bm, halved (not below
+    16 or RB) until the launch has rows_min_programs programs per SM (a launch of a few long
     rows, a down projection's 4096 x 14336, otherwise runs on half the SMs); then raised to a
-    power of two that leaves the tallest matrix (max_m rows) at most ROWS_MAX_PARTIALS column
+    power of two that leaves the tallest matrix (max_m rows) at most rows_max_partials column
     partials per column, so the partials stay O(cols) per matrix."""
-    bm = max(rb, ROWS_BM)
-    while bm > max(16, rb) and total_rows < ROWS_MIN_PROGRAMS * n_sm * bm:
+    t = tiles()
+    bm = max(rb, t.rows_bm)
+    while bm > max(16, rb) and total_rows < t.rows_min_programs * n_sm * bm:
         bm //= 2
-    return max(bm, triton.next_power_of_2(triton.cdiv(max_m, ROWS_MAX_PARTIALS)))
+    return max(bm, triton.next_power_of_2(triton.cdiv(max_m, t.rows_max_partials)))
 
 
 @triton.jit
@@ -487,7 +513,7 @@ def _sinkgd_power_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, 
 def _sinkgd_power_tiles_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, p_cpart, p_upart,
                                AXIS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PART_TILE: tl.constexpr,
                                ALIGN: tl.constexpr):
-    """The power pass of rows wider than MAX_FUSED_N, over [BM, BN] tiles in two launches.
+    """The power pass of rows wider than max_fused_n, over [BM, BN] tiles in two launches.
     AXIS=0: row partials sum_j G_ij (c_j v_j) of PART_TILE-wide tiles (p_part, the two-pass
     path's row partial layout). AXIS=1: each program sums its rows' partials in a fixed order
     into u_i = r_i d_i, writes the tile's column terms G_ij (r_i u_i) as column partials
@@ -680,6 +706,7 @@ def _sinkgd_update_kernel(p_meta, p_first, n_mats, p_gdt, p_wdt, p_r, p_c, p_lr,
 
 def compile_cases():
     """(name, kernel, signature, constexprs, warps) for tests/test_kernels_compile.py."""
+    t = tiles()
     rows = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_gdt": "*bf16", "p_r": "*fp32",
             "p_c": "*fp32", "p_part": "*fp32", "eps": "fp32"}
     for n in (768, 4096, 14336):
@@ -690,7 +717,7 @@ def compile_cases():
                     "EVEN_N": n == block_n, "PIPE": rows_pipe(block_n, rb, 2)}, w)
     sums = dict(rows)
     del sums["eps"]
-    for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):
+    for axis, (bm, bn, w) in ((0, t.row_tile), (1, t.col_tile)):
         for ones in (False, True):
             yield (f"sinkgd_sums axis={axis} ones={ones}", _sinkgd_sums_kernel, sums,
                    {"AXIS": axis, "BM": bm, "BN": bn, "ONES_R": ones and axis == 0, "ONES_C": ones,
@@ -700,36 +727,36 @@ def compile_cases():
     for axis in (0, 1):
         for ones in (False, True):
             yield (f"sinkgd_scale axis={axis} ones={ones}", _sinkgd_scale_kernel, scale,
-                   {"AXIS": axis, "PART_TILE": ROW_TILE[1], "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS,
+                   {"AXIS": axis, "PART_TILE": t.row_tile[1], "BLOCK": t.scale_block, "PARTS": t.scale_parts,
                     "ONES": ones, "SUMMED": False}, 4)
     yield ("sinkgd_scale axis=1 summed", _sinkgd_scale_kernel, scale,
-           {"AXIS": 1, "PART_TILE": ROW_TILE[1], "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS, "ONES": False,
+           {"AXIS": 1, "PART_TILE": t.row_tile[1], "BLOCK": t.scale_block, "PARTS": t.scale_parts, "ONES": False,
             "SUMMED": True}, 4)
     for with_u in (False, True):
         yield (f"sinkgd_colsum with_u={with_u}", _sinkgd_colsum_kernel,
                {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_part": "*fp32", "p_upart": "*fp32",
-                "p_sums": "*fp32"}, {"WITH_U": with_u, "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS}, 4)
+                "p_sums": "*fp32"}, {"WITH_U": with_u, "BLOCK": t.scale_block, "PARTS": t.scale_parts}, 4)
     for n in (4096, 14336):
         block_n, rb, bm, w = rows_config(n)
         yield (f"sinkgd_power_rows n={n}", _sinkgd_power_rows_kernel, dict(sums, p_upart="*fp32"),
                {"BLOCK_N": block_n, "RB": rb, "BM": bm, "ALIGN": 8, "EVEN_N": True, "PIPE": rows_pipe(block_n, rb, 2)}, w)
-    tiles = dict(sums, p_cpart="*fp32", p_upart="*fp32")
-    for axis, (bm, bn, w) in ((0, ROW_TILE), (1, COL_TILE)):
-        yield (f"sinkgd_power_tiles axis={axis}", _sinkgd_power_tiles_kernel, tiles,
-               {"AXIS": axis, "BM": bm, "BN": bn, "PART_TILE": ROW_TILE[1], "ALIGN": 8}, w)
+    power_tiles = dict(sums, p_cpart="*fp32", p_upart="*fp32")
+    for axis, (bm, bn, w) in ((0, t.row_tile), (1, t.col_tile)):
+        yield (f"sinkgd_power_tiles axis={axis}", _sinkgd_power_tiles_kernel, power_tiles,
+               {"AXIS": axis, "BM": bm, "BN": bn, "PART_TILE": t.row_tile[1], "ALIGN": 8}, w)
     for summed in (False, True):
         yield (f"sinkgd_power_cols summed={summed}", _sinkgd_power_cols_kernel,
                {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_c": "*fp32", "p_part": "*fp32",
                 "p_upart": "*fp32", "p_wpart": "*fp32", "eps": "fp32"},
-               {"BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS, "SUMMED": summed}, 4)
+               {"BLOCK": t.scale_block, "PARTS": t.scale_parts, "SUMMED": summed}, 4)
     for muon in (False, True):
         yield (f"sinkgd_power_norm muon={muon}", _sinkgd_power_norm_kernel,
                {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_wpart": "*fp32", "p_spec": "*fp32",
-                "eps": "fp32"}, {"MUON": muon, "BLOCK": SCALE_BLOCK, "PARTS": SCALE_PARTS}, 4)
+                "eps": "fp32"}, {"MUON": muon, "BLOCK": t.scale_block, "PARTS": t.scale_parts}, 4)
     upd = {"p_meta": "*i64", "p_first": "*i64", "n_mats": "i32", "p_gdt": "*fp16", "p_wdt": "*bf16",
            "p_r": "*fp32", "p_c": "*fp32", "p_lr": "*fp32", "p_fac": "*fp32", "p_spec": "*fp32",
            "wd": "fp32", "p_seed": "*fp32"}
     for sr, align in ((False, 8), (True, 1), (True, 8)):  # SR: per-element and per-group noise
         yield (f"sinkgd_update sr={sr} align={align}", _sinkgd_update_kernel, upd,
-               {"STOCHASTIC": sr, "HAS_SPEC": sr, "BM": UPD_TILE[0], "BN": UPD_TILE[1], "ALIGN": align},
-               UPD_TILE[2])
+               {"STOCHASTIC": sr, "HAS_SPEC": sr, "BM": t.upd_tile[0], "BN": t.upd_tile[1], "ALIGN": align},
+               t.upd_tile[2])

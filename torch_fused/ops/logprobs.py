@@ -21,6 +21,7 @@ from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_e
                         kernel_temperature, new_output, rows_strides)
 from .. import reference
 from .._launch import launch
+from ..settings import current as _settings
 from ..meta import logprobs as meta
 
 _FWD = f"{NAMESPACE}::_logprobs_entropy_forward"
@@ -88,6 +89,11 @@ def _tensor_key(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
+def _settings_key():
+    """The settings a plan depends on (the kernels' block choice, the backward's segments)."""
+    return _settings.logprobs_block, _settings.small_tiles, _settings.logprobs_bwd_segment
+
+
 def _forward_plan(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
     """(out shapes, dtype, rows, copy the logits?, layout, index as [rows, K] needs a copy?, k,
     kernel constexprs and options, scale c) of a forward call; raises on bad input."""
@@ -124,7 +130,7 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
         return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy,
                                                   temperature_t, shift)
     key = (_tensor_key(logits), _tensor_key(index), temperature, ignore_index, compute_entropy,
-           _tensor_key(temperature_t), shift)
+           _tensor_key(temperature_t), shift, _settings_key())
     plan = _FWD_PLANS.get(key)
     if plan is None:
         plan = _FWD_PLANS.put(key, _forward_plan(logits, index, temperature, ignore_index, compute_entropy,
@@ -258,7 +264,7 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     in_place = out is not None and out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
     key = (_tensor_key(grad_logp), _tensor_key(grad_entropy), _tensor_key(logits), _tensor_key(index), temperature,
            ignore_index, _tensor_key(temperature_t), shift, v_off, v_total, out_dtype, _tensor_key(out), in_place,
-           exact)
+           exact, _settings_key())
     plan = _BWD_PLANS.get(key)
     if plan is None:
         plan = _BWD_PLANS.put(key, _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_index,

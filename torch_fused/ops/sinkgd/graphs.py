@@ -22,7 +22,7 @@ def _group_step(ps, gs, vecs, lr, lr_scale, weight_decay, eps, iters, spectral_n
                 spectral_iters, base_width, width_exponent, stochastic, seed, cache=None):
     """One SinkGD step for matrices sharing a (param dtype, grad dtype) pair: per iteration one
     row pass per row-width bucket and one column scale launch (plus three launches for rows
-    wider than MAX_FUSED_N), then, with the spectral step, per power iteration one power pass
+    wider than max_fused_n), then, with the spectral step, per power iteration one power pass
     per bucket and two small launches (plus two for wide rows), then the update, whatever the
     number of matrices.
 

@@ -66,7 +66,7 @@ def _row_stage(plan, bufs, gdt, eps, first):
     r, c, part_r, part_c = bufs.r, bufs.c, bufs.part_r, bufs.part_c
     fns = [functools.partial(K._sinkgd_rows_kernel[(grid,)], t_meta, t_first, n_mats, gdt, r, c, part_c, eps,
                              ONES_R=first, ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align, EVEN_N=even,
-                             PIPE=K.rows_pipe(block_n, rb, gdt.element_size()), num_warps=warps)
+                             PIPE=K.rows_pipe(block_n, rb, gdt.element_size(), plan.tiles), num_warps=warps)
            for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in plan.fused]
     if plan.wide is not None:
         fns.append(functools.partial(_wide_rows, plan, r, c, part_r, part_c, gdt, eps, first))
@@ -74,16 +74,16 @@ def _row_stage(plan, bufs, gdt, eps, first):
 
 
 def _wide_rows(plan, r, c, part_r, part_c, gdt, eps, first):
-    """The two-pass path's launches of one Sinkhorn iteration (rows wider than MAX_FUSED_N)."""
+    """The two-pass path's launches of one Sinkhorn iteration (rows wider than max_fused_n)."""
     from ...kernels import sinkgd as K
 
-    rbm, rbn, rw = K.ROW_TILE
-    cbm, cbn, cw = K.COL_TILE
+    rbm, rbn, rw = plan.tiles.row_tile
+    cbm, cbn, cw = plan.tiles.col_tile
     align, ((m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c)) = plan.wide
     K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
                                   ONES_R=first, ONES_C=first, ALIGN=align, num_warps=rw)
-    K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=K.SCALE_BLOCK,
-                                   PARTS=K.SCALE_PARTS, ONES=first, SUMMED=False)
+    K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=plan.tiles.scale_block,
+                                   PARTS=plan.tiles.scale_parts, ONES=first, SUMMED=False)
     K._sinkgd_sums_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
                                   ONES_R=False, ONES_C=first, ALIGN=align, num_warps=cw)
 
@@ -94,7 +94,7 @@ def _col_stage(plan, bufs, eps, first, sums=None):
 
     t_meta, t_first, n_mats, grid = plan.cscale
     K._sinkgd_scale_kernel[(grid,)](t_meta, t_first, n_mats, bufs.c, bufs.part_c if sums is None else sums, eps,
-                                    AXIS=1, PART_TILE=K.COL_TILE[0], BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS,
+                                    AXIS=1, PART_TILE=plan.tiles.col_tile[0], BLOCK=plan.tiles.scale_block, PARTS=plan.tiles.scale_parts,
                                     ONES=first, SUMMED=sums is not None)
 
 
@@ -104,7 +104,7 @@ def _colsum_stage(plan, bufs, sums, with_u):
 
     t_meta, t_first, n_mats, grid = plan.cscale
     K._sinkgd_colsum_kernel[(grid,)](t_meta, t_first, n_mats, bufs.part_c, bufs.part_u if with_u else bufs.part_c,
-                                     sums, WITH_U=with_u, BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS)
+                                     sums, WITH_U=with_u, BLOCK=plan.tiles.scale_block, PARTS=plan.tiles.scale_parts)
 
 
 def _power_stage(plan, bufs, gdt):
@@ -114,7 +114,7 @@ def _power_stage(plan, bufs, gdt):
     r, c, part_r, part_c, part_u = bufs.r, bufs.c, bufs.part_r, bufs.part_c, bufs.part_u
     fns = [functools.partial(K._sinkgd_power_rows_kernel[(grid,)], t_meta, t_first, n_mats, gdt, r, c, part_c,
                              part_u, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=align, EVEN_N=even,
-                             PIPE=K.rows_pipe(block_n, rb, gdt.element_size()), num_warps=warps)
+                             PIPE=K.rows_pipe(block_n, rb, gdt.element_size(), plan.tiles), num_warps=warps)
            for (block_n, rb, bm, warps), align, even, (t_meta, t_first, n_mats, grid) in plan.fused]
     if plan.wide is not None:
         fns.append(functools.partial(_wide_power, plan, r, c, part_r, part_c, part_u, gdt))
@@ -122,11 +122,11 @@ def _power_stage(plan, bufs, gdt):
 
 
 def _wide_power(plan, r, c, part_r, part_c, part_u, gdt):
-    """The power pass's two launches for rows wider than MAX_FUSED_N."""
+    """The power pass's two launches for rows wider than max_fused_n."""
     from ...kernels import sinkgd as K
 
-    rbm, rbn, rw = K.ROW_TILE
-    cbm, cbn, cw = K.COL_TILE
+    rbm, rbn, rw = plan.tiles.row_tile
+    cbm, cbn, cw = plan.tiles.col_tile
     align, ((m_s, f_s, n_s, g_s), _, (m_c, f_c, n_c, g_c)) = plan.wide
     K._sinkgd_power_tiles_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, part_c, part_u, AXIS=0,
                                          BM=rbm, BN=rbn, PART_TILE=rbn, ALIGN=align, num_warps=rw)
@@ -142,15 +142,15 @@ def _power_finish(plan, bufs, eps, spectral_target, sums=None):
     t_meta, t_first, n_mats, grid = plan.cscale
     part, upart = (bufs.part_c, bufs.part_u) if sums is None else (sums, sums)
     K._sinkgd_power_cols_kernel[(grid,)](t_meta, t_first, n_mats, bufs.c, part, upart, bufs.part_w, eps,
-                                         BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS, SUMMED=sums is not None)
+                                         BLOCK=plan.tiles.scale_block, PARTS=plan.tiles.scale_parts, SUMMED=sums is not None)
     K._sinkgd_power_norm_kernel[(grid,)](t_meta, t_first, n_mats, bufs.part_w, bufs.spec, eps,
-                                         MUON=spectral_target == "muon", BLOCK=K.SCALE_BLOCK, PARTS=K.SCALE_PARTS)
+                                         MUON=spectral_target == "muon", BLOCK=plan.tiles.scale_block, PARTS=plan.tiles.scale_parts)
 
 
 def _update_stage(plan, bufs, gdt, wdt, lr_d, seed_d, weight_decay, stochastic, spectral_norm):
     from ...kernels import sinkgd as K
 
-    ubm, ubn, uw = K.UPD_TILE
+    ubm, ubn, uw = plan.tiles.upd_tile
     for align, (t_meta, t_first, n_mats, grid) in plan.update:
         K._sinkgd_update_kernel[(grid,)](t_meta, t_first, n_mats, gdt, wdt, bufs.r, bufs.c, lr_d, plan.fac,
                                          bufs.spec, float(weight_decay), seed_d, STOCHASTIC=stochastic,

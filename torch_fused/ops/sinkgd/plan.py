@@ -47,7 +47,7 @@ class _Plan:
     matrix beyond its key. Code that changes the tile constants (a sweep) uses a fresh cache.
 
     Launches: ``fused`` [(rows_config, align, even, launch)] one per (row width bucket,
-    alignment, rows exactly BLOCK_N long or not) for matrices with n <= MAX_FUSED_N; ``wide``
+    alignment, rows exactly BLOCK_N long or not) for matrices with n <= max_fused_n; ``wide``
     (align, (row sums, row scale, column sums)) for the rest, or None; ``cscale`` over every
     matrix; ``update`` [(align, launch)]. A launch is (meta, first, n_mats, grid); align is the
     kernels' ALIGN (kernels/sinkgd.py): 16 bytes of the narrower dtype where n is a multiple of
@@ -63,10 +63,11 @@ class _Plan:
         from ...kernels import sinkgd as K
 
         dev = ps[0].device
-        rbm, rbn, _ = K.ROW_TILE
-        cbm, cbn, _ = K.COL_TILE
-        ubm, ubn, _ = K.UPD_TILE
-        sb = K.SCALE_BLOCK
+        self.tiles = tiles = K.tiles()  # the launches read the plan's tiles
+        rbm, rbn, _ = tiles.row_tile
+        cbm, cbn, _ = tiles.col_tile
+        ubm, ubn, _ = tiles.upd_tile
+        sb = tiles.scale_block
         rows, shapes, buckets, wide, upd, salts = [], [], {}, [], {}, {}
         r_off = c_off = pr_off = pc_off = coef_off = u_off = wq_off = 0
         factors_b, self.spans = [], []
@@ -82,7 +83,7 @@ class _Plan:
             align = vec if n % vec == 0 and p.data_ptr() % 16 == 0 and g.data_ptr() % 16 == 0 else 1
             if v_ptrs[len(key_of)] % 16:
                 align = 1  # the power pass loads v with the same vector width
-            key = (K.rows_config(n), align) if n <= K.MAX_FUSED_N else None
+            key = (K.rows_config(n), align) if n <= tiles.max_fused_n else None
             if key is not None and n != key[0][0]:
                 key = key + ("uneven",)  # EVEN_N launches: rows exactly BLOCK_N long
             key_of.append((key, align))
@@ -165,13 +166,12 @@ class _Plan:
         self.fac = _device_tensor(factors_b or [0.0], torch.float32, dev)
 
 
-def _tile_settings() -> tuple:
-    """The kernels' tile constants a plan is built from (kernels/sinkgd.py): part of every plan
-    key, so that code changing them (a sweep, the interpreter run) never meets a stale plan."""
+def _tile_settings():
+    """The kernels' tiles a plan is built from (kernels/sinkgd.tiles(), a frozen dataclass): part
+    of every plan key, so that a change of them (a sweep, the interpreter run) never meets a stale plan."""
     from ...kernels import sinkgd as K
 
-    return (K.MAX_FUSED_N, K.ROW_TILE, K.COL_TILE, K.UPD_TILE, K.SCALE_BLOCK, K.ROWS_ELEMS, K.ROWS_MAX_WARPS,
-            K.ROWS_BM, K.ROWS_MIN_PROGRAMS, K.ROWS_MAX_PARTIALS, K.ROWS_RB, K.ROWS_PIPE, K.ROWS_PIPE_BYTES, K.SCALE_PARTS)
+    return K.tiles()
 
 
 def _plan_key(ps, gs, lr_scale, base_width, width_exponent, vecs=(), shard=None) -> tuple:
