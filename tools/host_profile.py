@@ -40,14 +40,11 @@ bv, w = K.pick_block(v, 2, "fwd")
 args = (x, idx.reshape(n, 1), logp, ent, stats, stats, v, 1, n, 0, v, c, -100)
 kw = dict(HAS_INDEX=True, HAS_ENT=False, EXACT_SHIFT=False, T_FROM_PTR=False, BLOCK_V=bv, BLOCK_K=2, EPT=8, num_warps=w)
 launch = lambda: K._logprobs_entropy_forward_kernel[(n,)](*args, **kw)
-from torch_fused._launch import launch as fast_launch
-direct = lambda: fast_launch(K._logprobs_entropy_forward_kernel, (n,), *args, **kw)
 core = torch.ops.fused._logprobs_entropy_forward
 cases = [
     ("torch.empty x3", lambda: (torch.empty(64, device="cuda"), torch.empty(0, device="cuda"), torch.empty(64, 2, device="cuda"))),
     ("x * 2 (one torch op)", lambda: x * 2),
     ("bare triton launch, fwd kernel", launch),
-    ("_launch.launch, fwd kernel", direct),
     ("core op (dispatcher), no grad", lambda: core(x, idx, 1.0, -100, False, None, False)),
     ("_forward_triton", lambda: L._forward_triton(x, idx, 1.0, -100, False)),
     ("backward_triton", lambda: L.backward_triton(gl, None, x, idx, stats, ent, 1.0, -100)),
@@ -97,12 +94,3 @@ def grpo(name, fn):
     say(s.getvalue())
 grpo("plain", plain_both)
 grpo("ours", torch_fused.logprobs_and_entropy)
-# the same with the core ops' CUDA kernels registered directly (no custom_op backend wrapper)
-import warnings
-warnings.simplefilter("ignore")
-_lib = torch.library.Library("fused", "IMPL")
-_lib.impl("_logprobs_entropy_forward", L._forward_triton, "CUDA")
-_lib.impl("_logprobs_entropy_backward", L.backward_triton, "CUDA")
-torch._dynamo.reset()
-say(f"core op direct registration, no grad: {wall_us(lambda: core(x, idx, 1.0, -100, False, None, False)):.1f} us")
-grpo("ours, direct CUDA registration", torch_fused.logprobs_and_entropy)

@@ -49,7 +49,6 @@ import torch
 from .._library import (INTERPRET, LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, exact_shift,
                         kernel_temperature, new_output)
 from .. import reference
-from .._launch import launch
 from ..meta import linear_logprobs as meta
 from ..meta.logprobs import row_shape
 from . import logprobs as lp_ops
@@ -192,7 +191,7 @@ def _merge_triton(z, idx2, v0, first, run, u, m_own, t_eff, c):
     n, v = z.shape
     k = idx2.shape[1]
     block_v, warps = K.pick_block(v, 4, "fwd_ent")
-    launch(K._chunk_merge_kernel, (n,),
+    K._chunk_merge_kernel[(n,)](
         z, idx2, run, u, m_own, v, k, z.stride(0), v0, int(first), c,
         EXACT_SHIFT=exact_shift(c), BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)), EPT=4,
         num_warps=warps,

@@ -20,7 +20,6 @@ import torch
 from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift,
                         kernel_temperature, new_output, rows_strides)
 from .. import reference
-from .._launch import launch
 from ..settings import current as _settings
 from ..meta import logprobs as meta
 
@@ -145,9 +144,9 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
     # with shift the rows are the first L of every [L+1, V] block: the same first element
     x = (logits[..., :-1, :] if shift else logits).contiguous() if copy else logits
     idx = stats if index is None else index.contiguous() if index_copy else index  # [rows, K] row-major
-    launch(K._logprobs_entropy_forward_kernel, (rows,),
-           x, idx, logp, ent, stats, temperature_t if temperature_t is not None else stats,
-           v, k, inner, s_outer, s_inner, c, ignore_index, **constexprs)
+    K._logprobs_entropy_forward_kernel[(rows,)](
+        x, idx, logp, ent, stats, temperature_t if temperature_t is not None else stats,
+        v, k, inner, s_outer, s_inner, c, ignore_index, **constexprs)
     return logp, ent, stats
 
 
@@ -289,9 +288,9 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
         idx = glp = stats  # unused pointers
     gh = (grad_entropy.reshape(rows) if gh_copy else grad_entropy) if constexprs["HAS_GH"] else stats
     tail = dx[..., -1, :] if shift else dx
-    launch(K._logprobs_entropy_backward_kernel, (grid,),
-           x, idx, glp, gh, stats, entropy if constexprs["HAS_GH"] else stats, dx, tail,
-           temperature_t if has_dt else stats, xdx if has_dt else stats, *scalars, **constexprs)
+    K._logprobs_entropy_backward_kernel[(grid,)](
+        x, idx, glp, gh, stats, entropy if constexprs["HAS_GH"] else stats, dx, tail,
+        temperature_t if has_dt else stats, xdx if has_dt else stats, *scalars, **constexprs)
     return dx, xdx if not has_dt else reference.temperature_grad(xdx, temperature_t)
 
 

@@ -12,7 +12,6 @@ import torch
 
 from .._library import NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, n_sm, new_output
 from .. import reference
-from .._launch import launch
 from ..meta import mask_reduce as meta
 
 
@@ -90,7 +89,7 @@ def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
     sc, ss = _operand(scale, shape, d) if scale is not None else (x, None)
     n_iblk, constexprs, warps = K.launch_config(r, o0, o1, i, sx, sm, ss, x.element_size(),
                                                 acc_dtype(x.dtype) == torch.float64, n_sm(x.device))
-    launch(K._mask_reduce_forward_kernel, (o0 * o1 * n_iblk,),
+    K._mask_reduce_forward_kernel[(o0 * o1 * n_iblk,)](
         xt, mt, sc, y,
         r, o1, i, n_iblk, o0 * o1,
         *sx, *(sm or (0, 0, 0, 0)), *(ss or (0, 0, 0, 0)),
