@@ -519,3 +519,71 @@ def test_merge_shift_is_the_kernels_rounded_difference(device):
     # the inputs tell the two forms apart: the unrounded product's difference is not the same
     c32 = float(torch.tensor(c, dtype=torch.float32))
     assert not torch.equal(((a.double() - b.double()) * c32).float(), want)
+
+
+def _plan_cases(device):
+    """Calls that share shapes but differ in one thing a launch plan depends on: the logits'
+    strides (contiguous, leading dims transposed, a strided vocabulary that needs a copy), dtype,
+    shift, temperature, ignore_index, index layout (contiguous or not, K ids), the entropy."""
+    g = torch.Generator().manual_seed(11)
+    b, l, v = 3, 4, 40
+    full = make_logits((b, l + 1), v, torch.float32, device, "contiguous", gen=g)
+    wide = make_logits((b, l), 2 * v, torch.float32, device, "contiguous", gen=g)
+    idx = torch.randint(0, v, (b, l), generator=g).to(device)
+    idx_t = torch.randint(0, v, (l, b), generator=g).to(device).t()  # [b, l], not contiguous
+    idxk = torch.randint(0, v, (b, l, 2), generator=g).to(device)
+    contig = full[:, :-1].contiguous()
+    return [
+        ("contiguous", contig, idx, {}),
+        ("sliced view", full[:, :-1], idx, {}),
+        ("leading dims transposed", contig.transpose(0, 1).contiguous().transpose(0, 1), idx, {}),
+        ("vocabulary strided", wide[..., ::2], idx, {}),
+        ("bf16", contig.bfloat16(), idx, {}),
+        ("shift", full, idx, {"shift": True}),
+        ("temperature", contig, idx, {"temperature": 0.7}),
+        ("ignore_index", contig, idx, {"ignore_index": int(idx[0, 0])}),
+        ("index not contiguous", contig, idx_t, {}),
+        ("K ids", contig, idxk, {}),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_repeated_calls_with_another_layout_never_reuse_a_plan(device):
+    """The Triton implementations keep a launch plan per call key (ops/logprobs.py, _FWD_PLANS /
+    _BWD_PLANS). Each case shares its shapes with the others and differs in one thing the plan
+    depends on; two rounds over all of them, so the second round's calls all find their plans,
+    and every output and logits gradient (upstream gradients contiguous, expanded and strided)
+    against the float64 formulas."""
+    from _helpers import assert_grad_close, assert_logprob_close, ref_logprobs_entropy
+
+    cases = _plan_cases(device)
+    for _ in range(2):
+        for what, x, index, kw in cases:
+            t = kw.get("temperature", 1.0)
+            ig = kw.get("ignore_index", -100)
+            live = x[:, :-1] if kw.get("shift") else x
+            xr = live.detach().double().cpu().requires_grad_(True)
+            rlp, rent = ref_logprobs_entropy(xr, index.cpu(), t, ig)
+            for gname in ("contiguous", "expanded", "strided"):
+                xg = x.detach().clone().requires_grad_(True)
+                lp, ent = torch_fused.logprobs_and_entropy(xg, index, **kw)
+                assert_logprob_close(lp, rlp, x.shape[-1], f"{what}: log-probs", x.dtype)
+                assert_logprob_close(ent, rent, x.shape[-1], f"{what}: entropy", x.dtype)
+                if gname == "expanded":
+                    g_lp, g_ent = torch.ones_like(lp).expand_as(lp), None
+                elif gname == "strided":
+                    g_lp = torch.randn(lp.shape + (2,), dtype=lp.dtype, device=device)[..., 0]
+                    g_ent = torch.randn(ent.shape + (2,), dtype=ent.dtype, device=device)[..., 1]
+                else:
+                    g_lp, g_ent = torch.randn_like(lp), torch.randn_like(ent)
+                outs, grads = (lp,) if g_ent is None else (lp, ent), (g_lp,) if g_ent is None else (g_lp, g_ent)
+                (dx,) = torch.autograd.grad(outs, xg, grads)
+                routs = (rlp,) if g_ent is None else (rlp, rent)
+                (rdx,) = torch.autograd.grad(routs, xr, tuple(gr.double().cpu() for gr in grads), retain_graph=True)
+                if kw.get("shift"):
+                    assert bool((dx[:, -1] == 0).all()), f"{what}: the dropped position's gradient"
+                    dx = dx[:, :-1]
+                scale = g_lp.abs().double().cpu().reshape(rlp.shape[:2] + (-1,)).sum(-1, keepdim=True)
+                if g_ent is not None:
+                    scale = scale + g_ent.abs().double().cpu()[..., None]
+                assert_grad_close(dx, rdx, scale / t, x.dtype, f"{what}: d logits, {gname} upstream gradient")
