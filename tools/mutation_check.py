@@ -363,6 +363,15 @@ MUTANTS: list[Mutant] = [
           "    opts = HeadOptions(**{k: v for k, v in options.items() if k != 'softcap'})  # MUTANT\n")],
         ["tests/test_vocab_parallel.py"],
     ),
+    # 18. a launch plan keyed without the strides of its tensors (ops/logprobs.py _FWD_PLANS /
+    #     _BWD_PLANS): a call with the shapes of an earlier one but another layout (the logits, an
+    #     upstream gradient) reuses that call's layout arithmetic
+    Mutant(
+        "plan-key-without-strides-triton", "18 launch plan keyed without strides", "torch_fused/ops/logprobs.py", TRITON,
+        [("    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)",
+          "    return None if t is None else (t.shape, t.dtype, t.device)  # MUTANT")],
+        ["tests/test_logprobs_ops.py"],
+    ),
 ]
 
 
