@@ -15,7 +15,6 @@ import torch_fused
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_fused._library import INTERPRET
-from torch_fused.kernels import lm_head as KL
 from torch_fused.meta.linear_logprobs import HeadOptions
 from torch_fused.settings import override
 from _helpers import DEVICES, SMALL, assert_logprob_close, ref_linear
@@ -30,11 +29,9 @@ def small_chunks():
     """Chunk buffers of a few columns, so small shapes take several ragged chunks (vocabulary
     chunks of ~1000 // N columns); GEMM tiles of 16 (ragged V, and H = 24 takes a masked K
     step), and forward launches of 16 rows (lm_head_part_bytes), on the fused-GEMM path."""
-    with pytest.MonkeyPatch.context() as mp, override(
-            lm_head_chunk_bytes={"cpu": 4 * 1000, "cuda": 4 * 1000}, lm_head_min_cols={},
-            lm_head_dlogits_min_cols={}, lm_head_part_bytes=4000):
-        mp.setattr(KL, "CONFIG", {"stats": (16, 16, 16, 2, 1, 2), "dlogits": (16, 16, 16, 2, 1, 2),
-                                  "stats_tma": (16, 16, 16, 2, 1, 2), "dlogits_tma": (16, 16, 16, 2, 1, 2)})
+    with override(lm_head_chunk_bytes={"cpu": 4 * 1000, "cuda": 4 * 1000}, lm_head_min_cols={},
+                  lm_head_dlogits_min_cols={}, lm_head_part_bytes=4000,
+                  lm_head_tiles=dict.fromkeys(("stats", "dlogits", "stats_tma", "dlogits_tma"), (16, 16, 16, 2, 1, 2))):
         yield
 
 
