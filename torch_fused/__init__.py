@@ -6,12 +6,11 @@ the documented Python entry points over them.
 
 from __future__ import annotations
 
-import sys
 
 import torch
 
 from . import ops as _ops  # noqa: F401  (registers the fused:: ops)
-from ._library import eager_eligible as _eager_eligible
+from ._library import eager_eligible as _eager_eligible, is_dtensor as _is_dtensor
 from .ops.logprobs import eager_core as _eager_core
 
 __version__ = "0.1.0"
@@ -31,15 +30,6 @@ __all__ = [
     "aggregate_loss",
     "sinkgd_step",
 ]
-
-
-def _is_dtensor(t) -> bool:
-    """Whether t is a DTensor, without importing torch.distributed.tensor (about 2 s) for plain
-    tensors: none can exist before that module is imported."""
-    if type(t) is torch.Tensor or t is None:
-        return False
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def _parallel():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 
@@ -50,6 +51,15 @@ def check_value(cond, message) -> None:
     if cond is True:
         return
     torch._check_value(cond, message)
+
+
+def is_dtensor(t) -> bool:
+    """Whether t is a DTensor, without importing torch.distributed.tensor (about 2 s) for plain
+    tensors and parameters: none can exist before that module is imported."""
+    if t is None or type(t) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def eager_eligible(*tensors) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ._library import acc_dtype, eager_eligible
+from ._library import acc_dtype, eager_eligible, is_dtensor
 from .ops.mask_reduce import eager_mask_reduce
 from .meta.mask_reduce import _check, check_mask_reduce
 from .reference import stored_view
@@ -18,17 +18,14 @@ def _on_replicated(fn, tensors: dict, *args):
     or None, in fn's argument order) is a DTensor, as the vocab-parallel functions return them;
     None otherwise. Every DTensor among them must be replicated on one mesh: the helpers reduce
     over dims that are not sharded, so each rank computes the whole result from its copy."""
-    import sys
-
-    mod = sys.modules.get("torch.distributed.tensor")
-    if mod is None or not any(isinstance(t, mod.DTensor) for t in tensors.values()):
+    if not any(is_dtensor(t) for t in tensors.values()):
         return None
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import DTensor, Replicate
 
     mesh = None
     local = []
     for name, t in tensors.items():
-        if isinstance(t, mod.DTensor):
+        if is_dtensor(t):
             if not all(isinstance(p, Replicate) for p in t.placements):
                 raise ValueError(f"{name}: expected a DTensor with Replicate() placements (as the vocab-parallel "
                                  f"functions return), got {tuple(t.placements)}; call .full_tensor() or redistribute "
@@ -39,7 +36,7 @@ def _on_replicated(fn, tensors: dict, *args):
             t = t.to_local()
         local.append(t)
     out = fn(*local, *args)
-    return mod.DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def mask_reduce(x, dim, mask=None, scale=None, *, out_dtype=None):

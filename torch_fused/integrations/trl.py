@@ -75,6 +75,7 @@ import warnings
 import torch
 
 import torch_fused as _tf
+from torch_fused._library import is_dtensor as _is_dtensor
 
 __all__ = [
     "patch",
@@ -112,13 +113,6 @@ class UnsupportedTRLVersion(RuntimeError):
 # ------------------------------------------------------------------------------------------------
 # argument checks shared by the adapters: False sends the call to TRL's original function
 
-
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
 
 
 def _plain_tensor(t, dtypes) -> bool:

@@ -51,7 +51,7 @@ import torch
 
 from ..ops.sinkgd import SinkGDCache, launch_sharded
 from ..settings import current as settings
-from .._library import SCALE_MAX, SQRT_FP32_MAX, SR_SEED_STRIDE
+from .._library import SCALE_MAX, SQRT_FP32_MAX, SR_SEED_STRIDE, is_dtensor
 
 CHUNK_ELEMS = 1 << 22  # gradient elements per row chunk of the local passes
 
@@ -61,16 +61,6 @@ _M32 = 0xFFFFFFFF
 # ---------------------------------------------------------------------------------------------
 # Placements
 # ---------------------------------------------------------------------------------------------
-def is_dtensor(t) -> bool:
-    """Whether ``t`` is a DTensor (a type check first: plain tensors never import
-    torch.distributed.tensor)."""
-    if type(t) in (torch.Tensor, torch.nn.Parameter):
-        return False
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def _fmt(placements) -> str:

@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 
 from ..ops.sinkgd import SinkGDCache, sinkgd_step_eager
 from . import sharded
-from .sharded import is_dtensor
+from .._library import is_dtensor
 
 
 def sinkgd_step(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05, weight_decay=0.0, eps=1e-8,
