@@ -9,6 +9,10 @@ statistics ``stats[..., 2]`` = (row max of the logits, log2 of the shifted sum o
 see kernels/logprobs.py for why they are kept apart), so that the backward saves only O(rows)
 tensors; the public ops hide them. Because the public ops
 are composite, ``torch.compile`` sees straight through them to the two opaque core nodes.
+
+The Triton implementations keep a launch plan per call key (``_Plans``): what the input checks
+and the layout arithmetic concluded for those shapes, strides, dtypes and arguments, so that a
+training loop's repeated call only allocates its outputs and launches.
 """
 
 from __future__ import annotations
