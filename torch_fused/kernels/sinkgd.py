@@ -155,7 +155,7 @@ def tiles() -> Tiles:
 
 def rows_pipe(block_n: int, rb: int, elem_bytes: int, t: Tiles | None = None) -> int:
     """The PIPE constexpr of a row or power pass over [rb, block_n] trips of elem_bytes-wide
-    gradient elements (see rows_pipe)."""
+    gradient elements (see Tiles.rows_pipe), with the tiles ``t`` (default: tiles())."""
     t = t or tiles()
     return t.rows_pipe if t.rows_pipe * rb * block_n * elem_bytes <= t.rows_pipe_bytes else 0
 

@@ -92,6 +92,16 @@ def _tensor_key(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
+def _row_layout(x):
+    """((inner_size, stride_outer, stride_inner), copy?) of the rows of x: its own strides where its
+    leading dims collapse to two strided dims and V is contiguous, else (copy = True) those of a
+    contiguous copy, derived from a meta tensor of its shape (no data is copied here)."""
+    layout = rows_strides(x) if x.stride(-1) == 1 else None
+    if layout is not None:
+        return layout, False
+    return rows_strides(torch.empty(x.shape, dtype=x.dtype, device="meta")), True
+
+
 def _settings_key():
     """The settings a plan depends on (the kernels' block choice, the backward's segments)."""
     return _settings.logprobs_block, _settings.small_tiles, _settings.logprobs_bwd_segment
@@ -107,10 +117,7 @@ def _forward_plan(logits, index, temperature, ignore_index, compute_entropy, tem
     v = x.shape[-1]
     rows = x.numel() // v
     lead = tuple(x.shape[:-1])
-    layout = rows_strides(x) if x.stride(-1) == 1 else None
-    copy = layout is None  # leading dims that don't collapse to two strided dims, or V strided
-    if copy:
-        layout = rows_strides(x.contiguous())
+    layout, copy = _row_layout(x)
     k = (index.numel() // rows if rows else 1) if index is not None else 1
     index_copy = index is not None and not index.is_contiguous()
     block_v, warps = K.pick_block(v, x.element_size(), "fwd_ent" if compute_entropy else "fwd")
@@ -207,11 +214,7 @@ def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_i
     rows = x.numel() // v
     has_dt = temperature_t is not None
     tail_rows = dx.numel() // max(v, 1) - rows
-    layout = rows_strides(x) if x.stride(-1) == 1 else None
-    x_copy = layout is None  # leading dims that don't collapse to two strided dims, or V strided
-    if x_copy:
-        layout = rows_strides(x.contiguous())
-    inner, s_outer, s_inner = layout
+    (inner, s_outer, s_inner), x_copy = _row_layout(x)
     if shift:
         d_inner, d_outer, d_stride = rows_strides(dx[..., :-1, :])
         z_inner, z_outer, z_stride = rows_strides(dx[..., -1, :])
@@ -246,7 +249,7 @@ def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_i
         num_warps=warps,
     )
     grid = (rows + tail_rows) * segs if dx.numel() else 0
-    return dx_dtype, rows, (x_copy, idx_copy, glp_copy, gh_copy), scalars, constexprs, grid, K
+    return dx_dtype, rows, k, (x_copy, idx_copy, glp_copy, gh_copy), scalars, constexprs, grid, K
 
 
 def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
@@ -273,7 +276,7 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
         plan = _BWD_PLANS.put(key, _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_index,
                                                   temperature_t, shift, v_off, v_total, out_dtype, out, in_place,
                                                   exact))
-    dx_dtype, rows, copies, scalars, constexprs, grid, K = plan  # scalars: (V, K, rows, ...) of the kernel
+    dx_dtype, rows, k, copies, scalars, constexprs, grid, K = plan
     # d logits has the logits' full shape; with shift its rows L of every sequence are zero and
     # are written by the same launch (programs past the live rows), never by a second pass
     dx = out if out is not None else new_output(logits.shape, dx_dtype, logits.device)
@@ -287,7 +290,7 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     # 0, without a copy); a copy only where their shape does not reshape to [rows, K] as a view
     if constexprs["HAS_GLP"]:
         idx = index.contiguous() if idx_copy else index
-        glp = grad_logp.reshape(rows, scalars[1]) if glp_copy else grad_logp
+        glp = grad_logp.reshape(rows, k) if glp_copy else grad_logp
     else:
         idx = glp = stats  # unused pointers
     gh = (grad_entropy.reshape(rows) if gh_copy else grad_entropy) if constexprs["HAS_GH"] else stats
@@ -295,7 +298,7 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     K._logprobs_entropy_backward_kernel[(grid,)](
         x, idx, glp, gh, stats, entropy if constexprs["HAS_GH"] else stats, dx, tail,
         temperature_t if has_dt else stats, xdx if has_dt else stats, *scalars, **constexprs)
-    return dx, xdx if not has_dt else reference.temperature_grad(xdx, temperature_t)
+    return dx, reference.temperature_grad(xdx, temperature_t)
 
 
 if TRITON_DEVICES:
