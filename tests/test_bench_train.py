@@ -144,3 +144,22 @@ def test_base_width_variant_and_cli_settings(tmp_path):
     for bad in (["--optimizers", "sinkgd"], ["--optimizers", "adamw,nope"], ["--set", "lr=3"]):
         with pytest.raises(SystemExit, match="--optimizers|--set"):
             T.main(["--quick", "--device", "cpu", "--out", str(tmp_path)] + bad)
+
+
+def test_adamw_split_control_gives_the_sinkgd_runs_split():
+    """adamw_split: AdamW on every parameter, the hidden matrices at the swept lr with weight
+    decay, the embedding, head and vectors at the AdamW part's lr without: the same split and lrs
+    as the SinkGD runs, so that a gain from the split is not credited to SinkGD."""
+    model = T.LM(32, 1, 8)
+    opt = T.make_optimizer("adamw_split", model, 0.1, 1e-3)
+    assert isinstance(opt, torch.optim.AdamW)
+    by_param = {id(p): g for g in opt.param_groups for p in g["params"]}
+    assert len(by_param) == sum(1 for _ in model.parameters())
+    hidden = {id(p) for g in T.make_optimizer("sinkgd", model, 0.1, 1e-3).param_groups
+              if not g.get("use_fallback") for p in g["params"]}
+    assert hidden
+    for p in model.parameters():
+        g = by_param[id(p)]
+        want = (0.1, 0.1) if id(p) in hidden else (1e-3, 0.0)
+        assert (g["lr"], g["weight_decay"]) == want
+    assert id(model.lm_head.weight) not in hidden

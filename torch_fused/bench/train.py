@@ -47,9 +47,11 @@ QUICK = dict(widths=(32, 64), depth=2, seq=32, batch=4, steps=6, warmup=2, eval_
              data_mb=0.25, lrs={"adamw": (2e-3, 8e-3), "sinkgd": (0.1, 0.4), "sinkgd_spectral": (1.0, 4.0)},
              max_extend=0)
 OPTIMIZERS = ("adamw", "sinkgd", "sinkgd_spectral")
-# opt-in: plain SinkGD with base_width set to the experiment's smallest width (its lr then means
-# the same step size at every width, by the 1 / n rule); --optimizers adds it
-EXTRA_OPTIMIZERS = ("sinkgd_base_width",)
+# opt-in (--optimizers adds them): plain SinkGD with base_width set to the experiment's smallest
+# width (its lr then means the same step size at every width, by the 1 / n rule); and the control
+# for the SinkGD runs' parameter split, AdamW on every parameter with the same split: the hidden
+# matrices at the swept lr, the embedding, head and vectors at the lr the SinkGD runs give them
+EXTRA_OPTIMIZERS = ("sinkgd_base_width", "adamw_split")
 VAL_MOD = 10  # one file in ten (by CRC32 of its path) is validation
 
 
@@ -169,6 +171,12 @@ def make_optimizer(name, model, lr, adamw_lr, base_width=None):
         return torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)],
                                  lr=lr, betas=(0.9, 0.95), fused=fused or None)
     groups = sinkgd_param_groups(model, lr=adamw_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    if name == "adamw_split":
+        for g in groups:
+            if not g.pop("use_fallback", False):
+                g.update(lr=lr, weight_decay=0.1)  # the hidden matrices, as in the adamw runs
+        fused = next(model.parameters()).is_cuda
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused or None)
     kw = dict(spectral_norm=True, spectral_target="muon") if name == "sinkgd_spectral" else {}
     if name == "sinkgd_base_width":
         kw = dict(base_width=base_width)
@@ -460,7 +468,7 @@ def main(argv=None) -> None:
     if not names or names[0] != "adamw" or any(n not in OPTIMIZERS + EXTRA_OPTIMIZERS for n in names):
         raise SystemExit(f"--optimizers: adamw first, then any of {', '.join(OPTIMIZERS[1:] + EXTRA_OPTIMIZERS)}; "
                          f"got {args.optimizers!r}")
-    cfg["lrs"] = dict(cfg["lrs"], sinkgd_base_width=cfg["lrs"]["sinkgd"])
+    cfg["lrs"] = dict(cfg["lrs"], sinkgd_base_width=cfg["lrs"]["sinkgd"], adamw_split=cfg["lrs"]["adamw"])
     for spec in args.lrs:
         name, _, vals = spec.partition("=")
         if name not in OPTIMIZERS + EXTRA_OPTIMIZERS or not vals:
