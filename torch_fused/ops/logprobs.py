@@ -199,6 +199,15 @@ def _(a, b, c):
 _BWD_PLANS = _Plans()
 
 
+def _view_or_none(t, shape):
+    """t viewed as shape, or None where a reshape would have to copy it (decided from its strides
+    alone, so the plan also runs on fake tensors)."""
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return None
+
+
 def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_index, temperature_t, shift, v_off,
                    v_total, out_dtype, out, in_place, exact):
     """(d logits dtype, rows, which operands need a copy, the kernel's scalar arguments, its
@@ -226,15 +235,15 @@ def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_i
     if has_glp:
         k = index.numel() // rows if rows else 1
         idx_copy = not index.is_contiguous()
-        glp = grad_logp.reshape(rows, k)
-        glp_copy = glp.data_ptr() != grad_logp.data_ptr()  # reshape could not view it
-        glp_sr, glp_sk = glp.stride()
+        glp = _view_or_none(grad_logp, (rows, k))
+        glp_copy = glp is None  # a reshape copies it: contiguous
+        glp_sr, glp_sk = (k, 1) if glp_copy else glp.stride()
     has_gh = grad_entropy is not None
     gh_copy, gh_s = False, 0
     if has_gh:
-        gh = grad_entropy.reshape(rows)
-        gh_copy = gh.data_ptr() != grad_entropy.data_ptr()  # likewise
-        gh_s = gh.stride(0)
+        gh = _view_or_none(grad_entropy, (rows,))
+        gh_copy = gh is None  # likewise
+        gh_s = 1 if gh_copy else gh.stride(0)
     block_v, warps = K.pick_block(v, x.element_size(), "bwd")
     t = kernel_temperature(temperature)
     segs, seg_len = (1, v) if has_dt or in_place else K.backward_segments(v, block_v)
