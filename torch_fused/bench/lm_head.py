@@ -7,8 +7,9 @@ returned gradients. Baseline in the same run: the materialized logits with the f
 op (shift-free rows), and where installed the peers: TRL's ``trl.kernels.ChunkedLogProbFunction``
 (with entropy, its trainer's chunk of 32768) and cut-cross-entropy's ``linear_cross_entropy``
 (per-token loss, no entropy; exact gradients with ``filter_eps=None``, and its default filtered
-ones; the filter skips little on these random logits of spread ~2). A frozen head (d hidden
-only) is timed against its two GEMMs. ``--sweep`` times the ways of making the logits
+ones; the filter skips little on these random logits of spread ~2). ``shift=True`` on the same
+N rows (hidden ``[8, N/8 + 1, H]``) is timed against the same floor and the unshifted call. A
+frozen head (d hidden only) is timed against its two GEMMs. ``--sweep`` times the ways of making the logits
 (ops/linear_logprobs.py, FUSED_GEMM and TMA; the GEMM tiles of kernels/lm_head.py) and the
 chunk sizes.
 ``python -m torch_fused.bench.lm_head --cpu-memory`` measures the peak RSS growth of a CPU
@@ -85,6 +86,15 @@ def run(report, copy_gbps, quick=False):
             lp, ent = torch_fused.logprobs_and_entropy(logits, idx)
             return torch.autograd.grad(lp.sum() + ent.sum(), (h, w))
 
+        # shift=True on the same N rows: hidden [8, N/8 + 1, H] as a model leaves it, position t
+        # scoring id t; timed against the same floor and beside the unshifted call
+        hs = torch.randn(8, n // 8 + 1, hd, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
+        idx_s = idx.view(8, n // 8)
+
+        def shift_fwdbwd():
+            lp, ent = torch_fused.linear_logprobs_and_entropy(hs, w, idx_s, shift=True)
+            return torch.autograd.grad(lp.sum() + ent.sum(), (hs, w))
+
         def frozen_fwdbwd():  # a frozen head: d hidden only
             lp, ent = torch_fused.linear_logprobs_and_entropy(h, wb, idx)
             return torch.autograd.grad(lp.sum() + ent.sum(), (h,))
@@ -93,9 +103,12 @@ def run(report, copy_gbps, quick=False):
         cases = [("lm_head fwd", "torch_fused linear_logprobs_and_entropy", fused_fwd, gemm1, 0),
                  ("lm_head fwd+bwd", "torch_fused linear_logprobs_and_entropy", fused_fwdbwd, gemm3, grads_bytes),
                  ("lm_head fwd+bwd", "materialized logits + torch_fused op", materialized_fwdbwd, gemm3, grads_bytes)]
+        cases.append(("lm_head fwd+bwd, shift=True", "torch_fused linear_logprobs_and_entropy", shift_fwdbwd, gemm3,
+                      hs.numel() * 2 + w.numel() * 2))
         cases += [("lm_head fwd+bwd", name, fn, gemm3, grads_bytes) for name, fn in peers(h, w, idx).items()]
         cases.append(("lm_head fwd+bwd, frozen head", "torch_fused linear_logprobs_and_entropy", frozen_fwdbwd,
                       gemm2, h.numel() * 2))
+        times = {}
         for group, impl, fn, floor_ms, grads in cases:
             try:
                 ms = bench_ms(fn, warmup=5, rep=200)
@@ -104,15 +117,18 @@ def run(report, copy_gbps, quick=False):
                 print(f"{impl} failed at {shape}: {type(e).__name__}: {e}", flush=True)
                 torch.cuda.empty_cache()
                 continue
+            times[group, impl] = ms
+            unshifted = times.get(("lm_head fwd+bwd", impl)) if group.endswith("shift=True") else None
             row = Row(group, shape, impl, ms, 0, peak_extra_mb=pk,
-                      note=f"{ms / floor_ms:.3f}x the bare GEMMs ({floor_ms:.3f} ms); logits {logits_mib:.0f} MiB")
+                      note=f"{ms / floor_ms:.3f}x the bare GEMMs ({floor_ms:.3f} ms); logits {logits_mib:.0f} MiB"
+                      + (f"; {ms / unshifted:.3f}x the unshifted call" if unshifted else ""))
             row.floor_ms = floor_ms
             row.frac_floor = floor_ms / ms
             report.rows.append(row)
             print(f"{group:16s} {shape:22s} {impl:40s} {ms:8.3f} ms  {ms / floor_ms:.3f}x GEMMs  "
                   f"peak extra {pk:.0f} MiB (logits {logits_mib:.0f} MiB)", flush=True)
             torch.cuda.empty_cache()
-        del h, w, hb, wb, idx
+        del h, w, hb, wb, idx, hs, idx_s
         torch.cuda.empty_cache()
 
 
