@@ -194,30 +194,21 @@ MUTANTS: list[Mutant] = [
         # columns); the two-pass path (n > max_fused_n, in the interpreter run n > 64) can: column
         # sums and scale, then row sums and scale, every launch reading only what is written
         "sinkgd-cols-first-triton", "6 SinkGD columns normalized before rows", "torch_fused/ops/sinkgd/launch.py", TRITON,
-        [("""            _row_stage(plan, bufs, gdt, eps, first)
-            if reduce is not None:
-                _colsum_stage(plan, bufs, sums, with_u=False)
-""", """            if plan.wide is None:
-                _row_stage(plan, bufs, gdt, eps, first)
-            else:  # MUTANT: the wide matrices' columns first, then their rows
-                r, c, part_r, part_c = bufs.r, bufs.c, bufs.part_r, bufs.part_c
-                for (block_n, rb, bm, warps), al, even, (t_meta, t_first, n_mats, grid) in plan.fused:
-                    K._sinkgd_rows_kernel[(grid,)](t_meta, t_first, n_mats, gdt, r, c, part_c, eps, ONES_R=first,
-                                                   ONES_C=first, BLOCK_N=block_n, RB=rb, BM=bm, ALIGN=al,
-                                                   EVEN_N=even, num_warps=warps)
-                rbm, rbn, rw = plan.tiles.row_tile
-                cbm, cbn, cw = plan.tiles.col_tile
-                align, ((m_s, f_s, n_s, g_s), (m_r, f_r, n_r, g_r), (m_c, f_c, n_c, g_c)) = plan.wide
-                K._sinkgd_sums_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
-                                              ONES_R=first, ONES_C=first, ALIGN=align, num_warps=cw)
-                _col_stage(plan, bufs, eps, first)
-                K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
-                                              ONES_R=first, ONES_C=False, ALIGN=align, num_warps=rw)
-                K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn,
-                                               BLOCK=plan.tiles.scale_block, PARTS=plan.tiles.scale_parts, ONES=first,
-                                               SUMMED=False)
-            if reduce is not None:
-                _colsum_stage(plan, bufs, sums, with_u=False)
+        [("""    K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
+                                  ONES_R=first, ONES_C=first, ALIGN=align, num_warps=rw)
+    K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=plan.tiles.scale_block,
+                                   PARTS=plan.tiles.scale_parts, ONES=first, SUMMED=False)
+    K._sinkgd_sums_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
+                                  ONES_R=False, ONES_C=first, ALIGN=align, num_warps=cw)
+""", """    # MUTANT: the wide matrices' columns normalized first (with the previous r), then their rows
+    import types
+    K._sinkgd_sums_kernel[(g_c,)](m_c, f_c, n_c, gdt, r, c, part_c, AXIS=1, BM=cbm, BN=cbn,
+                                  ONES_R=first, ONES_C=first, ALIGN=align, num_warps=cw)
+    _col_stage(plan, types.SimpleNamespace(c=c, part_c=part_c), eps, first)
+    K._sinkgd_sums_kernel[(g_s,)](m_s, f_s, n_s, gdt, r, c, part_r, AXIS=0, BM=rbm, BN=rbn,
+                                  ONES_R=first, ONES_C=False, ALIGN=align, num_warps=rw)
+    K._sinkgd_scale_kernel[(g_r,)](m_r, f_r, n_r, r, part_r, eps, AXIS=0, PART_TILE=rbn, BLOCK=plan.tiles.scale_block,
+                                   PARTS=plan.tiles.scale_parts, ONES=first, SUMMED=False)
 """), ("""        for plan, bufs, _, _, _ in work:
             _col_stage(plan, bufs, eps, first, sums)
 """, """        for plan, bufs, _, _, _ in work:
