@@ -17,7 +17,8 @@ For every mutant (a known, realistic bug written as exact source-text replacemen
 5. records the failing test(s) from pytest's ``FAILED ...`` lines.
 
 A mutant is caught when at least one test FAILED. A run that ends in errors only (a mutant that
-does not import, a collection error) is not a catch. After the mutants, the failing tests are
+does not import, a collection error) is not a catch, and neither is one whose every failure is a
+NameError, ImportError or SyntaxError (the mutated code does not run: status BROKEN). After the mutants, the failing tests are
 rerun once per path on an unmutated copy (the control): each must pass there, so that a catch
 is the mutation's doing and not a test that is red anyway.
 
@@ -569,6 +570,11 @@ def run_pytest(copy: Path, tmp: Path, interpret: bool, tests: list[str], python:
     return RunResult(rc, failed, errors, seconds, out, guard, reasons, timed_out, crashed_in)
 
 
+# a failure that says the mutated code does not run at all (a name it uses is gone, a bad edit)
+# proves nothing about the tests: the mutant is stale
+BROKEN_RE = re.compile(r"\b(NameError|ImportError|ModuleNotFoundError|SyntaxError|IndentationError|UnboundLocalError)\b")
+
+
 def guard_problem(res: RunResult, copy: Path, interpret: bool) -> str | None:
     """Why the run cannot be trusted (None if it can)."""
     if not res.guard:
@@ -662,6 +668,8 @@ def main(argv=None) -> int:
         died = (f"; then pytest died (rc={res.rc}) in {res.crashed_in}" if res.crashed_in else "")
         if problem:
             status, note = "INVALID", problem
+        elif res.failed and res.reasons and all(BROKEN_RE.search(r) for r in res.reasons):
+            status, note = "BROKEN", "every failure is the mutant's own code failing to run: update the mutant"
         elif res.failed:
             status, note = "caught", died.lstrip("; ")
         elif res.rc == 0:
