@@ -842,7 +842,7 @@ def test_sparse_gradient_on_the_adamw_side_raises_before_any_update():
     parameter of any group moves (the SinkGD group comes first here)."""
     emb = torch.nn.Embedding(10, 4, sparse=True)
     lin = torch.nn.Linear(4, 4, bias=False)
-    opt = SinkGD([{"params": [lin.weight]}, {"params": [emb.weight], "use_fallback": True}], lr=0.1)
+    opt = SinkGD([{"params": [lin.weight]}, {"params": [emb.weight], "use_fallback": True, "lr": 1e-3}], lr=0.1)
     emb(torch.tensor([1, 2])).sum().backward()
     lin.weight.grad = torch.randn(4, 4)
     before = [lin.weight.detach().clone(), emb.weight.detach().clone()]
@@ -907,12 +907,20 @@ def test_float64_step_is_float64(device, spectral):
 
 def test_vectors_at_sinkgds_lr_warn():
     """SinkGD's lr is several times an AdamW lr: parameters with fewer than 2 dims sent to AdamW
-    at that lr warn, naming the way out; an explicit AdamW lr (or sinkgd_param_groups) does not."""
+    at that lr warn, naming the way out, and so does a use_fallback group (sinkgd_param_groups
+    without an lr) that would train the embeddings and head at it; an explicit AdamW lr does not."""
     import warnings
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2, bias=False))
     with pytest.warns(UserWarning, match=r"3 parameter\(s\) with fewer than 2 dims .* lr=0\.01.*fallback_kwargs"):
         SinkGD(model.parameters(), lr=1e-2)
+    lm = torch.nn.ModuleDict(dict(embed=torch.nn.Embedding(10, 8), body=torch.nn.Linear(8, 8, bias=False)))
+    with pytest.warns(UserWarning, match=r"use_fallback group \(1 parameter\(s\).* lr=2\.0.*sinkgd_param_groups"):
+        SinkGD(sinkgd_param_groups(lm), lr=2.0, spectral_norm=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SinkGD(sinkgd_param_groups(lm, lr=1e-3), lr=2.0, spectral_norm=True)
+        SinkGD(sinkgd_param_groups(lm), lr=2.0, fallback_kwargs={"lr": 1e-3})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SinkGD(model.parameters(), lr=1e-2, fallback_kwargs={"lr": 1e-3})

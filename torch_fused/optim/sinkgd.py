@@ -135,8 +135,8 @@ class SinkGD(Optimizer):
     (the stochastic-rounding seed, held by the group's first matrix) and, with
     ``spectral_norm``, one warm-start vector per matrix. Parameters with ndim < 2, and the groups made with
     ``use_fallback=True``, get PyTorch's AdamW (fused where available) with ``fallback_kwargs``
-    (default lr: the group's lr, which is SinkGD's: constructing such a group without
-    ``fallback_kwargs["lr"]`` warns; betas (0.9, 0.999), eps 1e-8, weight decay 0). A
+    (default lr: the group's lr, which is SinkGD's: constructing such a group without an AdamW
+    lr, its own or ``fallback_kwargs["lr"]``, warns; betas (0.9, 0.999), eps 1e-8, weight decay 0). A
     ``use_fallback`` group's own ``lr``, ``weight_decay``, ``eps`` and ``betas``, where the group
     gives them, are its AdamW's and take precedence over ``fallback_kwargs``. Use
     :func:`sinkgd_param_groups` to also route embeddings and the output head to AdamW.
@@ -210,9 +210,18 @@ class SinkGD(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _check_group(group)
+        # SinkGD's lr is typically 4-20x an AdamW lr (spectral: ~1000x): never apply it to AdamW silently
+        if "lr" in group["fallback_kwargs"] or "lr" in group.get("adamw_keys", ()):
+            return
+        if group["use_fallback"]:
+            warnings.warn(
+                f"SinkGD: a use_fallback group ({len(group['params'])} parameter(s): embeddings, head, vectors) goes to "
+                f"AdamW at lr={group['lr']!r}, which is SinkGD's lr (typically 4-20x an AdamW lr, ~1000x with "
+                "spectral_norm). Give the group its AdamW lr: sinkgd_param_groups(model, lr=adamw_lr), or "
+                "fallback_kwargs={'lr': ...}", UserWarning, stacklevel=3)
+            return
         small = [p for p in group["params"] if p.dim() < 2]
-        if small and not group["use_fallback"] and "lr" not in group["fallback_kwargs"]:
-            # SinkGD's lr is typically 4-20x an AdamW lr: never apply it to AdamW silently
+        if small:
             warnings.warn(
                 f"SinkGD: {len(small)} parameter(s) with fewer than 2 dims (biases, norms) go to AdamW at this group's "
                 f"lr={group['lr']!r}, which is SinkGD's lr (typically 4-20x an AdamW lr). Set AdamW's lr with "
