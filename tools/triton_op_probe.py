@@ -11,14 +11,13 @@ tools/triton_op_probe.py --check`` runs the three losses uncompiled at one small
 values only (the interpreter cannot be traced: it runs a kernel on fake tensors)."""
 import os
 import sys
-import time
 
 import torch
 from torch.library import triton_op, wrap_triton
 
 import torch_fused
 from torch_fused._library import new_output
-from torch_fused.bench.small import grpo_loss, plain_both
+from torch_fused.bench.small import grpo_loss, plain_both, wall_us
 from torch_fused.ops import logprobs as L
 
 NS = "torch_fused_probe"
@@ -78,20 +77,6 @@ probe_fwd.register_autograd(_backward, setup_context=_setup)
 def probe_both(logits, index):
     logp, ent, _ = probe_fwd(logits, index, 1.0, -100)
     return logp, ent
-
-
-def wall_us(fn, calls=200):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-    return sorted(runs)[2]
 
 
 def main():

@@ -214,19 +214,16 @@ class SinkGD(Optimizer):
         if "lr" in group["fallback_kwargs"] or "lr" in group.get("adamw_keys", ()):
             return
         if group["use_fallback"]:
-            warnings.warn(
-                f"SinkGD: a use_fallback group ({len(group['params'])} parameter(s): embeddings, head, vectors) goes to "
-                f"AdamW at lr={group['lr']!r}, which is SinkGD's lr (typically 4-20x an AdamW lr, ~1000x with "
-                "spectral_norm). Give the group its AdamW lr: sinkgd_param_groups(model, lr=adamw_lr), or "
-                "fallback_kwargs={'lr': ...}", UserWarning, stacklevel=3)
-            return
-        small = [p for p in group["params"] if p.dim() < 2]
-        if small:
-            warnings.warn(
-                f"SinkGD: {len(small)} parameter(s) with fewer than 2 dims (biases, norms) go to AdamW at this group's "
-                f"lr={group['lr']!r}, which is SinkGD's lr (typically 4-20x an AdamW lr). Set AdamW's lr with "
-                "fallback_kwargs={'lr': ...}, or build the groups with sinkgd_param_groups(model, lr=adamw_lr)",
-                UserWarning, stacklevel=3)
+            what = f"a use_fallback group ({len(group['params'])} parameter(s): embeddings, head, vectors) goes"
+        else:
+            small = sum(p.dim() < 2 for p in group["params"])
+            if not small:
+                return
+            what = f"{small} parameter(s) with fewer than 2 dims (biases, norms) go"
+        warnings.warn(
+            f"SinkGD: {what} to AdamW at this group's lr={group['lr']!r}, which is SinkGD's lr (typically 4-20x an "
+            "AdamW lr, ~1000x with spectral_norm). Set AdamW's lr with fallback_kwargs={'lr': ...}, or build the "
+            "groups with sinkgd_param_groups(model, lr=adamw_lr)", UserWarning, stacklevel=3)
 
     def _fallback_step(self, group, params, lr):
         """AdamW on ``params``: betas (0.9, 0.999), eps 1e-8, weight decay 0, lr the group's;
