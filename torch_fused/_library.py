@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 
 import torch
 
@@ -189,3 +190,71 @@ def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
     if _settings.poison:  # settings.poison: the test suite's NaN fill of fresh outputs
         out.fill_(float("nan") if dtype.is_floating_point else -(2**30))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel launches a compiler can see (settings.compile_inline_kernels)
+
+_INLINE = threading.local()
+
+
+def launch(kernel):
+    """``kernel``, to launch as ``launch(kernel)[grid](...)``; while inline_under_compile traces an
+    op's implementation, the kernel wrapped by ``torch.library.wrap_triton``, so the traced graph
+    holds the launch itself."""
+    if getattr(_INLINE, "active", False):
+        return torch.library.wrap_triton(kernel)
+    return kernel
+
+
+def _static(t) -> bool:
+    return all(type(s) is int for s in t.shape) and all(type(s) is int for s in t.stride())
+
+
+def _inline_eligible(types, args) -> bool:
+    if not _settings.compile_inline_kernels:
+        return False
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+        if custom_triton_ops_decomposition_disabled():  # torch.export keeps the op whole
+            return False
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if any(not issubclass(t, (FakeTensor, FunctionalTensor)) and t is not torch.Tensor for t in types):
+        return False
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors or not all(_static(t) for t in tensors):
+        return False  # symbolic sizes: the launch plan would specialize them; keep the op whole
+    # CUDA only: the Triton interpreter cannot run under a tracer (it would run the kernel on fake tensors)
+    return tensors[0].device.type == "cuda"
+
+
+def inline_under_compile(op, implementation, keep_whole=None) -> None:
+    """Let a compiler see ``op``'s kernel launches: while AOTAutograd functionalizes a graph
+    (torch.compile), a call of ``op`` on static-shape CUDA tensors is traced through
+    ``implementation`` (its Triton implementation, whose launches go through ``launch``), so
+    Inductor's generated code launches the kernels itself instead of calling the op's Python
+    implementation on every run. This is what ``torch.library.triton_op`` does, kept on the op
+    as registered: its schema, fake implementation, CPU implementation and autograd formula are
+    unchanged, and eager calls never come here. ``keep_whole(args)``: True for the calls to leave
+    as opaque op calls anyway (launches that write one output through two aliasing pointers, which
+    a functional graph would give two copies). Off with settings.compile_inline_kernels=False."""
+    if not hasattr(torch.library, "wrap_triton") or not hasattr(op, "register_torch_dispatch"):
+        return  # pragma: no cover - torch without wrap_triton: the op stays whole
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    def decomposition(mode, func, types, args, kwargs):
+        if not _inline_eligible(types, args) or (keep_whole is not None and keep_whole(args, kwargs)):
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        previous = getattr(_INLINE, "active", False)
+        _INLINE.active = True
+        try:
+            with mode:
+                return implementation(*args, **kwargs)
+        finally:
+            _INLINE.active = previous
+
+    op.register_torch_dispatch(FunctionalTensorMode, decomposition)

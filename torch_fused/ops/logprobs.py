@@ -22,7 +22,7 @@ import struct
 import torch
 
 from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift,
-                        kernel_temperature, new_output, rows_strides)
+                        inline_under_compile, kernel_temperature, launch, new_output, rows_strides)
 from .. import reference
 from ..settings import current as _settings
 from ..meta import logprobs as meta
@@ -155,7 +155,7 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
     # with shift the rows are the first L of every [L+1, V] block: the same first element
     x = (logits[..., :-1, :] if shift else logits).contiguous() if copy else logits
     idx = stats if index is None else index.contiguous() if index_copy else index  # [rows, K] row-major
-    K._logprobs_entropy_forward_kernel[(rows,)](
+    launch(K._logprobs_entropy_forward_kernel)[(rows,)](
         x, idx, logp, ent, stats, temperature_t if temperature_t is not None else stats,
         v, k, inner, s_outer, s_inner, c, ignore_index, **constexprs)
     return logp, ent, stats
@@ -304,7 +304,7 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
         idx = glp = stats  # unused pointers
     gh = (grad_entropy.reshape(rows) if gh_copy else grad_entropy) if constexprs["HAS_GH"] else stats
     tail = dx[..., -1, :] if shift else dx
-    K._logprobs_entropy_backward_kernel[(grid,)](
+    launch(K._logprobs_entropy_backward_kernel)[(grid,)](
         x, idx, glp, gh, stats, entropy if constexprs["HAS_GH"] else stats, dx, tail,
         temperature_t if has_dt else stats, xdx if has_dt else stats, *scalars, **constexprs)
     return dx, reference.temperature_grad(xdx, temperature_t)
@@ -313,6 +313,10 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
 if TRITON_DEVICES:
     logprobs_entropy_forward.register_kernel(TRITON_DEVICES)(_forward_triton)
     logprobs_entropy_backward.register_kernel(TRITON_DEVICES)(backward_triton)
+    inline_under_compile(logprobs_entropy_forward, _forward_triton)
+    # with shift, d logits' rows and its zeroed last positions are written through two views of it
+    inline_under_compile(logprobs_entropy_backward, backward_triton,
+                         keep_whole=lambda args, kwargs: bool(kwargs.get("shift", args[9] if len(args) > 9 else False)))
 
 
 # ---------------------------------------------------------------------------------------------
