@@ -151,6 +151,8 @@ def _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR: tl.constexpr):
         t = tl.minimum(tl.maximum(t, T_MIN_C), T_MAX_C).to(tl.float32)
         return LOG2E_C / t, 1.0 / t
     else:
+        # fp32, as Triton's own launcher passes a Python float; Inductor's generated launches pass
+        # one that fp32 cannot hold exactly as fp64 (the same value after this rounding)
         return scale, inv_t
 
 
@@ -462,6 +464,14 @@ def compile_cases():
         yield (f"lp_bwd glp={glp} gh={gh} single={sk} dt={dt} zero_tail={zt}", _logprobs_entropy_backward_kernel,
                bwd, {"HAS_GLP": glp, "HAS_GH": gh, "SINGLE_K": sk, "EXACT_SHIFT": False, "T_FROM_PTR": dt,
                      "HAS_DT": dt, "ZERO_TAIL": zt, "IN_PLACE": False, "BLOCK_V": 2048, "BLOCK_K": 4}, 4)
+    # as Inductor launches them where the ops' launches are traced into a compiled graph
+    # (settings.compile_inline_kernels): a float that fp32 cannot hold exactly is passed as fp64
+    yield ("lp_fwd fp64 scale (inductor)", _logprobs_entropy_forward_kernel, dict(fwd, scale="fp64"),
+           {"HAS_INDEX": True, "HAS_ENT": True, "EXACT_SHIFT": False, "T_FROM_PTR": False, "BLOCK_V": 2048,
+            "BLOCK_K": 2, "EPT": 8}, 4)
+    yield ("lp_bwd fp64 scale (inductor)", _logprobs_entropy_backward_kernel, dict(bwd, scale="fp64", inv_t="fp64"),
+           {"HAS_GLP": True, "HAS_GH": True, "SINGLE_K": True, "EXACT_SHIFT": False, "T_FROM_PTR": False,
+            "HAS_DT": False, "ZERO_TAIL": False, "IN_PLACE": False, "BLOCK_V": 2048, "BLOCK_K": 2}, 4)
     # the fused lm_head's backward: fp32 logits chunk, bf16 d logits written over it
     inplace = dict(bwd, p_x="*fp32", p_dx="*bf16", p_dz="*bf16", p_idx="*i64")
     yield ("lp_bwd in_place", _logprobs_entropy_backward_kernel, inplace,
