@@ -153,7 +153,7 @@ def _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR: tl.constexpr):
     else:
         # fp32, as Triton's own launcher passes a Python float; Inductor's generated launches pass
         # one that fp32 cannot hold exactly as fp64 (the same value after this rounding)
-        return scale, inv_t
+        return tl.cast(scale, tl.float32), tl.cast(inv_t, tl.float32)
 
 
 @triton.jit
