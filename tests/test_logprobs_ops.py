@@ -149,6 +149,45 @@ def test_compile_graph_holds_opaque_core_ops(public, shift):
             assert not any("slice" in str(n.target) for n in gm.graph.nodes if n.op == "call_function"), gm.code
 
 
+def _trace_cuda_ops(shift, **settings):
+    """The functionalized graph (AOTAutograd, the graph Inductor lowers) of one forward and one
+    backward core-op call on fake CUDA tensors: it traces on a machine without a GPU."""
+    from torch._functorch.aot_autograd import aot_function
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+
+    def record(gm, _inputs):
+        graphs.append(gm)
+        return gm
+
+    def f(x, ids, g1, g2):
+        logp, ent, stats = OPS._logprobs_entropy_forward(x, ids, 1.0, -100, True, shift=shift)
+        return OPS._logprobs_entropy_backward(g1, g2, x, ids, stats, ent, 1.0, -100, shift=shift)[0]
+
+    with FakeTensorMode(), torch_fused.settings.override(**settings):
+        x = torch.randn(2, 9 if shift else 8, 64, device="cuda", dtype=torch.bfloat16)
+        ids = torch.randint(0, 64, (2, 8), device="cuda")
+        g1, g2 = torch.randn(2, 8, device="cuda"), torch.randn(2, 8, device="cuda")
+        aot_function(f, fw_compiler=record)(x, ids, g1, g2)
+    (gm,) = graphs
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"
+            and ("fused" in str(n.target) or "triton_kernel" in str(n.target))]
+
+
+@pytest.mark.skipif(not torch_fused._library.TRITON_DEVICES or INTERPRET, reason="needs triton (not the interpreter)")
+@pytest.mark.filterwarnings("ignore")
+def test_compiled_graph_launches_the_kernels_itself():
+    """settings.compile_inline_kernels: under torch.compile a CUDA call's kernel launches are traced
+    into the graph (Inductor then launches them itself), in place of the opaque op; with shift the
+    backward stays an op call (its d logits is written through two views); off: opaque ops."""
+    wrapper = "triton_kernel_wrapper_functional"
+    assert _trace_cuda_ops(False) == [wrapper, wrapper]
+    assert _trace_cuda_ops(True) == [wrapper, "fused._logprobs_entropy_backward.default"]
+    assert _trace_cuda_ops(False, compile_inline_kernels=False) == [
+        "fused._logprobs_entropy_forward.default", "fused._logprobs_entropy_backward.default"]
+
+
 class TestSchemas(expecttest.TestCase):
     def test_pinned_schemas(self):
         self.assertExpectedInline(
