@@ -234,8 +234,8 @@ SHIPPED_TILE_CASES = [
     # (x shape, dtype, dim, mask storage shape or None, scale storage shape or None, expected
     # constexprs): each hits one branch of kernels.mask_reduce.pick_blocks with n_sm=1
     ((8, 3, 600), torch.bfloat16, 1, (8, 3, 600), None, dict(BLOCK_R=1, BLOCK_I=512, U=4)),  # many outputs, R < trip
-    ((1, 300, 200), torch.float32, 1, (1, 300, 200), None, dict(BLOCK_R=32, BLOCK_I=32, U=8)),  # strips, tail trip
-    ((2, 300, 96), torch.float32, 1, (1, 300, 96), None, dict(BLOCK_R=32, BLOCK_I=32, OUTER_FIRST=True)),  # shared mask
+    ((1, 300, 200), torch.float32, 1, (1, 300, 200), None, dict(BLOCK_R=16, BLOCK_I=32, U=16)),  # strips, tail trip
+    ((2, 300, 96), torch.float32, 1, (1, 300, 96), None, dict(BLOCK_R=16, BLOCK_I=32, OUTER_FIRST=True)),  # shared mask
     ((5, 3000), torch.bfloat16, -1, (5, 3000), (1, 3000), dict(BLOCK_R=2048, PIPELINE=True)),  # reduce dim contiguous
     ((10, 4, 700), torch.float16, 1, (10, 4, 1), (1, 1, 700), dict(BLOCK_I=512, PRED_X=True)),  # [B, M, 1] mask
 ]

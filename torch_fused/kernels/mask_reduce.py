@@ -21,9 +21,9 @@ What carries the bandwidth:
   thread and x 8, and convert one layout to the other through shared memory on every trip.
 - Bytes in flight. ptxas places each load right before its first use, so a trip's U row
   vectors per thread are one tile load, issued together before any add. Column strips (long
-  reduce dims) hide the latency with occupancy: a small accumulator (the U rows are summed in
-  registers first) and the mask kept as loaded bytes until its use keep them at ~72 registers,
-  every program resident. Software pipelining (the loads of trip k+1 issued before the adds of
+  reduce dims) hide the latency with many rows in flight per thread (U = 16 16-byte vectors)
+  in small programs (4 warps): a small accumulator (the U rows are summed in registers first)
+  and the mask kept as loaded bytes until its use leave room for the loads. Software pipelining (the loads of trip k+1 issued before the adds of
   trip k, PIPELINE) remains for the contiguous-r tiles; in the strips it cost more than it gave,
   since every value carried across the loop's back edge is unpacked per element (168-186
   registers with a mask).
@@ -217,9 +217,9 @@ TILES = {
     # strips: narrowest row (one 128-byte line per row of threads)
     "strip_min_bytes": 128,
     # strips: rows per thread and trip (the bytes in flight per thread)
-    "strip_u": 8,
+    "strip_u": 16,
     # strips: warps (32 rows of threads with 128-byte rows)
-    "strip_warps": 8,
+    "strip_warps": 4,
     # contiguous reduce dim ([B, L] -> [B]): the widest tile, one 8-warp row of 16-byte vectors
     "contig_warps": 8,
 }
