@@ -7,7 +7,7 @@ read once, when this module is imported, and gives the starting value.
 
 | name | default | environment variable | what it sets |
 |---|---|---|---|
-| ``compile_inline_kernels`` | True | ``TORCH_FUSED_COMPILE_INLINE`` (0: off) | under torch.compile the log-prob ops' kernel launches are traced into the graph (``torch.library.wrap_triton``), so Inductor's code launches them with no Python implementation per call; off: the ops stay opaque calls |
+| ``compile_inline_kernels`` | False | ``TORCH_FUSED_COMPILE_INLINE`` (1: on) | experimental, not yet validated on a GPU: under torch.compile, static-shape CUDA calls of the log-prob ops have their kernel launches traced into the graph (``torch.library.wrap_triton``), so Inductor's code launches them with no Python implementation per call; off: the ops stay opaque calls |
 | ``poison`` | False | | fill every fresh op output with NaN (integers: -2**30) before a kernel writes it; the test suite turns it on, so an element a kernel forgets never passes |
 | ``sinkgd_graphs`` | True | ``TORCH_FUSED_SINKGD_GRAPHS`` (0: off) | the eager SinkGD step replays its launches from a CUDA graph once the same plan comes back |
 | ``sinkgd_branches`` | True | ``TORCH_FUSED_SINKGD_BRANCHES`` (0: off) | in that graph, a pass's launches over different row-width classes run as parallel branches |
@@ -47,7 +47,7 @@ def _env_flag(name: str, default: bool) -> bool:
 
 
 DEFAULTS = dict(
-    compile_inline_kernels=_env_flag("TORCH_FUSED_COMPILE_INLINE", True),
+    compile_inline_kernels=_env_flag("TORCH_FUSED_COMPILE_INLINE", False),
     poison=False,
     sinkgd_graphs=_env_flag("TORCH_FUSED_SINKGD_GRAPHS", True),
     sinkgd_branches=_env_flag("TORCH_FUSED_SINKGD_BRANCHES", True),
