@@ -364,6 +364,15 @@ MUTANTS: list[Mutant] = [
           "    return None if t is None else (t.shape, t.dtype, t.device)  # MUTANT")],
         ["tests/test_logprobs_ops.py"],
     ),
+    # 19. under torch.compile the backward with shift inlined as kernel launches (settings.
+    #     compile_inline_kernels): its d logits is written through two views of one tensor, which a
+    #     functional graph turns into two copies
+    Mutant(
+        "inline-shift-backward-ref", "19 aliasing launch inlined", "torch_fused/ops/logprobs.py", CPU,
+        [("                         keep_whole=lambda args, kwargs: bool(kwargs.get(\"shift\", args[9] if len(args) > 9 else False)))",
+          "                         keep_whole=None)  # MUTANT")],
+        ["tests/test_logprobs_ops.py"],
+    ),
 ]
 
 
