@@ -241,9 +241,9 @@ def inline_under_compile(op, implementation, keep_whole=None) -> None:
     as registered: its schema, fake implementation, CPU implementation and autograd formula are
     unchanged, and eager calls never come here. Off unless settings.compile_inline_kernels is
     set: a GPU probe (tools/triton_op_probe.py) has not yet shown its values and speed to be
-    right. ``keep_whole(args)``: True for the calls to leave
-    as opaque op calls anyway (launches that write one output through two aliasing pointers, which
-    a functional graph would give two copies)."""
+    right. ``keep_whole(args, kwargs)``: True for the calls to leave as opaque op calls anyway
+    (launches that write one output through two aliasing pointers, which a functional graph
+    would give two copies)."""
     if not hasattr(torch.library, "wrap_triton") or not hasattr(op, "register_torch_dispatch"):
         return  # pragma: no cover - torch without wrap_triton: the op stays whole
     from torch._subclasses.functional_tensor import FunctionalTensorMode

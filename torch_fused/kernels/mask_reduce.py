@@ -23,8 +23,9 @@ What carries the bandwidth:
   vectors per thread are one tile load, issued together before any add. Column strips (long
   reduce dims) hide the latency with many rows in flight per thread (U = 16 16-byte vectors)
   in small programs (4 warps): a small accumulator (the U rows are summed in registers first)
-  and the mask kept as loaded bytes until its use leave room for the loads. Software pipelining (the loads of trip k+1 issued before the adds of
-  trip k, PIPELINE) remains for the contiguous-r tiles; in the strips it cost more than it gave,
+  and the mask kept as loaded bytes until its use leave room for the loads. Software
+  pipelining (the loads of trip k+1 issued before the adds of trip k, PIPELINE) remains for
+  the contiguous-r tiles; in the strips it cost more than it gave,
   since every value carried across the loop's back edge is unpacked per element (168-186
   registers with a mask).
 """
