@@ -141,3 +141,88 @@ def test_segmented_backward_shift_top_k_cuda(dtype):
     scale[:, :-1] = ((gl * (idx.cpu() != -100)).abs().sum(-1) + ge.abs())[..., None] / t
     assert (dx[:, -1] == 0).all()
     assert_grad_close(dx[:, :-1], rdx[:, :-1], scale[:, :-1], dtype, "d logits")
+
+
+def _inline_case(name):
+    """(function of (logits, *extra) -> loss, logits, extra tensors) of one compiled-launch case."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+    def ids(shape, v):
+        return torch.randint(0, v, shape, device="cuda", generator=g)
+
+    if name == "grpo bf16 [64, 1024]":
+        from torch_fused.bench.small import grpo_loss
+        n, v = 64, 1024
+        mask = (torch.rand(n, device="cuda", generator=g) > 0.2).float()
+        loss = grpo_loss(torch_fused.logprobs_and_entropy)
+        return (lambda x, i, o, a, m: loss(x, i, o, a, m)), randn(n, v, dtype=torch.bfloat16) * 3, \
+            (ids((n,), v), randn(n) * 0.1 - 5, randn(n), mask)
+    if name == "selective fp16 [4, 33, 1000], ignored ids":
+        i = ids((4, 33), 1000)
+        i[:, ::5] = -100
+        return (lambda x, i, w: (torch_fused.selective_log_softmax(x, i) * w).sum()), \
+            randn(4, 33, 1000, dtype=torch.float16), (i, randn(4, 33))
+    if name == "entropy fp32 [512, 4096], T 0.7":
+        return (lambda x, w: (torch_fused.entropy_from_logits(x, temperature=0.7) * w).sum()), \
+            randn(512, 4096) * 2, (randn(512),)
+    if name == "both bf16 [256, 5000], 3 ids per row":
+        def f(x, i, w):
+            lp, ent = torch_fused.logprobs_and_entropy(x, i)
+            return (lp * w[:, None]).sum() + ent.mean()
+        return f, randn(256, 5000, dtype=torch.bfloat16), (ids((256, 3), 5000), randn(256))
+    if name == "both bf16, transposed logits":
+        def f(xt, i, w):
+            lp, ent = torch_fused.logprobs_and_entropy(xt.t(), i)
+            return (lp * w).sum() - (ent * w).sum()
+        return f, randn(3000, 96, dtype=torch.bfloat16), (ids((96,), 3000), randn(96))
+    if name == "both bf16, logits of an in-graph matmul, V 50257":
+        w_head = randn(50257, 64, dtype=torch.bfloat16) / 8
+
+        def f(h, i, w):
+            lp, ent = torch_fused.logprobs_and_entropy(h @ w_head.t(), i)
+            return (lp * w).sum() + 0.01 * ent.sum()
+        return f, randn(48, 64, dtype=torch.bfloat16), (ids((48,), 50257), randn(48))
+    if name == "both bf16, tensor temperature":
+        def f(x, t, i, w):
+            lp, ent = torch_fused.logprobs_and_entropy(x, i, temperature_tensor=t)
+            return (lp * w).sum() + (ent * w).sum()
+        return f, randn(128, 2048, dtype=torch.bfloat16), \
+            (torch.tensor(0.8, device="cuda", requires_grad=True), ids((128,), 2048), randn(128))
+    if name == "both bf16, shift [4, 17, 3000]":
+        def f(x, i, w):
+            lp, ent = torch_fused.logprobs_and_entropy(x, i, shift=True)
+            return (lp * w).sum() + 0.1 * ent.sum()
+        return f, randn(4, 17, 3000, dtype=torch.bfloat16), (ids((4, 16), 3000), randn(4, 16))
+    raise KeyError(name)
+
+
+INLINE_CASES = ["grpo bf16 [64, 1024]", "selective fp16 [4, 33, 1000], ignored ids", "entropy fp32 [512, 4096], T 0.7",
+                "both bf16 [256, 5000], 3 ids per row", "both bf16, transposed logits",
+                "both bf16, logits of an in-graph matmul, V 50257", "both bf16, tensor temperature",
+                "both bf16, shift [4, 17, 3000]"]
+
+
+@pytest.mark.parametrize("name", INLINE_CASES)
+def test_compiled_inline_launches_match_eager(name, settings_override):
+    """settings.compile_inline_kernels: the compiled loss, whose log-prob kernel launches Inductor
+    makes itself (static shapes), gives the eager call's loss and gradients: the same kernels, so
+    to fp32 rounding of the surrounding arithmetic; every gradient finite (fresh outputs are
+    NaN-filled in the tests: an output the traced launches never wrote shows)."""
+    f, x, extra = _inline_case(name)
+    x = x.requires_grad_(True)
+    wrt = (x,) + tuple(t for t in extra if t.requires_grad)
+    ref = f(x, *extra)
+    ref_grads = torch.autograd.grad(ref, wrt)
+    settings_override(compile_inline_kernels=True)
+    torch._dynamo.reset()
+    step = torch.compile(f, fullgraph=True, dynamic=False)
+    for _ in range(2):  # the second call runs the compiled code only
+        out = step(x, *extra)
+        grads = torch.autograd.grad(out, wrt)
+        for gr, rg in zip(grads, ref_grads):
+            assert torch.isfinite(gr).all(), f"{int((~torch.isfinite(gr)).sum())} non-finite gradient elements"
+            assert rel_err(gr, rg) < 1e-3, rel_err(gr, rg)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

@@ -171,6 +171,15 @@ def _trace_cuda_ops(shift, **settings):
         g1, g2 = torch.randn(2, 8, device="cuda"), torch.randn(2, 8, device="cuda")
         aot_function(f, fw_compiler=record)(x, ids, g1, g2)
     (gm,) = graphs
+    for n in gm.graph.nodes:
+        if "triton_kernel_wrapper_functional" in str(n.target):
+            # each argument the kernel may write gets its own copy in the functional graph, and the
+            # copy of the last argument naming a tensor replaces it: a written argument must name
+            # a tensor no other argument names (else the output may be an unwritten copy)
+            kw = n.kwargs["kwargs"]
+            for name in n.kwargs["tensors_to_clone"]:
+                shared = [k for k, a in kw.items() if k != name and a is kw[name]]
+                assert not shared, f"{name} may be written, and its tensor is passed as {shared} too"
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"
             and ("fused" in str(n.target) or "triton_kernel" in str(n.target))]
 

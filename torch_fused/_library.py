@@ -201,10 +201,23 @@ _INLINE = threading.local()
 def launch(kernel):
     """``kernel``, to launch as ``launch(kernel)[grid](...)``; while inline_under_compile traces an
     op's implementation, the kernel wrapped by ``torch.library.wrap_triton``, so the traced graph
-    holds the launch itself."""
+    holds the launch itself. A traced launch must not pass one tensor for two pointer arguments
+    of which the kernel may write one (use ``unused_pointer`` for the arguments a launch does not
+    touch): the functional graph gives each argument the kernel may write its own copy, and the
+    copy of the last such argument replaces the tensor, whichever copy the kernel wrote (so the
+    output would be the unwritten copy)."""
     if getattr(_INLINE, "active", False):
         return torch.library.wrap_triton(kernel)
     return kernel
+
+
+def unused_pointer(like: torch.Tensor) -> torch.Tensor:
+    """A tensor to pass for a pointer argument the launch does not touch (a constexpr turns its
+    loads and stores off): ``like`` itself in an eager launch; a one-element tensor of its dtype
+    of its own while inline_under_compile traces (see ``launch``)."""
+    if getattr(_INLINE, "active", False):
+        return torch.empty(1, dtype=like.dtype, device=like.device)
+    return like
 
 
 def _static(t) -> bool:

@@ -22,7 +22,8 @@ import struct
 import torch
 
 from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift,
-                        inline_under_compile, kernel_temperature, launch, new_output, rows_strides)
+                        inline_under_compile, kernel_temperature, launch, new_output, rows_strides,
+                        unused_pointer)
 from .. import reference
 from ..settings import current as _settings
 from ..meta import logprobs as meta
@@ -154,9 +155,9 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
         return logp, ent, stats
     # with shift the rows are the first L of every [L+1, V] block: the same first element
     x = (logits[..., :-1, :] if shift else logits).contiguous() if copy else logits
-    idx = stats if index is None else index.contiguous() if index_copy else index  # [rows, K] row-major
+    idx = unused_pointer(stats) if index is None else index.contiguous() if index_copy else index  # [rows, K] row-major
     launch(K._logprobs_entropy_forward_kernel)[(rows,)](
-        x, idx, logp, ent, stats, temperature_t if temperature_t is not None else stats,
+        x, idx, logp, ent, stats, temperature_t if temperature_t is not None else unused_pointer(stats),
         v, k, inner, s_outer, s_inner, c, ignore_index, **constexprs)
     return logp, ent, stats
 
@@ -301,12 +302,13 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
         idx = index.contiguous() if idx_copy else index
         glp = grad_logp.reshape(rows, k) if glp_copy else grad_logp
     else:
-        idx = glp = stats  # unused pointers
-    gh = (grad_entropy.reshape(rows) if gh_copy else grad_entropy) if constexprs["HAS_GH"] else stats
-    tail = dx[..., -1, :] if shift else dx
+        idx, glp = unused_pointer(stats), unused_pointer(stats)
+    gh = (grad_entropy.reshape(rows) if gh_copy else grad_entropy) if constexprs["HAS_GH"] else unused_pointer(stats)
+    tail = dx[..., -1, :] if shift else unused_pointer(dx)  # written with shift only (ZERO_TAIL)
     launch(K._logprobs_entropy_backward_kernel)[(grid,)](
-        x, idx, glp, gh, stats, entropy if constexprs["HAS_GH"] else stats, dx, tail,
-        temperature_t if has_dt else stats, xdx if has_dt else stats, *scalars, **constexprs)
+        x, idx, glp, gh, stats, entropy if constexprs["HAS_GH"] else unused_pointer(stats), dx, tail,
+        temperature_t if has_dt else unused_pointer(stats), xdx if has_dt else unused_pointer(stats),
+        *scalars, **constexprs)
     return dx, reference.temperature_grad(xdx, temperature_t)
 
 
