@@ -87,20 +87,30 @@ def _load(p, msk, other, EVEN: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0, o_r, m_i, R, sx_r, sm_r, ss_r,
+def _load_mask_rows(p_mt, t_m, r0, o_r, R, sm_r, M_EVICT: tl.constexpr):
+    """The mask of the trip's rows r0 + o_r of a mask broadcast along i ([rows, 1]), 0 past R."""
+    return tl.load(p_mt + tl.cast(r0, tl.int64) * sm_r + t_m, mask=(r0 + o_r) < R, other=0,
+                   eviction_policy=M_EVICT)
+
+
+@triton.jit
+def _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0, o_r, m_i, R, sx_r, sm_r, ss_r, mk_given,
                HAS_MASK: tl.constexpr, M_BCAST_R: tl.constexpr, M_BCAST_I: tl.constexpr, PRED_X: tl.constexpr,
                HAS_SCALE: tl.constexpr, S_BCAST_R: tl.constexpr, S_BCAST_I: tl.constexpr,
-               M_EVICT: tl.constexpr, X_EVICT: tl.constexpr, EVEN: tl.constexpr):
+               M_EVICT: tl.constexpr, X_EVICT: tl.constexpr, EVEN: tl.constexpr, MK_GIVEN: tl.constexpr):
     """(x, mask, scale) of the trip's rows r0 + o_r as loaded: the mask as stored (0 without
     one; compared with 0 where it is used, so a trip in flight holds bytes, not predicates),
-    scale 0.0 without one. Rows past R load nothing; EVEN: every row and column is in range."""
+    scale 0.0 without one. Rows past R load nothing; EVEN: every row and column is in range.
+    MK_GIVEN: the mask is ``mk_given``, loaded a trip ahead (MASK_AHEAD)."""
     m_r = (r0 + o_r) < R
     msk = m_r & m_i
     # the trip's first row in int64: r0 * stride passes 2**31 in a slice of over 2**31 elements
     # reduced over a dim other than the innermost (WIDE covers only the offsets within a trip)
     r0 = tl.cast(r0, tl.int64)
     mk = 0
-    if HAS_MASK:
+    if MK_GIVEN:
+        mk = mk_given
+    elif HAS_MASK:
         if M_BCAST_R:
             mk = keep_i
         elif M_BCAST_I:
@@ -151,7 +161,7 @@ def _mask_reduce_forward_kernel(
     M_BCAST_R: tl.constexpr, M_BCAST_I: tl.constexpr, S_BCAST_R: tl.constexpr, S_BCAST_I: tl.constexpr,
     PRED_X: tl.constexpr, WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
     VEC: tl.constexpr, M_EVICT: tl.constexpr, X_EVICT: tl.constexpr, PIPELINE: tl.constexpr, U: tl.constexpr,
-    OUTER_FIRST: tl.constexpr, EVEN: tl.constexpr,
+    OUTER_FIRST: tl.constexpr, EVEN: tl.constexpr, MASK_AHEAD: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     if OUTER_FIRST:
@@ -183,22 +193,33 @@ def _mask_reduce_forward_kernel(
     if PIPELINE:
         # software pipelining: the loads of trip k+1 are issued before the adds of trip k
         xn, mn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, 0, o_r, m_i, R, sx_r, sm_r, ss_r,
-                                HAS_MASK, M_BCAST_R, M_BCAST_I, PRED_X, HAS_SCALE, S_BCAST_R, S_BCAST_I,
-                                M_EVICT, X_EVICT, EVEN)
+                                0, HAS_MASK, M_BCAST_R, M_BCAST_I, PRED_X, HAS_SCALE, S_BCAST_R, S_BCAST_I,
+                                M_EVICT, X_EVICT, EVEN, False)
         for r0 in range(TRIP, R, TRIP):
             xc = xn
             mc = mn
             sc = sn
             xn, mn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0, o_r, m_i, R,
-                                    sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, PRED_X,
-                                    HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT, EVEN)
+                                    sx_r, sm_r, ss_r, 0, HAS_MASK, M_BCAST_R, M_BCAST_I, PRED_X,
+                                    HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT, EVEN, False)
             acc = _add_tile(acc, xc, mc, sc, HAS_MASK, HAS_SCALE)
         acc = _add_tile(acc, xn, mn, sn, HAS_MASK, HAS_SCALE)
+    elif MASK_AHEAD:
+        # a row mask ([rows, 1], the x load predicated on it): each trip's mask is loaded a trip
+        # ahead, so the x loads, which wait for it, do not also wait for its own round trip
+        mk_next = _load_mask_rows(p_mt, t_m, 0, o_r, R, sm_r, M_EVICT)
+        for r0 in range(0, R, TRIP):
+            mk = mk_next
+            mk_next = _load_mask_rows(p_mt, t_m, r0 + TRIP, o_r, R, sm_r, M_EVICT)
+            xc, mc, sc = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0, o_r, m_i, R,
+                                    sx_r, sm_r, ss_r, mk, HAS_MASK, M_BCAST_R, M_BCAST_I, PRED_X,
+                                    HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT, EVEN, True)
+            acc = _add_tile(acc, xc, mc, sc, HAS_MASK, HAS_SCALE)
     else:
         for r0 in range(0, R, TRIP):
             xc, mc, sc = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, r0, o_r, m_i, R,
-                                    sx_r, sm_r, ss_r, HAS_MASK, M_BCAST_R, M_BCAST_I, PRED_X,
-                                    HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT, EVEN)
+                                    sx_r, sm_r, ss_r, 0, HAS_MASK, M_BCAST_R, M_BCAST_I, PRED_X,
+                                    HAS_SCALE, S_BCAST_R, S_BCAST_I, M_EVICT, X_EVICT, EVEN, False)
             acc = _add_tile(acc, xc, mc, sc, HAS_MASK, HAS_SCALE)
     y = tl.sum(acc, axis=0)
     o_y = i0 + tl.arange(0, BLOCK_I)
@@ -223,6 +244,8 @@ TILES = {
     "strip_warps": 4,
     # contiguous reduce dim ([B, L] -> [B]): the widest tile, one 8-warp row of 16-byte vectors
     "contig_warps": 8,
+    # a row mask ([B, M, 1]: x predicated on it) loaded a trip ahead of the x loads (MASK_AHEAD)
+    "mask_ahead": True,
 }
 _SHIPPED_KEY = tuple(sorted(TILES.items()))
 # Software pipelining (PIPELINE) is on for the contiguous-r tiles only: in the strips every value
@@ -315,6 +338,8 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
         # always where it applies: on the [1, M, N]-mask strips 0.959 of the floor with it, 0.757 without
         OUTER_FIRST=m_outer,
         EVEN=r % (block_r * u) == 0 and i % block_i == 0,
+        MASK_AHEAD=pred_x and not r_contig and sm[3] == 0 and sm[0] != 0 and not pipeline
+        and (settings.mask_reduce_tiles or TILES).get("mask_ahead", True),
     )
     return cdiv(i, block_i), constexprs, warps
 
@@ -326,6 +351,7 @@ _COMPILE_LAUNCHES = [
     ("full mask", "bf16", (8192, 4, 8192), 1, (32768, 8192, 1), (32768, 8192, 1), None),
     ("[1,M,N] mask strips", "bf16", (8, 4096, 4096), 1, (4096 * 4096, 4096, 1), (0, 4096, 1), None),
     ("no mask strips", "fp16", (8, 4096, 4096), 1, (4096 * 4096, 4096, 1), None, None),
+    ("[B,M,1] mask strips", "bf16", (8, 4096, 4096), 1, (4096 * 4096, 4096, 1), (4096, 1, 0), None),
     ("token loss [B,L] mask", "fp32", (64, 4096), 1, (4096, 1), (4096, 1), None),
     ("token loss [B,L] mask, [1,L] scale", "bf16", (64, 4096), 1, (4096, 1), (4096, 1), (0, 1)),
     ("token loss [B,1] mask float64", "fp64", (64, 4096), 1, (4096, 1), (1, 0), None),
