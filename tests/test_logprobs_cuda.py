@@ -187,7 +187,7 @@ def _inline_case(name):
         return f, randn(48, 64, dtype=torch.bfloat16), (ids((48,), 50257), randn(48))
     if name == "both bf16, tensor temperature":
         def f(x, t, i, w):
-            lp, ent = torch_fused.logprobs_and_entropy(x, i, temperature_tensor=t)
+            lp, ent = torch_fused.logprobs_and_entropy(x, i, temperature=t)
             return (lp * w).sum() + (ent * w).sum()
         return f, randn(128, 2048, dtype=torch.bfloat16), \
             (torch.tensor(0.8, device="cuda", requires_grad=True), ids((128,), 2048), randn(128))

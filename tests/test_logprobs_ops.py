@@ -187,15 +187,15 @@ def _trace_cuda_ops(shift, **settings):
 @pytest.mark.skipif(not torch_fused._library.TRITON_DEVICES or INTERPRET, reason="needs triton (not the interpreter)")
 @pytest.mark.filterwarnings("ignore")
 def test_compiled_graph_launches_the_kernels_itself():
-    """settings.compile_inline_kernels (off by default): under torch.compile a CUDA call's kernel
-    launches are traced into the graph (Inductor then launches them itself), in place of the
-    opaque op; with shift the backward stays an op call (its d logits is written through two
-    views); off: opaque ops."""
+    """settings.compile_inline_kernels: under torch.compile a CUDA call's kernel launches are
+    traced into the graph (Inductor then launches them itself), in place of the opaque op; with
+    shift the backward stays an op call (its d logits is written through two views); off:
+    opaque ops."""
     wrapper = "triton_kernel_wrapper_functional"
     ops = ["fused._logprobs_entropy_forward.default", "fused._logprobs_entropy_backward.default"]
     assert _trace_cuda_ops(False, compile_inline_kernels=True) == [wrapper, wrapper]
     assert _trace_cuda_ops(True, compile_inline_kernels=True) == [wrapper, ops[1]]
-    assert _trace_cuda_ops(False) == ops
+    assert _trace_cuda_ops(False, compile_inline_kernels=False) == ops
 
 
 class TestSchemas(expecttest.TestCase):

@@ -11,6 +11,7 @@ tools/triton_op_probe.py --check`` runs the three losses uncompiled at one small
 values only (the interpreter cannot be traced: it runs a kernel on fake tensors)."""
 import os
 import sys
+import types
 
 import torch
 from torch.library import triton_op, wrap_triton
@@ -18,7 +19,7 @@ from torch.library import triton_op, wrap_triton
 import torch_fused
 from torch_fused._library import new_output
 from torch_fused.settings import override
-from torch_fused.bench.small import grpo_loss, plain_both, wall_us
+from torch_fused.bench.small import grpo_loss, plain_both, wall_us_rounds
 from torch_fused.ops import logprobs as L
 
 NS = "torch_fused_probe"
@@ -78,6 +79,13 @@ def _backward(ctx, g_logp, g_ent, _g_stats):
 probe_fwd.register_autograd(_backward, setup_context=_setup)
 
 
+def _own_code(fn, tag):
+    """fn with a code object of its own, so that torch.compile keeps a compiled graph for it apart
+    from those of other copies of the same function."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 def probe_both(logits, index):
     logp, ent, _ = probe_fwd(logits, index, 1.0, -100)
     return logp, ent
@@ -89,7 +97,7 @@ def main():
     backend = "inductor" if device == "cuda" else "none (uncompiled)"
     shapes = [(64, 1024), (512, 4096), (512, 32000), (4096, 32000)] if device == "cuda" else [(6, 40)]
     lines = [f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}; "
-             f"backend {backend}; GRPO-style loss fwd+bwd, bf16 logits, wall us per call (200 calls, median of 5)",
+             f"backend {backend}; GRPO-style loss fwd+bwd, bf16 logits, wall us per call (200 calls, median of 5 rounds, the variants timed in turn within a round)",
              "", "| shape | plain formula, compiled | torch_fused ops, compiled (launches inlined) | "
              "torch_fused ops, compiled (opaque op calls) | triton_op pair, compiled | "
              "max abs diff of d logits from the plain formula's, and non-finite counts |", "|---|---:|---:|---:|---:|---:|"]
@@ -103,18 +111,19 @@ def main():
         mask = (torch.rand(n, device=device, generator=g) > 0.2).float()
         variants = (("plain", plain_both), ("ops", torch_fused.logprobs_and_entropy),
                     ("opaque", torch_fused.logprobs_and_entropy), ("probe", probe_both))
-        grads, us = {}, {}
+        grads, fns = {}, {}
+        torch._dynamo.reset()
         for name, f in variants:
-            # each variant compiled afresh (no compiled code shared between variants or shapes: the
-            # ops and opaque variants are one function, and a second shape would recompile it with
-            # symbolic sizes, which keep the ops opaque), static shapes, and timed in its own
-            # settings: the shipped ops with their launches inlined, and as opaque calls
-            torch._dynamo.reset()
-            fn = torch.compile(grpo_loss(f), fullgraph=True, dynamic=False) if device == "cuda" else grpo_loss(f)
+            # each variant compiled with static shapes into its own code object (its own compiled
+            # code: the ops and opaque variants are one function, traced in different settings),
+            # and all of them timed in the same rounds
+            loss = _own_code(grpo_loss(f), name)
+            fn = torch.compile(loss, fullgraph=True, dynamic=False) if device == "cuda" else loss
             with override(compile_inline_kernels=name != "opaque"):
                 grads[name] = torch.autograd.grad(fn(x, ids, old, adv, mask), x)[0].float()
-                if not check_only:
-                    us[name] = wall_us(lambda fn=fn: torch.autograd.grad(fn(x, ids, old, adv, mask), x))
+            fns[name] = lambda fn=fn: torch.autograd.grad(fn(x, ids, old, adv, mask), x)
+        if not check_only:
+            us = dict(zip(fns, wall_us_rounds(list(fns.values()))))
         bad = {name: int((~torch.isfinite(gr)).sum()) for name, gr in grads.items()}
         diffs = {name: (grads[name] - grads["plain"]).abs().max().item() for name in ("ops", "opaque", "probe")}
         detail = "; ".join(f"{k} {v:.3g}" for k, v in diffs.items()) + \

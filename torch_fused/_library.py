@@ -252,9 +252,9 @@ def inline_under_compile(op, implementation, keep_whole=None) -> None:
     Inductor's generated code launches the kernels itself instead of calling the op's Python
     implementation on every run. This is what ``torch.library.triton_op`` does, kept on the op
     as registered: its schema, fake implementation, CPU implementation and autograd formula are
-    unchanged, and eager calls never come here. Off unless settings.compile_inline_kernels is
-    set: a GPU probe (tools/triton_op_probe.py) has not yet shown its values and speed to be
-    right. ``keep_whole(args, kwargs)``: True for the calls to leave as opaque op calls anyway
+    unchanged, and eager calls never come here. settings.compile_inline_kernels turns it off
+    (tests/test_logprobs_cuda.py compares its compiled losses and gradients with eager calls).
+    ``keep_whole(args, kwargs)``: True for the calls to leave as opaque op calls anyway
     (launches that write one output through two aliasing pointers, which a functional graph
     would give two copies)."""
     if not hasattr(torch.library, "wrap_triton") or not hasattr(op, "register_torch_dispatch"):

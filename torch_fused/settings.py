@@ -7,7 +7,7 @@ read once, when this module is imported, and gives the starting value.
 
 | name | default | environment variable | what it sets |
 |---|---|---|---|
-| ``compile_inline_kernels`` | False | ``TORCH_FUSED_COMPILE_INLINE`` (1: on) | experimental, not yet validated on a GPU: under torch.compile, static-shape CUDA calls of the log-prob ops have their kernel launches traced into the graph (``torch.library.wrap_triton``), so Inductor's code launches them with no Python implementation per call; off: the ops stay opaque calls |
+| ``compile_inline_kernels`` | True on torch 2.11 and later | ``TORCH_FUSED_COMPILE_INLINE`` (1: on, 0: off) | under torch.compile, static-shape CUDA calls of the log-prob ops have their kernel launches traced into the graph (``torch.library.wrap_triton``), so Inductor's generated code launches them with no Python implementation per call; calls with symbolic sizes, and the backward with ``shift=True``, stay opaque op calls. Off: every call stays an opaque op call. Off by default before torch 2.11, where the GPU tests of this path have not run |
 | ``poison`` | False | | fill every fresh op output with NaN (integers: -2**30) before a kernel writes it; the test suite turns it on, so an element a kernel forgets never passes |
 | ``sinkgd_graphs`` | True | ``TORCH_FUSED_SINKGD_GRAPHS`` (0: off) | the eager SinkGD step replays its launches from a CUDA graph once the same plan comes back |
 | ``sinkgd_branches`` | True | ``TORCH_FUSED_SINKGD_BRANCHES`` (0: off) | in that graph, a pass's launches over different row-width classes run as parallel branches |
@@ -38,6 +38,8 @@ import contextlib
 import copy
 import os
 
+import torch
+
 __all__ = ["current", "override", "DEFAULTS"]
 
 
@@ -46,8 +48,15 @@ def _env_flag(name: str, default: bool) -> bool:
     return default if value is None else value != "0"
 
 
+def _torch_at_least(major: int, minor: int) -> bool:
+    try:
+        return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
+    except ValueError:  # pragma: no cover - an unparsable version string
+        return False
+
+
 DEFAULTS = dict(
-    compile_inline_kernels=_env_flag("TORCH_FUSED_COMPILE_INLINE", False),
+    compile_inline_kernels=_env_flag("TORCH_FUSED_COMPILE_INLINE", _torch_at_least(2, 11)),
     poison=False,
     sinkgd_graphs=_env_flag("TORCH_FUSED_SINKGD_GRAPHS", True),
     sinkgd_branches=_env_flag("TORCH_FUSED_SINKGD_BRANCHES", True),

@@ -4,7 +4,9 @@ wall time per call, eager and compiled.
 At [64, 1024] a call is host-bound: the time is the Python and dispatch path, not the kernel.
 Each row is the wall time per call of ``CALLS`` calls back to back (one synchronize at the end),
 so a host-bound call is timed by its host path and a device-bound one by its kernels, as a
-training loop sees them. Rows:
+training loop sees them. The rows of one shape are timed in rounds (each row once per round, the
+median of 5 rounds): the host's speed drifts by tens of percent over a run, and a ratio of two
+rows timed minutes apart would carry that drift. Rows:
 
 - eager forward and forward+backward of each public function beside the plain formula
   (``log_softmax(x.float())`` gathered, ``-(p * log p).sum``), and the raw op
@@ -41,17 +43,26 @@ CALLS = 200
 def wall_us(fn, calls: int = CALLS) -> float:
     """Wall microseconds per call of fn over `calls` calls back to back (the median of 5 such
     runs), warm."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+    return wall_us_rounds([fn], calls)[0]
+
+
+def wall_us_rounds(fns, calls: int = CALLS, rounds: int = 5) -> list[float]:
+    """wall_us of each of fns, timed in rounds (every fn once per round, in turn), so that a
+    slower or faster spell of the host falls on all of them alike: the median over the rounds
+    of each fn's wall microseconds per call over `calls` calls back to back, warm."""
+    for fn in fns:
+        for _ in range(20):
             fn()
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-    return sorted(runs)[2]
+    torch.cuda.synchronize()
+    runs = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, out in zip(fns, runs):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            out.append((time.perf_counter() - t0) / calls * 1e6)
+    return [sorted(r)[len(r) // 2] for r in runs]
 
 
 def plain_both(logits, index):
@@ -119,14 +130,10 @@ def run(report, copy_gbps, quick=False):
         idx = torch.randint(0, v, (n,), device="cuda", generator=g)
         shape = f"[{n}, {v}] bf16"
         nbytes = x.numel() * x.element_size()
-        rows = {}
+        entries = []  # (group, impl, fn, floor bytes, the impl it is a ratio to), timed together below
 
         def add(group, impl, fn, floor, base=None):
-            us = wall_us(fn)
-            note = "" if base is None else f"ratio to torch {us / rows[(group, base)]:.2f}"
-            rows[(group, impl)] = us
-            report.rows.append(Row(group, shape, impl, us / 1e3, floor, note=note).finish(copy_gbps))
-            print(f"{group:36s} {shape:18s} {impl:28s} {us:9.1f} us  {note}", flush=True)
+            entries.append((group, impl, fn, floor, base))
 
         def fb(f, n_out=1):
             def call():
@@ -172,6 +179,14 @@ def run(report, copy_gbps, quick=False):
         for impl, f in ((T + ", compiled", plain), ("torch_fused, compiled", ours)):
             add(g_, impl, lambda f=f: torch.autograd.grad(f(xg, idx, old, adv, mask), xg)[0], 3 * nbytes,
                 None if f is plain else T + ", compiled")
+        # every row of this shape timed in the same rounds: a ratio compares calls timed side by side
+        times = wall_us_rounds([e[2] for e in entries])
+        rows = {(group, impl): us for (group, impl, *_), us in zip(entries, times)}
+        for (group, impl, _, floor, base), us in zip(entries, times):
+            note = "" if base is None else f"ratio to torch {us / rows[(group, base)]:.2f}"
+            report.rows.append(Row(group, shape, impl, us / 1e3, floor, note=note).finish(copy_gbps))
+            print(f"{group:36s} {shape:18s} {impl:28s} {us:9.1f} us  {note}", flush=True)
+        del entries
         del x, xg, idx
         torch.cuda.empty_cache()
     report.extra["calls_per_timing"] = CALLS
