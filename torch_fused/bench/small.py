@@ -186,7 +186,6 @@ def run(report, copy_gbps, quick=False):
             note = "" if base is None else f"ratio to torch {us / rows[(group, base)]:.2f}"
             report.rows.append(Row(group, shape, impl, us / 1e3, floor, note=note).finish(copy_gbps))
             print(f"{group:36s} {shape:18s} {impl:28s} {us:9.1f} us  {note}", flush=True)
-        del entries
         del x, xg, idx
         torch.cuda.empty_cache()
     report.extra["calls_per_timing"] = CALLS
