@@ -182,12 +182,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-from .settings import current as _settings  # noqa: E402
+from .settings import current as _settings, values as _settings_values  # noqa: E402
 
 
 def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype, device=device)
-    if _settings.poison:  # settings.poison: the test suite's NaN fill of fresh outputs
+    if _settings_values["poison"]:  # settings.poison: the test suite's NaN fill of fresh outputs
         out.fill_(float("nan") if dtype.is_floating_point else -(2**30))
     return out
 
@@ -202,7 +202,7 @@ def launch(kernel):
     """``kernel``, to launch as ``launch(kernel)[grid](...)``; while inline_under_compile traces an
     op's implementation, the kernel wrapped by ``torch.library.wrap_triton``, so the traced graph
     holds the launch itself. A traced launch must not pass one tensor for two pointer arguments
-    of which the kernel may write one (use ``unused_pointer`` for the arguments a launch does not
+    of which the kernel may write one (use ``unused_pointers`` for the arguments a launch does not
     touch): the functional graph gives each argument the kernel may write its own copy, and the
     copy of the last such argument replaces the tensor, whichever copy the kernel wrote (so the
     output would be the unwritten copy)."""
@@ -211,13 +211,13 @@ def launch(kernel):
     return kernel
 
 
-def unused_pointer(like: torch.Tensor) -> torch.Tensor:
-    """A tensor to pass for a pointer argument the launch does not touch (a constexpr turns its
-    loads and stores off): ``like`` itself in an eager launch; a one-element tensor of its dtype
-    of its own while inline_under_compile traces (see ``launch``)."""
+def unused_pointers(like: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """n tensors to pass for pointer arguments the launch does not touch (a constexpr turns their
+    loads and stores off): ``like`` itself n times in an eager launch; while inline_under_compile
+    traces, a one-element tensor of its dtype each (see ``launch``)."""
     if getattr(_INLINE, "active", False):
-        return torch.empty(1, dtype=like.dtype, device=like.device)
-    return like
+        return tuple(torch.empty(1, dtype=like.dtype, device=like.device) for _ in range(n))
+    return (like,) * n
 
 
 def _static(t) -> bool:

@@ -100,6 +100,9 @@ class _Settings:
 
 
 current = _Settings(DEFAULTS)
+# the current values as a dict, updated in place by override: the per-call paths of small ops
+# index it directly (an attribute of ``current`` goes through __getattr__, several times slower)
+values = current._values
 
 
 @contextlib.contextmanager

@@ -23,9 +23,9 @@ import torch
 
 from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift,
                         inline_under_compile, kernel_temperature, launch, new_output, rows_strides,
-                        unused_pointer)
+                        unused_pointers)
 from .. import reference
-from ..settings import current as _settings
+from ..settings import values as _settings_values
 from ..meta import logprobs as meta
 
 _FWD = f"{NAMESPACE}::_logprobs_entropy_forward"
@@ -90,7 +90,8 @@ _FWD_PLANS = _Plans()
 
 
 def _tensor_key(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+    # no device: a plan holds no device-dependent choice
+    return None if t is None else (t.shape, t.stride(), t.dtype)
 
 
 def _row_layout(x):
@@ -105,7 +106,8 @@ def _row_layout(x):
 
 def _settings_key():
     """The settings a plan depends on (the kernels' block choice, the backward's segments)."""
-    return _settings.logprobs_block, _settings.small_tiles, _settings.logprobs_bwd_segment
+    v = _settings_values
+    return v["logprobs_block"], v["small_tiles"], v["logprobs_bwd_segment"]
 
 
 def _forward_plan(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
@@ -155,9 +157,10 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
         return logp, ent, stats
     # with shift the rows are the first L of every [L+1, V] block: the same first element
     x = (logits[..., :-1, :] if shift else logits).contiguous() if copy else logits
-    idx = unused_pointer(stats) if index is None else index.contiguous() if index_copy else index  # [rows, K] row-major
+    u_idx, u_temp = unused_pointers(stats, 2)
+    idx = u_idx if index is None else index.contiguous() if index_copy else index  # [rows, K] row-major
     launch(K._logprobs_entropy_forward_kernel)[(rows,)](
-        x, idx, logp, ent, stats, temperature_t if temperature_t is not None else unused_pointer(stats),
+        x, idx, logp, ent, stats, temperature_t if temperature_t is not None else u_temp,
         v, k, inner, s_outer, s_inner, c, ignore_index, **constexprs)
     return logp, ent, stats
 
@@ -291,25 +294,26 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     # are written by the same launch (programs past the live rows), never by a second pass
     dx = out if out is not None else new_output(logits.shape, dx_dtype, logits.device)
     has_dt = temperature_t is not None
-    xdx = new_output((rows if has_dt else 0,), torch.float32, logits.device)
+    xdx = new_output((rows if has_dt else 0,), torch.float32, logits.device)  # without one, the empty d T
     if grid == 0:
-        return dx, reference.temperature_grad(xdx, temperature_t)
+        return dx, reference.temperature_grad(xdx, temperature_t) if has_dt else xdx
     x_copy, idx_copy, glp_copy, gh_copy = copies
     x = (logits[..., :-1, :] if shift else logits).contiguous() if x_copy else logits
     # the upstream gradients are read through their strides (the expanded ones of a .sum(), stride
     # 0, without a copy); a copy only where their shape does not reshape to [rows, K] as a view
+    u_idx, u_glp, u_gh, u_ent, u_temp, u_xdx = unused_pointers(stats, 6)
     if constexprs["HAS_GLP"]:
         idx = index.contiguous() if idx_copy else index
         glp = grad_logp.reshape(rows, k) if glp_copy else grad_logp
     else:
-        idx, glp = unused_pointer(stats), unused_pointer(stats)
-    gh = (grad_entropy.reshape(rows) if gh_copy else grad_entropy) if constexprs["HAS_GH"] else unused_pointer(stats)
-    tail = dx[..., -1, :] if shift else unused_pointer(dx)  # written with shift only (ZERO_TAIL)
+        idx, glp = u_idx, u_glp
+    gh = (grad_entropy.reshape(rows) if gh_copy else grad_entropy) if constexprs["HAS_GH"] else u_gh
+    tail = dx[..., -1, :] if shift else unused_pointers(dx, 1)[0]  # written with shift only (ZERO_TAIL)
     launch(K._logprobs_entropy_backward_kernel)[(grid,)](
-        x, idx, glp, gh, stats, entropy if constexprs["HAS_GH"] else unused_pointer(stats), dx, tail,
-        temperature_t if has_dt else unused_pointer(stats), xdx if has_dt else unused_pointer(stats),
+        x, idx, glp, gh, stats, entropy if constexprs["HAS_GH"] else u_ent, dx, tail,
+        temperature_t if has_dt else u_temp, xdx if has_dt else u_xdx,
         *scalars, **constexprs)
-    return dx, reference.temperature_grad(xdx, temperature_t)
+    return dx, reference.temperature_grad(xdx, temperature_t) if has_dt else xdx
 
 
 if TRITON_DEVICES:
@@ -403,10 +407,15 @@ class _EagerCore(torch.autograd.Function):
         return output
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # as the backward op: no double backward
     def backward(ctx, g_logp, g_ent, g_stats):
-        logits = ctx.saved_tensors[0]
-        return _gradients(ctx, g_logp, g_ent, _impls(logits.device)[1])
+        backward_impl = _impls(ctx.saved_tensors[0].device)[1]
+        if torch.is_grad_enabled():
+            # create_graph=True: d logits without a graph, as the backward op gives it (not
+            # differentiable again); once_differentiable's wrapper would cost more than the
+            # check on every call
+            with torch.no_grad():
+                return _gradients(ctx, g_logp, g_ent, backward_impl)
+        return _gradients(ctx, g_logp, g_ent, backward_impl)
 
 
 def eager_core(name, logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
