@@ -373,6 +373,20 @@ MUTANTS: list[Mutant] = [
           "                         keep_whole=None)  # MUTANT")],
         ["tests/test_logprobs_ops.py"],
     ),
+    # 20: a traced launch passed one tensor for the written d logits and the unused tail pointer:
+    #     the functional graph copies each, and the unwritten copy becomes d logits
+    Mutant(
+        "inline-aliased-pointers", "20 aliased pointers in a traced launch", "torch_fused/ops/logprobs.py", CPU,
+        [("    tail = dx[..., -1, :] if shift else unused_pointers(dx, 1)[0]  # written with shift only (ZERO_TAIL)",
+          "    tail = dx[..., -1, :] if shift else dx  # MUTANT")],
+        ["tests/test_logprobs_ops.py"],
+    ),
+    # 21: the row-mask prefetch (MASK_AHEAD) predicating x on the next trip's mask
+    Mutant(
+        "mask-ahead-next-trip", "21 row mask a trip off", "torch_fused/kernels/mask_reduce.py", TRITON,
+        [("sx_r, sm_r, ss_r, mk, HAS_MASK", "sx_r, sm_r, ss_r, mk_next, HAS_MASK")],
+        ["tests/test_mask_reduce.py"],
+    ),
 ]
 
 
