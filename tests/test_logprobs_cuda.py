@@ -226,3 +226,40 @@ def test_compiled_inline_launches_match_eager(name, settings_override):
             assert torch.isfinite(gr).all(), f"{int((~torch.isfinite(gr)).sum())} non-finite gradient elements"
             assert rel_err(gr, rg) < 1e-3, rel_err(gr, rg)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inlined", "opaque"])
+def test_compiled_dynamic_sizes_launch_inline(inline, settings_override):
+    """torch.compile's default (a static graph first, then, as the batch and sequence sizes change,
+    one with those sizes symbolic; the vocabulary does not change and stays static): with
+    settings.compile_inline_kernels the log-prob launches are in the compiled code of both (no
+    call of the op's implementation at run time: the profiler sees no fused:: op); off, every call
+    is an op call. Values as eager at each size."""
+    from torch.profiler import ProfilerActivity, profile
+
+    settings_override(compile_inline_kernels=inline)
+    v = 3000
+
+    def loss(x, i, w):
+        lp, ent = torch_fused.logprobs_and_entropy(x, i)
+        lp2 = torch_fused.selective_log_softmax(x, i, temperature=0.7)
+        return (lp * w).sum() + (lp2 * w).sum() - 0.01 * ent.sum()
+
+    torch._dynamo.reset()
+    step = torch.compile(loss, fullgraph=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for b, length in [(2, 17), (3, 40), (5, 9)]:  # static; symbolic; the symbolic graph again
+        x = (torch.randn(b, length, v, device="cuda", generator=g) * 2).to(torch.bfloat16).requires_grad_(True)
+        i = torch.randint(0, v, (b, length), device="cuda", generator=g)
+        i[:, ::4] = -100
+        w = torch.randn(b, length, device="cuda", generator=g)
+        ref = loss(x, i, w)
+        (rdx,) = torch.autograd.grad(ref, x)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = step(x, i, w)
+            (dx,) = torch.autograd.grad(out, x)
+        op_calls = [e.name for e in prof.events() if e.name.startswith("fused::")]
+        assert (op_calls == []) if inline else op_calls, op_calls
+        assert torch.isfinite(dx).all()
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
+        assert rel_err(dx, rdx) < 1e-3, rel_err(dx, rdx)

@@ -149,11 +149,22 @@ def test_compile_graph_holds_opaque_core_ops(public, shift):
             assert not any("slice" in str(n.target) for n in gm.graph.nodes if n.op == "call_function"), gm.code
 
 
-def _trace_cuda_ops(shift, **settings):
+def _trace_cuda_ops(shift, symbolic=False, **settings):
     """The functionalized graph (AOTAutograd, the graph Inductor lowers) of one forward and one
-    backward core-op call on fake CUDA tensors: it traces on a machine without a GPU."""
+    backward core-op call on fake CUDA tensors: it traces on a machine without a GPU. symbolic:
+    the batch and sequence sizes are symbolic (a dynamic-shape compile), the vocabulary static."""
+    from torch._dynamo.source import ConstantSource
     from torch._functorch.aot_autograd import aot_function
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+
+    def size(v, name):
+        if not symbolic:
+            return v
+        src = ConstantSource(name)
+        return env.create_symintnode(env.create_symbol(v, src, dynamic_dim=DimDynamic.DYNAMIC), hint=v, source=src)
 
     graphs = []
 
@@ -165,10 +176,11 @@ def _trace_cuda_ops(shift, **settings):
         logp, ent, stats = OPS._logprobs_entropy_forward(x, ids, 1.0, -100, True, shift=shift)
         return OPS._logprobs_entropy_backward(g1, g2, x, ids, stats, ent, 1.0, -100, shift=shift)[0]
 
-    with FakeTensorMode(), torch_fused.settings.override(**settings):
-        x = torch.randn(2, 9 if shift else 8, 64, device="cuda", dtype=torch.bfloat16)
-        ids = torch.randint(0, 64, (2, 8), device="cuda")
-        g1, g2 = torch.randn(2, 8, device="cuda"), torch.randn(2, 8, device="cuda")
+    with FakeTensorMode(shape_env=env), torch_fused.settings.override(**settings):
+        b, length = size(2, "B"), size(8, "L")
+        x = torch.randn(b, length + 1 if shift else length, 64, device="cuda", dtype=torch.bfloat16)
+        ids = torch.randint(0, 64, (b, length), device="cuda")
+        g1, g2 = torch.randn(b, length, device="cuda"), torch.randn(b, length, device="cuda")
         aot_function(f, fw_compiler=record)(x, ids, g1, g2)
     (gm,) = graphs
     for n in gm.graph.nodes:
@@ -188,13 +200,16 @@ def _trace_cuda_ops(shift, **settings):
 @pytest.mark.filterwarnings("ignore")
 def test_compiled_graph_launches_the_kernels_itself():
     """settings.compile_inline_kernels: under torch.compile a CUDA call's kernel launches are
-    traced into the graph (Inductor then launches them itself), in place of the opaque op; with
-    shift the backward stays an op call (its d logits is written through two views); off:
-    opaque ops."""
+    traced into the graph (Inductor then launches them itself), in place of the opaque op, with
+    static or symbolic batch and sequence sizes; with shift the backward stays an op call (its d
+    logits is written through two views); off: opaque ops."""
     wrapper = "triton_kernel_wrapper_functional"
     ops = ["fused._logprobs_entropy_forward.default", "fused._logprobs_entropy_backward.default"]
     assert _trace_cuda_ops(False, compile_inline_kernels=True) == [wrapper, wrapper]
     assert _trace_cuda_ops(True, compile_inline_kernels=True) == [wrapper, ops[1]]
+    # a dynamic batch and sequence length (the vocabulary static): inlined as well
+    assert _trace_cuda_ops(False, symbolic=True, compile_inline_kernels=True) == [wrapper, wrapper]
+    assert _trace_cuda_ops(True, symbolic=True, compile_inline_kernels=True) == [wrapper, ops[1]]
     assert _trace_cuda_ops(False, compile_inline_kernels=False) == ops
 
 

@@ -220,11 +220,7 @@ def unused_pointers(like: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     return (like,) * n
 
 
-def _static(t) -> bool:
-    return all(type(s) is int for s in t.shape) and all(type(s) is int for s in t.stride())
-
-
-def _inline_eligible(types, args) -> bool:
+def _inline_eligible(types, args, vocab_arg) -> bool:
     if not _settings.compile_inline_kernels:
         return False
     try:
@@ -238,16 +234,19 @@ def _inline_eligible(types, args) -> bool:
 
     if any(not issubclass(t, (FakeTensor, FunctionalTensor)) and t is not torch.Tensor for t in types):
         return False
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if not tensors or not all(_static(t) for t in tensors):
-        return False  # symbolic sizes: the launch plan would specialize them; keep the op whole
+    logits = args[vocab_arg]
+    # a symbolic vocabulary size: the launch plan picks its blocks from V; keep the op whole
+    # (other sizes may be symbolic: a dynamic batch or sequence length)
+    if logits.dim() == 0 or type(logits.shape[-1]) is not int:
+        return False
     # CUDA only: the Triton interpreter cannot run under a tracer (it would run the kernel on fake tensors)
-    return tensors[0].device.type == "cuda"
+    return logits.device.type == "cuda"
 
 
-def inline_under_compile(op, implementation, keep_whole=None) -> None:
+def inline_under_compile(op, implementation, vocab_arg: int, keep_whole=None) -> None:
     """Let a compiler see ``op``'s kernel launches: while AOTAutograd functionalizes a graph
-    (torch.compile), a call of ``op`` on static-shape CUDA tensors is traced through
+    (torch.compile), a call of ``op`` on CUDA tensors whose vocabulary size (the last dim of
+    argument ``vocab_arg``) is static is traced through
     ``implementation`` (its Triton implementation, whose launches go through ``launch``), so
     Inductor's generated code launches the kernels itself instead of calling the op's Python
     implementation on every run. This is what ``torch.library.triton_op`` does, kept on the op
@@ -262,7 +261,7 @@ def inline_under_compile(op, implementation, keep_whole=None) -> None:
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
     def decomposition(mode, func, types, args, kwargs):
-        if not _inline_eligible(types, args) or (keep_whole is not None and keep_whole(args, kwargs)):
+        if not _inline_eligible(types, args, vocab_arg) or (keep_whole is not None and keep_whole(args, kwargs)):
             return mode.__torch_dispatch__(func, types, args, kwargs)
         previous = getattr(_INLINE, "active", False)
         _INLINE.active = True

@@ -76,10 +76,22 @@ logprobs_entropy_backward.register_fake(meta.logprobs_entropy_backward_fake)
 class _Plans(dict):
     """Launch plans by call key (shapes, strides, dtypes, devices and the scalar arguments): what
     the checks and the layout arithmetic of a call made of those inputs concluded, so that a
-    repeated call (a training loop's) does neither again. Bounded: cleared past MAX entries."""
+    repeated call (a training loop's) does neither again. Bounded: cleared past MAX entries. A
+    key with symbolic sizes (a call traced with dynamic shapes) is not hashable: such a plan is
+    made afresh and not kept (``get``)."""
     MAX = 1024
 
+    def get(self, key):
+        try:
+            return dict.get(self, key)
+        except TypeError:  # unhashable: symbolic sizes
+            return None
+
     def put(self, key, plan):
+        try:
+            hash(key)
+        except TypeError:
+            return plan
         if len(self) >= self.MAX:
             self.clear()
         self[key] = plan
@@ -319,9 +331,9 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
 if TRITON_DEVICES:
     logprobs_entropy_forward.register_kernel(TRITON_DEVICES)(_forward_triton)
     logprobs_entropy_backward.register_kernel(TRITON_DEVICES)(backward_triton)
-    inline_under_compile(logprobs_entropy_forward, _forward_triton)
+    inline_under_compile(logprobs_entropy_forward, _forward_triton, vocab_arg=0)
     # with shift, d logits' rows and its zeroed last positions are written through two views of it
-    inline_under_compile(logprobs_entropy_backward, backward_triton,
+    inline_under_compile(logprobs_entropy_backward, backward_triton, vocab_arg=2,
                          keep_whole=lambda args, kwargs: bool(kwargs.get("shift", args[9] if len(args) > 9 else False)))
 
 
