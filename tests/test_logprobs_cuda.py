@@ -205,8 +205,19 @@ INLINE_CASES = ["grpo bf16 [64, 1024]", "selective fp16 [4, 33, 1000], ignored i
                 "both bf16, shift [4, 17, 3000]"]
 
 
+def _compile_caches_off(monkeypatch):
+    """No compiled graph from torch.compile's caches: they key a graph by what Dynamo traced,
+    without settings.compile_inline_kernels, so a graph compiled earlier with the other setting
+    (another test, another process on this machine) would be reused."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+
+
 @pytest.mark.parametrize("name", INLINE_CASES)
-def test_compiled_inline_launches_match_eager(name, settings_override):
+def test_compiled_inline_launches_match_eager(name, settings_override, monkeypatch):
     """settings.compile_inline_kernels: the compiled loss, whose log-prob kernel launches Inductor
     makes itself (static shapes), gives the eager call's loss and gradients: the same kernels, so
     to fp32 rounding of the surrounding arithmetic; every gradient finite (fresh outputs are
@@ -217,6 +228,7 @@ def test_compiled_inline_launches_match_eager(name, settings_override):
     ref = f(x, *extra)
     ref_grads = torch.autograd.grad(ref, wrt)
     settings_override(compile_inline_kernels=True)
+    _compile_caches_off(monkeypatch)
     torch._dynamo.reset()
     step = torch.compile(f, fullgraph=True, dynamic=False)
     for _ in range(2):  # the second call runs the compiled code only
@@ -229,7 +241,7 @@ def test_compiled_inline_launches_match_eager(name, settings_override):
 
 
 @pytest.mark.parametrize("inline", [True, False], ids=["inlined", "opaque"])
-def test_compiled_dynamic_sizes_launch_inline(inline, settings_override):
+def test_compiled_dynamic_sizes_launch_inline(inline, settings_override, monkeypatch):
     """torch.compile's default (a static graph first, then, as the batch and sequence sizes change,
     one with those sizes symbolic; the vocabulary does not change and stays static): with
     settings.compile_inline_kernels the log-prob launches are in the compiled code of both (no
@@ -238,6 +250,7 @@ def test_compiled_dynamic_sizes_launch_inline(inline, settings_override):
     from torch.profiler import ProfilerActivity, profile
 
     settings_override(compile_inline_kernels=inline)
+    _compile_caches_off(monkeypatch)
     v = 3000
 
     def loss(x, i, w):
@@ -255,6 +268,7 @@ def test_compiled_dynamic_sizes_launch_inline(inline, settings_override):
         w = torch.randn(b, length, device="cuda", generator=g)
         ref = loss(x, i, w)
         (rdx,) = torch.autograd.grad(ref, x)
+        torch.autograd.grad(step(x, i, w), x)  # compiles (the trace calls the ops on fake tensors)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             out = step(x, i, w)
             (dx,) = torch.autograd.grad(out, x)

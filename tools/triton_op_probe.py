@@ -14,6 +14,8 @@ import sys
 import types
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
 from torch.library import triton_op, wrap_triton
 
 import torch_fused
@@ -113,6 +115,10 @@ def main():
                     ("opaque", torch_fused.logprobs_and_entropy), ("probe", probe_both))
         grads, fns = {}, {}
         torch._dynamo.reset()
+        # no compiled graph from torch.compile's caches: their key is what Dynamo traced, the same
+        # for the ops and opaque variants, so the second would reuse the first one's graph
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
         for name, f in variants:
             # each variant compiled with static shapes into its own code object (its own compiled
             # code: the ops and opaque variants are one function, traced in different settings),
