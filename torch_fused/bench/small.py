@@ -194,7 +194,8 @@ def run(report, copy_gbps, quick=False):
 def markdown(report) -> str:
     lines = [
         f"Device: {report.device}; torch {report.torch}; triton {report.triton}. Wall time per call, "
-        f"{CALLS} calls back to back, warm (median of 5); ratio: ours over torch's formula in the same group.",
+        f"{CALLS} calls back to back, warm; the rows of a shape timed in turn, median of 5 rounds; "
+        f"ratio: ours over torch's formula in the same group.",
         "",
         "| group | shape | impl | us per call | ratio |",
         "|---|---|---|---:|---|",
