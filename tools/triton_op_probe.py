@@ -141,8 +141,9 @@ def main():
                      f"{detail} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    with open(os.path.join(os.environ.get("OUT", "."), "triton_op_probe.txt"), "w") as f:
-        f.write(text)
+    if not check_only:
+        with open(os.path.join(os.environ.get("OUT", "."), "triton_op_probe.txt"), "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

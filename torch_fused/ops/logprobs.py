@@ -74,7 +74,7 @@ logprobs_entropy_backward.register_fake(meta.logprobs_entropy_backward_fake)
 # Triton implementations
 # ---------------------------------------------------------------------------------------------
 class _Plans(dict):
-    """Launch plans by call key (shapes, strides, dtypes, devices and the scalar arguments): what
+    """Launch plans by call key (shapes, strides, dtypes and the scalar arguments): what
     the checks and the layout arithmetic of a call made of those inputs concluded, so that a
     repeated call (a training loop's) does neither again. Bounded: cleared past MAX entries. A
     key with symbolic sizes (a call traced with dynamic shapes) is not hashable: such a plan is
