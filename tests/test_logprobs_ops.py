@@ -530,6 +530,9 @@ def test_double_backward_raises_on_both_paths(path, monkeypatch):
     (gx,) = torch.autograd.grad((lp + ent).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError):
         torch.autograd.grad(gx.sum(), x)
+    # also beside a differentiable term: a second derivative silently taken as zero is wrong
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad((gx * gx).sum() + (x * x).sum(), x)
 
 
 @pytest.mark.parametrize("bad", [1, None, "yes"])

@@ -420,14 +420,13 @@ class _EagerCore(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, g_stats):
-        backward_impl = _impls(ctx.saved_tensors[0].device)[1]
         if torch.is_grad_enabled():
-            # create_graph=True: d logits without a graph, as the backward op gives it (not
-            # differentiable again); once_differentiable's wrapper would cost more than the
-            # check on every call
-            with torch.no_grad():
-                return _gradients(ctx, g_logp, g_ent, backward_impl)
-        return _gradients(ctx, g_logp, g_ent, backward_impl)
+            # create_graph=True: the registered backward op, which has no autograd formula, so a
+            # second backward through d logits raises as on the op path (once_differentiable
+            # would not: it looks at the upstream gradients only, which need not require grad,
+            # and a second derivative through the saved logits would silently be zero)
+            return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward)
+        return _gradients(ctx, g_logp, g_ent, _impls(ctx.saved_tensors[0].device)[1])
 
 
 def eager_core(name, logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
