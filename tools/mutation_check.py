@@ -387,6 +387,15 @@ MUTANTS: list[Mutant] = [
         [("sx_r, sm_r, ss_r, mk, HAS_MASK", "sx_r, sm_r, ss_r, mk_next, HAS_MASK")],
         ["tests/test_mask_reduce.py"],
     ),
+    # 22: the eager fast path's backward under create_graph computing d logits without a graph:
+    #     a second derivative through the saved logits silently zero instead of an error
+    Mutant(
+        "create-graph-silent", "22 double backward silently zero", "torch_fused/ops/logprobs.py", CPU,
+        [("            return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward)",
+          "            with torch.no_grad():  # MUTANT\n"
+          "                return _gradients(ctx, g_logp, g_ent, _impls(ctx.saved_tensors[0].device)[1])")],
+        ["tests/test_logprobs_ops.py"],
+    ),
 ]
 
 
