@@ -360,8 +360,8 @@ MUTANTS: list[Mutant] = [
     #     upstream gradient) reuses that call's layout arithmetic
     Mutant(
         "plan-key-without-strides-triton", "18 launch plan keyed without strides", "torch_fused/ops/logprobs.py", TRITON,
-        [("    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)",
-          "    return None if t is None else (t.shape, t.dtype, t.device)  # MUTANT")],
+        [("    return None if t is None else (t.shape, t.stride(), t.dtype)",
+          "    return None if t is None else (t.shape, t.dtype)  # MUTANT")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 19. under torch.compile the backward with shift inlined as kernel launches (settings.
