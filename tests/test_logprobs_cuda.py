@@ -206,9 +206,11 @@ INLINE_CASES = ["grpo bf16 [64, 1024]", "selective fp16 [4, 33, 1000], ignored i
 
 
 def _compile_caches_off(monkeypatch):
-    """No compiled graph from torch.compile's caches: they key a graph by what Dynamo traced,
-    without settings.compile_inline_kernels, so a graph compiled earlier with the other setting
-    (another test, another process on this machine) would be reused."""
+    """No compiled graph from torch.compile's caches: they key a graph by what Dynamo traced, the
+    same with and without settings.compile_inline_kernels. Where torch has
+    ``torch.compiler.config.cache_key_tag`` the setting keys them apart (settings.py); without it,
+    a graph compiled earlier with the other setting (another test, another process on this
+    machine) would be reused."""
     import torch._functorch.config
     import torch._inductor.config
 

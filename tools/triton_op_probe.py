@@ -116,7 +116,8 @@ def main():
         grads, fns = {}, {}
         torch._dynamo.reset()
         # no compiled graph from torch.compile's caches: their key is what Dynamo traced, the same
-        # for the ops and opaque variants, so the second would reuse the first one's graph
+        # for the ops and opaque variants; the settings tag them apart where torch has
+        # cache_key_tag (settings.py), and this covers torch without it
         torch._inductor.config.fx_graph_cache = False
         torch._functorch.config.enable_autograd_cache = False
         for name, f in variants:

@@ -7,7 +7,7 @@ read once, when this module is imported, and gives the starting value.
 
 | name | default | environment variable | what it sets |
 |---|---|---|---|
-| ``compile_inline_kernels`` | True on torch 2.11 and later | ``TORCH_FUSED_COMPILE_INLINE`` (1: on, 0: off) | under torch.compile, static-shape CUDA calls of the log-prob ops have their kernel launches traced into the graph (``torch.library.wrap_triton``), so Inductor's generated code launches them with no Python implementation per call; calls with symbolic sizes, and the backward with ``shift=True``, stay opaque op calls. Off: every call stays an opaque op call. Off by default before torch 2.11, where the GPU tests of this path have not run. torch.compile's FX-graph and AOTAutograd caches do not key on it: a graph cached under the other value is reused (same values, the other path), so set it before the first compile |
+| ``compile_inline_kernels`` | True on torch 2.11 and later | ``TORCH_FUSED_COMPILE_INLINE`` (1: on, 0: off) | under torch.compile, CUDA calls of the log-prob ops whose vocabulary size is static (batch and sequence sizes may be symbolic) have their kernel launches traced into the graph (``torch.library.wrap_triton``), so Inductor's generated code launches them with no Python implementation per call; a symbolic vocabulary, and the backward with ``shift=True``, stay opaque op calls. Off: every call stays an opaque op call. Off by default before torch 2.11, where the GPU tests of this path have not run. A value other than the default is added to ``torch.compiler.config.cache_key_tag``, so torch.compile's FX-graph and AOTAutograd caches keep the graphs of the two values apart (Dynamo traces the same graph either way); a function already compiled in the process keeps the path it was compiled with |
 | ``poison`` | False | | fill every fresh op output with NaN (integers: -2**30) before a kernel writes it; the test suite turns it on, so an element a kernel forgets never passes |
 | ``sinkgd_graphs`` | True | ``TORCH_FUSED_SINKGD_GRAPHS`` (0: off) | the eager SinkGD step replays its launches from a CUDA graph once the same plan comes back |
 | ``sinkgd_branches`` | True | ``TORCH_FUSED_SINKGD_BRANCHES`` (0: off) | in that graph, a pass's launches over different row-width classes run as parallel branches |
@@ -55,8 +55,11 @@ def _torch_at_least(major: int, minor: int) -> bool:
         return False
 
 
+# compile_inline_kernels without its environment variable: on where the GPU tests of the path ran
+_INLINE_DEFAULT = _torch_at_least(2, 11)
+
 DEFAULTS = dict(
-    compile_inline_kernels=_env_flag("TORCH_FUSED_COMPILE_INLINE", _torch_at_least(2, 11)),
+    compile_inline_kernels=_env_flag("TORCH_FUSED_COMPILE_INLINE", _INLINE_DEFAULT),
     poison=False,
     sinkgd_graphs=_env_flag("TORCH_FUSED_SINKGD_GRAPHS", True),
     sinkgd_branches=_env_flag("TORCH_FUSED_SINKGD_BRANCHES", True),
@@ -104,6 +107,29 @@ current = _Settings(DEFAULTS)
 # index it directly (an attribute of ``current`` goes through __getattr__, several times slower)
 values = current._values
 
+_CACHE_TAG = "torch_fused:compile_inline_kernels="
+
+
+def _sync_compile_cache_tag() -> None:
+    """torch.compile's caches (FX graph, AOTAutograd) key a graph by what Dynamo traced, which
+    does not show whether the log-prob launches were inlined (compile_inline_kernels): a graph
+    cached under the other value would be reused. Where the setting differs from its default,
+    torch.compiler.config.cache_key_tag carries it (appended to the user's own tag), so such
+    graphs are cached apart; at the default the tag is left as the user set it."""
+    cfg = getattr(torch.compiler, "config", None)
+    tag = getattr(cfg, "cache_key_tag", None)
+    if not isinstance(tag, str):  # pragma: no cover - torch without the tag
+        return
+    parts = [p for p in tag.split("|") if p and not p.startswith(_CACHE_TAG)]
+    if values["compile_inline_kernels"] != _INLINE_DEFAULT:
+        parts.append(_CACHE_TAG + str(int(bool(values["compile_inline_kernels"]))))
+    new = "|".join(parts)
+    if new != tag:
+        cfg.cache_key_tag = new
+
+
+_sync_compile_cache_tag()
+
 
 @contextlib.contextmanager
 def override(**values):
@@ -115,7 +141,11 @@ def override(**values):
     store = current._values
     saved = {k: store[k] for k in values}
     store.update(values)
+    if "compile_inline_kernels" in values:
+        _sync_compile_cache_tag()
     try:
         yield current
     finally:
         store.update(saved)
+        if "compile_inline_kernels" in values:
+            _sync_compile_cache_tag()
