@@ -205,21 +205,22 @@ INLINE_CASES = ["grpo bf16 [64, 1024]", "selective fp16 [4, 33, 1000], ignored i
                 "both bf16, shift [4, 17, 3000]"]
 
 
-def _compile_caches_off(monkeypatch):
+@pytest.fixture
+def compile_caches_off():
     """No compiled graph from torch.compile's caches: they key a graph by what Dynamo traced, the
     same with and without settings.compile_inline_kernels. Where torch has
     ``torch.compiler.config.cache_key_tag`` the setting keys them apart (settings.py); without it,
     a graph compiled earlier with the other setting (another test, another process on this
-    machine) would be reused."""
+    machine) would be reused. (config.patch: monkeypatch's undo deletes a config entry.)"""
     import torch._functorch.config
     import torch._inductor.config
 
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
 
 
 @pytest.mark.parametrize("name", INLINE_CASES)
-def test_compiled_inline_launches_match_eager(name, settings_override, monkeypatch):
+def test_compiled_inline_launches_match_eager(name, settings_override, compile_caches_off):
     """settings.compile_inline_kernels: the compiled loss, whose log-prob kernel launches Inductor
     makes itself (static shapes), gives the eager call's loss and gradients: the same kernels, so
     to fp32 rounding of the surrounding arithmetic; every gradient finite (fresh outputs are
@@ -230,7 +231,6 @@ def test_compiled_inline_launches_match_eager(name, settings_override, monkeypat
     ref = f(x, *extra)
     ref_grads = torch.autograd.grad(ref, wrt)
     settings_override(compile_inline_kernels=True)
-    _compile_caches_off(monkeypatch)
     torch._dynamo.reset()
     step = torch.compile(f, fullgraph=True, dynamic=False)
     for _ in range(2):  # the second call runs the compiled code only
@@ -243,7 +243,7 @@ def test_compiled_inline_launches_match_eager(name, settings_override, monkeypat
 
 
 @pytest.mark.parametrize("inline", [True, False], ids=["inlined", "opaque"])
-def test_compiled_dynamic_sizes_launch_inline(inline, settings_override, monkeypatch):
+def test_compiled_dynamic_sizes_launch_inline(inline, settings_override, compile_caches_off):
     """torch.compile's default (a static graph first, then, as the batch and sequence sizes change,
     one with those sizes symbolic; the vocabulary does not change and stays static): with
     settings.compile_inline_kernels the log-prob launches are in the compiled code of both (no
@@ -252,7 +252,6 @@ def test_compiled_dynamic_sizes_launch_inline(inline, settings_override, monkeyp
     from torch.profiler import ProfilerActivity, profile
 
     settings_override(compile_inline_kernels=inline)
-    _compile_caches_off(monkeypatch)
     v = 3000
 
     def loss(x, i, w):

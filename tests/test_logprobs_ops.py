@@ -213,7 +213,7 @@ def test_compiled_graph_launches_the_kernels_itself():
     assert _trace_cuda_ops(False, compile_inline_kernels=False) == ops
 
 
-def test_inline_setting_keys_the_compile_caches(monkeypatch):
+def test_inline_setting_keys_the_compile_caches():
     """Dynamo traces the same graph whether the log-prob launches are then inlined or not, so
     torch.compile's caches would hand a graph compiled under one compile_inline_kernels value to a
     compile under the other: a value other than the default goes into the caches' tag (after the
@@ -222,13 +222,17 @@ def test_inline_setting_keys_the_compile_caches(monkeypatch):
 
     from torch_fused import settings
 
-    monkeypatch.setattr(cc, "cache_key_tag", "mine")
-    default = settings._INLINE_DEFAULT
-    with torch_fused.settings.override(compile_inline_kernels=default):
-        assert cc.cache_key_tag == "mine"
-        with torch_fused.settings.override(compile_inline_kernels=not default):
-            assert cc.cache_key_tag == f"mine|torch_fused:compile_inline_kernels={int(not default)}"
-        assert cc.cache_key_tag == "mine"
+    saved = cc.cache_key_tag  # (monkeypatch's undo would delete a config entry, not restore it)
+    cc.cache_key_tag = "mine"
+    try:
+        default = settings._INLINE_DEFAULT
+        with torch_fused.settings.override(compile_inline_kernels=default):
+            assert cc.cache_key_tag == "mine"
+            with torch_fused.settings.override(compile_inline_kernels=not default):
+                assert cc.cache_key_tag == f"mine|torch_fused:compile_inline_kernels={int(not default)}"
+            assert cc.cache_key_tag == "mine"
+    finally:
+        cc.cache_key_tag = saved
 
 
 class TestSchemas(expecttest.TestCase):
