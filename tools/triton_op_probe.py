@@ -103,6 +103,11 @@ def main():
              "", "| shape | plain formula, compiled | torch_fused ops, compiled (launches inlined) | "
              "torch_fused ops, compiled (opaque op calls) | triton_op pair, compiled | "
              "max abs diff of d logits from the plain formula's, and non-finite counts |", "|---|---:|---:|---:|---:|---:|"]
+    # no compiled graph from torch.compile's caches: their key is what Dynamo traced, the same for
+    # the ops and opaque variants; the settings tag them apart where torch has cache_key_tag
+    # (settings.py), and this covers torch without it
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     for n, v in shapes:
         g = torch.Generator(device=device).manual_seed(0)
         dt = torch.bfloat16 if device == "cuda" else torch.float32
@@ -115,11 +120,6 @@ def main():
                     ("opaque", torch_fused.logprobs_and_entropy), ("probe", probe_both))
         grads, fns = {}, {}
         torch._dynamo.reset()
-        # no compiled graph from torch.compile's caches: their key is what Dynamo traced, the same
-        # for the ops and opaque variants; the settings tag them apart where torch has
-        # cache_key_tag (settings.py), and this covers torch without it
-        torch._inductor.config.fx_graph_cache = False
-        torch._functorch.config.enable_autograd_cache = False
         for name, f in variants:
             # each variant compiled with static shapes into its own code object (its own compiled
             # code: the ops and opaque variants are one function, traced in different settings),

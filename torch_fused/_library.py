@@ -195,7 +195,11 @@ def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Kernel launches a compiler can see (settings.compile_inline_kernels)
 
-_INLINE = threading.local()
+class _InlineState(threading.local):
+    active = False  # inline_under_compile is tracing an implementation in this thread
+
+
+_INLINE = _InlineState()
 
 
 def launch(kernel):
@@ -206,7 +210,7 @@ def launch(kernel):
     touch): the functional graph gives each argument the kernel may write its own copy, and the
     copy of the last such argument replaces the tensor, whichever copy the kernel wrote (so the
     output would be the unwritten copy)."""
-    if getattr(_INLINE, "active", False):
+    if _INLINE.active:
         return torch.library.wrap_triton(kernel)
     return kernel
 
@@ -215,7 +219,7 @@ def unused_pointers(like: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     """n tensors to pass for pointer arguments the launch does not touch (a constexpr turns their
     loads and stores off): ``like`` itself n times in an eager launch; while inline_under_compile
     traces, a one-element tensor of its dtype each (see ``launch``)."""
-    if getattr(_INLINE, "active", False):
+    if _INLINE.active:
         return tuple(torch.empty(1, dtype=like.dtype, device=like.device) for _ in range(n))
     return (like,) * n
 
@@ -263,7 +267,7 @@ def inline_under_compile(op, implementation, vocab_arg: int, keep_whole=None) ->
     def decomposition(mode, func, types, args, kwargs):
         if not _inline_eligible(types, args, vocab_arg) or (keep_whole is not None and keep_whole(args, kwargs)):
             return mode.__torch_dispatch__(func, types, args, kwargs)
-        previous = getattr(_INLINE, "active", False)
+        previous = _INLINE.active
         _INLINE.active = True
         try:
             with mode:

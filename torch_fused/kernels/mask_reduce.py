@@ -341,7 +341,7 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
         EVEN=r % (block_r * u) == 0 and i % block_i == 0,
         # row tiles only: on the [B, M, 1] strips (8x4096x4096) it measured 4% slower, on the row
         # tiles 3% faster (65536x4x8192, 64x512x4096)
-        MASK_AHEAD=pred_x and not r_contig and sm[3] == 0 and sm[0] != 0 and not pipeline and block_r == 1
+        MASK_AHEAD=pred_x and not r_contig and sm[0] != 0 and not pipeline and block_r == 1
         and (settings.mask_reduce_tiles or TILES).get("mask_ahead", True),
     )
     return cdiv(i, block_i), constexprs, warps
