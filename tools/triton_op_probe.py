@@ -27,8 +27,8 @@ from torch_fused.ops import logprobs as L
 NS = "torch_fused_probe"
 
 
-# A traced launch gets a tensor per pointer argument (the unused ones, a one-element tensor each):
-# the functional graph copies each argument the kernel may write, and the copy of the last
+# A traced launch gives each pointer argument its own tensor and None to the ones it does not
+# touch: the functional graph copies each argument the kernel may write, and the copy of the last
 # argument naming a tensor replaces it (_library.launch).
 @triton_op(f"{NS}::fwd", mutates_args=())
 def probe_fwd(logits: torch.Tensor, index: torch.Tensor, temperature: float, ignore_index: int
@@ -41,7 +41,7 @@ def probe_fwd(logits: torch.Tensor, index: torch.Tensor, temperature: float, ign
     x = logits.contiguous() if copy else logits
     idx = index.contiguous() if index_copy else index
     wrap_triton(K._logprobs_entropy_forward_kernel)[(rows,)](
-        x, idx, logp, ent, stats, stats.new_empty(1), v, k, inner, s_outer, s_inner, c, ignore_index, **constexprs)
+        x, idx, logp, ent, stats, None, v, k, inner, s_outer, s_inner, c, ignore_index, **constexprs)
     return logp, ent, stats
 
 
@@ -57,7 +57,7 @@ def probe_bwd(g_logp: torch.Tensor, g_ent: torch.Tensor, logits: torch.Tensor, i
     glp = g_logp.reshape(rows, k) if glp_copy else g_logp
     gh = g_ent.reshape(rows) if gh_copy else g_ent
     wrap_triton(K._logprobs_entropy_backward_kernel)[(grid,)](
-        x, idx, glp, gh, stats, ent, dx, dx.new_empty(1), stats.new_empty(1), stats.new_empty(1), *scalars, **constexprs)
+        x, idx, glp, gh, stats, ent, dx, None, None, None, *scalars, **constexprs)
     return dx
 
 

@@ -205,23 +205,15 @@ _INLINE = _InlineState()
 def launch(kernel):
     """``kernel``, to launch as ``launch(kernel)[grid](...)``; while inline_under_compile traces an
     op's implementation, the kernel wrapped by ``torch.library.wrap_triton``, so the traced graph
-    holds the launch itself. A traced launch must not pass one tensor for two pointer arguments
-    of which the kernel may write one (use ``unused_pointers`` for the arguments a launch does not
-    touch): the functional graph gives each argument the kernel may write its own copy, and the
-    copy of the last such argument replaces the tensor, whichever copy the kernel wrote (so the
-    output would be the unwritten copy)."""
+    holds the launch itself. A launch passes None for the pointer arguments it does not touch (a
+    constexpr turns their loads and stores off; Triton makes a None argument a compile-time
+    constant), never another tensor: a traced launch must not pass one tensor for two pointer
+    arguments of which the kernel may write one, because the functional graph gives each argument
+    the kernel may write its own copy, and the copy of the last such argument replaces the tensor,
+    whichever copy the kernel wrote (so the output would be the unwritten copy)."""
     if _INLINE.active:
         return torch.library.wrap_triton(kernel)
     return kernel
-
-
-def unused_pointers(like: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    """n tensors to pass for pointer arguments the launch does not touch (a constexpr turns their
-    loads and stores off): ``like`` itself n times in an eager launch; while inline_under_compile
-    traces, a one-element tensor of its dtype each (see ``launch``)."""
-    if _INLINE.active:
-        return tuple(torch.empty(1, dtype=like.dtype, device=like.device) for _ in range(n))
-    return (like,) * n
 
 
 def _inline_eligible(types, args, vocab_arg) -> bool:

@@ -320,16 +320,15 @@ def _logprobs_entropy_backward_kernel(
     row = pid // segs
     c0 = (pid % segs) * seg_len  # the segment's first column
     v_seg = tl.minimum(V - c0, seg_len).to(tl.int32)
+    live = True
     if ZERO_TAIL:
         live = row < n_rows
-    else:
-        live = True  # a constant: the zero-row branch below is not compiled
     if live:
         _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,
                       v_off + c0, V_total, inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
                       scale, inv_t, ignore_index, glp_sr, glp_sk, gh_s, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, T_FROM_PTR,
                       HAS_DT, IN_PLACE, BLOCK_V, BLOCK_K)
-    else:
+    elif ZERO_TAIL:  # p_dz is None without it
         _zero_row(_row_base(p_dz, row - n_rows, dz_inner, dz_outer, dz_stride) + c0, v_seg, BLOCK_V)
 
 
@@ -373,8 +372,11 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
     a = a * it
     b = b * it
 
-    p_idx_row = p_idx + row * K
-    p_g_row = p_glp + row * glp_sr
+    p_idx_row = p_idx  # None without HAS_GLP (an argument the launch leaves out)
+    p_g_row = p_glp
+    if HAS_GLP:
+        p_idx_row = p_idx + row * K
+        p_g_row = p_glp + row * glp_sr
     o_v = tl.arange(0, BLOCK_V)
     v_full = V - V % BLOCK_V
     xdx = 0.0

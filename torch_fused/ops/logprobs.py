@@ -22,8 +22,7 @@ import struct
 import torch
 
 from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift,
-                        inline_under_compile, kernel_temperature, launch, new_output, rows_strides,
-                        unused_pointers)
+                        inline_under_compile, kernel_temperature, launch, new_output, rows_strides)
 from .. import reference
 from ..settings import values as _settings_values
 from ..meta import logprobs as meta
@@ -169,10 +168,11 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
         return logp, ent, stats
     # with shift the rows are the first L of every [L+1, V] block: the same first element
     x = (logits[..., :-1, :] if shift else logits).contiguous() if copy else logits
-    u_idx, u_temp = unused_pointers(stats, 2)
-    idx = u_idx if index is None else index.contiguous() if index_copy else index  # [rows, K] row-major
+    # a pointer the launch does not touch is passed as None (a compile-time constant: no argument
+    # to bind or check per launch, and nothing to allocate where the launch is traced)
+    idx = None if index is None else index.contiguous() if index_copy else index  # [rows, K] row-major
     launch(K._logprobs_entropy_forward_kernel)[(rows,)](
-        x, idx, logp, ent, stats, temperature_t if temperature_t is not None else u_temp,
+        x, idx, logp if index is not None else None, ent if compute_entropy else None, stats, temperature_t,
         v, k, inner, s_outer, s_inner, c, ignore_index, **constexprs)
     return logp, ent, stats
 
@@ -312,18 +312,18 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     x_copy, idx_copy, glp_copy, gh_copy = copies
     x = (logits[..., :-1, :] if shift else logits).contiguous() if x_copy else logits
     # the upstream gradients are read through their strides (the expanded ones of a .sum(), stride
-    # 0, without a copy); a copy only where their shape does not reshape to [rows, K] as a view
-    u_idx, u_glp, u_gh, u_ent, u_temp, u_xdx = unused_pointers(stats, 6)
+    # 0, without a copy); a copy only where their shape does not reshape to [rows, K] as a view.
+    # Pointers the launch does not touch are None, as in the forward.
+    idx = glp = gh = ent = None
     if constexprs["HAS_GLP"]:
         idx = index.contiguous() if idx_copy else index
         glp = grad_logp.reshape(rows, k) if glp_copy else grad_logp
-    else:
-        idx, glp = u_idx, u_glp
-    gh = (grad_entropy.reshape(rows) if gh_copy else grad_entropy) if constexprs["HAS_GH"] else u_gh
-    tail = dx[..., -1, :] if shift else unused_pointers(dx, 1)[0]  # written with shift only (ZERO_TAIL)
+    if constexprs["HAS_GH"]:
+        gh = grad_entropy.reshape(rows) if gh_copy else grad_entropy
+        ent = entropy
+    tail = dx[..., -1, :] if shift else None  # written with shift only (ZERO_TAIL)
     launch(K._logprobs_entropy_backward_kernel)[(grid,)](
-        x, idx, glp, gh, stats, entropy if constexprs["HAS_GH"] else u_ent, dx, tail,
-        temperature_t if has_dt else u_temp, xdx if has_dt else u_xdx,
+        x, idx, glp, gh, stats, ent, dx, tail, temperature_t, xdx if has_dt else None,
         *scalars, **constexprs)
     return dx, reference.temperature_grad(xdx, temperature_t) if has_dt else xdx
 
