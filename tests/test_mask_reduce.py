@@ -174,6 +174,13 @@ BRANCH_CASES = [
      torch.float32, dict(M_BCAST_I=True, OUTER_FIRST=True, PRED_X=True, PIPELINE=True)),
     ("reduce stride 2**29: int64 tile offsets", (1, 6), 0, "wide", ((1, 6), "bool"), None, torch.float32,
      dict(WIDE=True)),
+    ("[B,M,1] mask over a long reduce dim: kept rows listed, scale bcast along r", (3, 9, 6), 1, "contiguous",
+     ((3, 9, 1), "int"), ((3, 1, 6), torch.float32), torch.bfloat16,
+     dict(COMPACT=True, PRED_X=True, MASK_AHEAD=False, S_BCAST_R=True)),
+    ("[M,1] mask shared by outer rows, listed once, transposed x", (2, 3, 11, 5), 2, "transposed",
+     ((11, 1), "bool"), None, torch.float32, dict(COMPACT=True, OUTER_FIRST=True)),
+    ("[B,M,1] mask, per-element scale: not listed", (2, 9, 6), 1, "contiguous", ((2, 9, 1), "bool"),
+     ((2, 9, 6), torch.float32), torch.float32, dict(COMPACT=False, PRED_X=True)),
 ]
 
 
@@ -237,7 +244,11 @@ SHIPPED_TILE_CASES = [
     ((1, 300, 200), torch.float32, 1, (1, 300, 200), None, dict(BLOCK_R=16, BLOCK_I=32, U=16)),  # strips, tail trip
     ((2, 300, 96), torch.float32, 1, (1, 300, 96), None, dict(BLOCK_R=16, BLOCK_I=32, OUTER_FIRST=True)),  # shared mask
     ((5, 3000), torch.bfloat16, -1, (5, 3000), (1, 3000), dict(BLOCK_R=2048, PIPELINE=True)),  # reduce dim contiguous
-    ((10, 4, 700), torch.float16, 1, (10, 4, 1), (1, 1, 700), dict(BLOCK_I=512, PRED_X=True)),  # [B, M, 1] mask
+    # [B, M, 1] mask, short reduce dim: walked row by row (row-mask tiles: wider runs, one warp)
+    ((10, 4, 700), torch.float16, 1, (10, 4, 1), (1, 1, 700), dict(BLOCK_I=1024, PRED_X=True, COMPACT=False)),
+    # [B, M, 1] masks over long reduce dims: kept rows listed; row tiles, and strips with a tail trip
+    ((4, 300, 200), torch.bfloat16, 1, (4, 300, 1), None, dict(COMPACT=True, BLOCK_R=1, U=4)),
+    ((1, 300, 200), torch.float32, 1, (1, 300, 1), None, dict(COMPACT=True, BLOCK_R=16, U=16)),
 ]
 
 
@@ -251,7 +262,7 @@ def test_shipped_tile_configs_match_reference(case, monkeypatch, settings_overri
     shape, dtype, dim, mshape, sshape, flags = case
     settings_override(small_tiles=False)
     shipped = K.pick_blocks
-    monkeypatch.setattr(K, "pick_blocks", lambda r, i, n_outer, rc, xb, n_sm: shipped(r, i, n_outer, rc, xb, 1))
+    monkeypatch.setattr(K, "pick_blocks", lambda r, i, n_outer, rc, xb, n_sm, **kw: shipped(r, i, n_outer, rc, xb, 1, **kw))
     seen = _record_launches(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(shape, generator=gen, dtype=torch.float64)

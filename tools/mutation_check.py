@@ -396,6 +396,20 @@ MUTANTS: list[Mutant] = [
           "                return _gradients(ctx, g_logp, g_ent, _impls(ctx.saved_tensors[0].device)[1])")],
         ["tests/test_logprobs_ops.py"],
     ),
+    # 23: COMPACT's row-id lists off by one place (an inclusive prefix sum: every kept row listed
+    #     one place late, the first place never written)
+    Mutant(
+        "row-ids-inclusive", "23 kept-row list shifted", "torch_fused/kernels/mask_reduce.py", TRITON,
+        [("pos = n + tl.cumsum(keep, 0) - keep", "pos = n + tl.cumsum(keep, 0)  # MUTANT")],
+        ["tests/test_mask_reduce.py"],
+    ),
+    # 24: COMPACT walking each trip's listed rows again instead of the next trip's
+    Mutant(
+        "compact-same-trip", "24 listed rows a trip off", "torch_fused/kernels/mask_reduce.py", TRITON,
+        [("ids_next = tl.load(p_ids + j0 + TRIP + o_r, mask=(j0 + TRIP + o_r) < cnt, other=0)",
+          "ids_next = tl.load(p_ids + j0 + o_r, mask=(j0 + o_r) < cnt, other=0)  # MUTANT")],
+        ["tests/test_mask_reduce.py"],
+    ),
 ]
 
 

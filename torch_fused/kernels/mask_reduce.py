@@ -152,16 +152,17 @@ def _add_tile(acc, b_x, mk, b_sc, HAS_MASK: tl.constexpr, HAS_SCALE: tl.constexp
 
 @triton.jit
 def _mask_reduce_forward_kernel(
-    p_x, p_m, p_s, p_y,
+    p_x, p_m, p_s, p_y, p_rid, p_cnt,
     R, O1, I, n_iblk, n_outer,
     sx_r, sx_0, sx_1, sx_i,
     sm_r, sm_0, sm_1, sm_i,
     ss_r, ss_0, ss_1, ss_i,
+    lst_0, lst_1,  # COMPACT: the row-id list of outer index (a, b) is a * lst_0 + b * lst_1
     HAS_MASK: tl.constexpr, HAS_SCALE: tl.constexpr, ACC_F64: tl.constexpr,
     M_BCAST_R: tl.constexpr, M_BCAST_I: tl.constexpr, S_BCAST_R: tl.constexpr, S_BCAST_I: tl.constexpr,
     PRED_X: tl.constexpr, WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
     VEC: tl.constexpr, M_EVICT: tl.constexpr, X_EVICT: tl.constexpr, PIPELINE: tl.constexpr, U: tl.constexpr,
-    OUTER_FIRST: tl.constexpr, EVEN: tl.constexpr, MASK_AHEAD: tl.constexpr,
+    OUTER_FIRST: tl.constexpr, EVEN: tl.constexpr, MASK_AHEAD: tl.constexpr, COMPACT: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     if OUTER_FIRST:
@@ -190,7 +191,23 @@ def _mask_reduce_forward_kernel(
     else:
         acc = tl.zeros([BLOCK_R, BLOCK_I], dtype=tl.float32)
     TRIP: tl.constexpr = U * BLOCK_R
-    if PIPELINE:
+    if COMPACT:
+        # a row mask ([rows, 1]) whose kept rows _row_ids_kernel listed: only they are walked, in
+        # trips of TRIP listed rows (the ids loaded a trip ahead of the x loads that wait for them)
+        lst = a * lst_0 + b * lst_1
+        cnt = tl.load(p_cnt + lst)
+        p_ids = p_rid + lst * R
+        t_xi = _tile_offsets(sx_r, sx_i, True, False, WIDE, TRIP, BLOCK_I, VEC)  # [1, BLOCK_I]
+        ids_next = tl.load(p_ids + o_r, mask=o_r < cnt, other=0)
+        for j0 in range(0, cnt, TRIP):
+            ids = ids_next
+            m_r = (j0 + o_r) < cnt
+            ids_next = tl.load(p_ids + j0 + TRIP + o_r, mask=(j0 + TRIP + o_r) < cnt, other=0)
+            b_x = tl.load(p_xt + ids.to(tl.int64) * sx_r + t_xi, mask=m_r & m_i, other=0.0,
+                          eviction_policy=X_EVICT)
+            # the rows past the list count as masked (an inf scale times their 0 stays out)
+            acc = _add_tile(acc, b_x, m_r, sc_i, True, HAS_SCALE)
+    elif PIPELINE:
         # software pipelining: the loads of trip k+1 are issued before the adds of trip k
         xn, mn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, 0, o_r, m_i, R, sx_r, sm_r, ss_r,
                                 0, HAS_MASK, M_BCAST_R, M_BCAST_I, PRED_X, HAS_SCALE, S_BCAST_R, S_BCAST_I,
@@ -226,6 +243,36 @@ def _mask_reduce_forward_kernel(
     tl.store(p_y + outer * I + o_y, y.to(p_y.dtype.element_ty), mask=o_y < I)
 
 
+@triton.jit
+def _row_ids_kernel(p_m, p_rid, p_cnt, R, N1, sm_r, sm_0, sm_1, BLOCK: tl.constexpr):
+    """COMPACT's lists: for each outer index of a row mask (one program per distinct stored one,
+    (a, b) = divmod(program, N1)), the ids of the rows r it keeps (mask != 0), in order, at
+    p_rid[program, :], and their count at p_cnt[program]."""
+    pid = tl.program_id(0).to(tl.int64)
+    p = p_m + (pid // N1) * sm_0 + (pid % N1) * sm_1
+    n = 0
+    for r0 in range(0, R, BLOCK):
+        o = r0 + tl.arange(0, BLOCK)
+        keep = (tl.load(p + o.to(tl.int64) * sm_r, mask=o < R, other=0) != 0).to(tl.int32)
+        pos = n + tl.cumsum(keep, 0) - keep  # the kept rows' places in the list
+        tl.store(p_rid + pid * R + pos, o, mask=keep != 0)
+        n += tl.sum(keep, 0)
+    tl.store(p_cnt + pid, n)
+
+
+ROW_IDS_BLOCK = 1024
+
+
+def row_id_lists(o0: int, o1: int, sm) -> tuple[int, int, int, int]:
+    """(lists along outer dim 0, lists along outer dim 1, lst_0, lst_1) of COMPACT over x
+    [o0, o1, r, i] with mask strides sm = (r, 0, 1, i): one row-id list per distinct stored
+    mask row set (a mask broadcast over an outer dim shares its lists), list (a, b) at
+    a * lst_0 + b * lst_1."""
+    n0 = o0 if sm[1] != 0 else 1
+    n1 = o1 if sm[2] != 0 else 1
+    return n0, n1, n1 if n0 > 1 else 0, 1 if n1 > 1 else 0
+
+
 # The shipped tile choices, each the best of the device-timed tile sweep of the bench cases (bf16 x,
 # bool mask): python -m torch_fused.bench --sweep --only mask_reduce (it prints the fraction of the
 # memory floor per choice; figures in docs/BENCHMARKS.md).
@@ -247,6 +294,13 @@ TILES = {
     # a row mask ([B, M, 1]: x predicated on it) loaded a trip ahead of the x loads, in row tiles
     # (one row of threads along r; MASK_AHEAD)
     "mask_ahead": True,
+    # a row mask with this many rows or more: its kept rows listed first (_row_ids_kernel) and only
+    # they walked (COMPACT), so dropped rows cost no trips
+    "compact_min_rows": 64,
+    # many outputs and a row mask ([T, k, 1]): the x load is predicated, so about half of a
+    # trip's loads are off; wider runs per thread keep the bytes in flight
+    "row_mask_bytes": 4096,
+    "row_mask_warps": 1,
 }
 _SHIPPED_KEY = tuple(sorted(TILES.items()))
 # Software pipelining (PIPELINE) is on for the contiguous-r tiles only: in the strips every value
@@ -259,20 +313,27 @@ def _np2(n: int) -> int:
 
 
 def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int = 2,
-                n_sm: int = NOMINAL_SMS) -> tuple[int, int, int, int, bool, int]:
+                n_sm: int = NOMINAL_SMS, row_mask: bool = False) -> tuple[int, int, int, int, bool, int]:
     """The tiles of _pick_blocks from TILES, or from the mask_reduce_tiles setting; under the
     small_tiles setting [2, 2, 4] trips (U = 2 rows of 2 per thread), the pipelined loop for even
     reduce lengths and the plain one for odd ones."""
     if settings.small_tiles:
         return 2, 4, 1, 2, r % 2 == 0, 2
+    return _pick_blocks(r, i, n_outer, r_contiguous, x_bytes, n_sm, _tiles_key(), row_mask)
+
+
+def _tiles() -> dict:
+    return settings.mask_reduce_tiles or TILES
+
+
+def _tiles_key() -> tuple:
     tiles = settings.mask_reduce_tiles
-    return _pick_blocks(r, i, n_outer, r_contiguous, x_bytes, n_sm,
-                        _SHIPPED_KEY if tiles is None else tuple(sorted(tiles.items())))
+    return _SHIPPED_KEY if tiles is None else tuple(sorted(tiles.items()))
 
 
 @functools.lru_cache(maxsize=4096)
 def _pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int, n_sm: int,
-                 tiles: tuple) -> tuple[int, int, int, int, bool, int]:
+                 tiles: tuple, row_mask: bool = False) -> tuple[int, int, int, int, bool, int]:
     """(BLOCK_R, BLOCK_I, num_warps, VEC, PIPELINE, U), VEC = 16 bytes of x. A trip loads a
     [U * BLOCK_R, BLOCK_I] tile, U 16-byte x vectors per thread and column run, whose U rows a
     thread adds in registers; the accumulator is [BLOCK_R, BLOCK_I], one per thread and vector.
@@ -285,6 +346,9 @@ def _pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int,
       (Splitting the reduce dim instead, with fp32 partials, measured no faster, and it needs a
       workspace larger than the output.)
     - reduce dim contiguous (token losses, [B, L] -> [B]): the tile's fast axis is r, pipelined.
+    - ``row_mask``: x predicated on a row mask walked row by row (not COMPACT); in row tiles,
+      wider runs on fewer warps (``row_mask_bytes``, ``row_mask_warps``), since about half of
+      each thread's loads are off.
     The numbers are in ``tiles`` (TILES as sorted items).
     """
     t = dict(tiles)
@@ -298,17 +362,20 @@ def _pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int,
         warps = max(1, min(t["contig_warps"], block_r * block_i // (vec * 32 * 2)))
         return block_r, block_i, warps, vec, True, 1
     min_i = max(1, t["strip_min_bytes"] // x_bytes)
-    block_i = min(i2, t["row_bytes"] // x_bytes)
+    block_i = min(i2, (t["row_mask_bytes"] if row_mask else t["row_bytes"]) // x_bytes)
     enough = t["programs_per_sm"] * n_sm
     while block_i > min_i and n_outer * cdiv(i, block_i) < enough:
         block_i //= 2
+    max_warps = t["strip_warps"]
     if n_outer * cdiv(i, block_i) >= enough:
         u, block_r = min(t["row_u"], r2), 1
+        if row_mask:
+            max_warps = t["row_mask_warps"]
     else:
         u = min(t["strip_u"], r2)
         # threads along r: all of the program's threads not needed along i, fewer if r is short
         block_r = max(1, min(r2 // u, t["strip_warps"] * 32 * vec // block_i))
-    warps = max(1, min(t["strip_warps"], block_r * block_i // (vec * 32)))
+    warps = max(1, min(max_warps, block_r * block_i // (vec * 32)))
     return block_r, block_i, warps, vec, False, u
 
 
@@ -327,7 +394,12 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
     m_outer = has_mask and ((sm[1] == 0 and o0 > 1) or (sm[2] == 0 and o1 > 1))
     # a mask several programs read: L2 hints keep it (evict_last) and stream x past it (evict_first)
     m_shared = has_mask and (m_outer or (sm[3] == 0 and i > 1))
-    block_r, block_i, warps, vec, pipeline, u = pick_blocks(r, i, o0 * o1, r_contig, x_bytes, n_sm)
+    # a row mask over a long reduce dim: its kept rows listed first and only they walked (the
+    # scale, if any, the same for every row)
+    compact = (pred_x and not r_contig and (not has_scale or ss[0] == 0)
+               and r >= (6 if settings.small_tiles else _tiles().get("compact_min_rows", 64)))
+    block_r, block_i, warps, vec, pipeline, u = pick_blocks(r, i, o0 * o1, r_contig, x_bytes, n_sm,
+                                                            row_mask=pred_x and not r_contig and not compact)
     # in-tile offsets fit 32 bits unless a tile spans more than 2**31 elements of some operand
     span = max(abs(st[0]) * block_r * u + abs(st[3]) * block_i for st in (sx, sm, ss))
     constexprs = dict(
@@ -341,8 +413,9 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
         EVEN=r % (block_r * u) == 0 and i % block_i == 0,
         # row tiles only: on the [B, M, 1] strips (8x4096x4096) it measured 4% slower, on the row
         # tiles 3% faster (65536x4x8192, 64x512x4096)
-        MASK_AHEAD=pred_x and not r_contig and sm[0] != 0 and not pipeline and block_r == 1
-        and (settings.mask_reduce_tiles or TILES).get("mask_ahead", True),
+        MASK_AHEAD=pred_x and not r_contig and sm[0] != 0 and not pipeline and block_r == 1 and not compact
+        and _tiles().get("mask_ahead", True),
+        COMPACT=compact,
     )
     return cdiv(i, block_i), constexprs, warps
 
@@ -380,12 +453,21 @@ def compile_cases():
         x4, m4, s4 = four(sx), four(sm), four(ss)
         n_iblk, cx, warps = launch_config(shape[d], o0, o1, i, x4, m4, s4, _BYTES[dt], dt == "fp64", NOMINAL_SMS)
         sig = {"p_x": f"*{dt}", "p_m": "*u8", "p_s": "*fp32", "p_y": f"*{dt}"}
+        lists = row_id_lists(o0, o1, m4) if cx["COMPACT"] else (1, 1, 0, 0)
+        if cx["COMPACT"]:
+            sig.update(p_rid="*i32", p_cnt="*i32")
+        else:
+            cx.update(p_rid=None, p_cnt=None)
         args = [("R", shape[d]), ("O1", o1), ("I", i), ("n_iblk", n_iblk), ("n_outer", o0 * o1)]
         for pre, st in (("sx", x4), ("sm", m4), ("ss", s4)):
             args += [(f"{pre}_{suf}", v) for suf, v in zip(("r", "0", "1", "i"), st or (0, 0, 0, 0))]
+        args += [("lst_0", lists[2]), ("lst_1", lists[3])]
         for k, v in args:
             if v == 1:
                 cx[k] = 1
             else:
                 sig[k] = "i64" if abs(v) >= 2**31 else "i32"
         yield (f"mask_reduce {name}", _mask_reduce_forward_kernel, sig, cx, warps)
+    yield ("mask_reduce row ids", _row_ids_kernel,
+           {"p_m": "*u8", "p_rid": "*i32", "p_cnt": "*i32", "R": "i32", "N1": "i32", "sm_r": "i32", "sm_0": "i32",
+            "sm_1": "i32"}, {"BLOCK": ROW_IDS_BLOCK}, 4)

@@ -89,10 +89,18 @@ def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
     sc, ss = _operand(scale, shape, d) if scale is not None else (x, None)
     n_iblk, constexprs, warps = K.launch_config(r, o0, o1, i, sx, sm, ss, x.element_size(),
                                                 acc_dtype(x.dtype) == torch.float64, n_sm(x.device))
+    rid = cnt = None
+    lst_0 = lst_1 = 0
+    if constexprs["COMPACT"]:
+        # the kept rows of each distinct row mask, listed (one small launch over the mask alone)
+        n0, n1, lst_0, lst_1 = K.row_id_lists(o0, o1, sm)
+        rid = torch.empty((n0 * n1, r), dtype=torch.int32, device=x.device)
+        cnt = torch.empty((n0 * n1,), dtype=torch.int32, device=x.device)
+        K._row_ids_kernel[(n0 * n1,)](mt, rid, cnt, r, n1, sm[0], sm[1], sm[2], BLOCK=K.ROW_IDS_BLOCK, num_warps=4)
     K._mask_reduce_forward_kernel[(o0 * o1 * n_iblk,)](
-        xt, mt, sc, y,
+        xt, mt, sc, y, rid, cnt,
         r, o1, i, n_iblk, o0 * o1,
-        *sx, *(sm or (0, 0, 0, 0)), *(ss or (0, 0, 0, 0)),
+        *sx, *(sm or (0, 0, 0, 0)), *(ss or (0, 0, 0, 0)), lst_0, lst_1,
         **constexprs, num_warps=warps,
     )
     return y
