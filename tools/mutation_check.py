@@ -396,11 +396,11 @@ MUTANTS: list[Mutant] = [
           "                return _gradients(ctx, g_logp, g_ent, _impls(ctx.saved_tensors[0].device)[1])")],
         ["tests/test_logprobs_ops.py"],
     ),
-    # 23: COMPACT's row-id lists off by one place (an inclusive prefix sum: every kept row listed
-    #     one place late, the first place never written)
+    # 23: COMPACT's row-id lists without the running count of the earlier blocks (each block of
+    #     the mask listed from the list's start)
     Mutant(
-        "row-ids-inclusive", "23 kept-row list shifted", "torch_fused/kernels/mask_reduce.py", TRITON,
-        [("pos = n + tl.cumsum(keep, 0) - keep", "pos = n + tl.cumsum(keep, 0)  # MUTANT")],
+        "row-ids-restart", "23 kept-row list restarted per block", "torch_fused/kernels/mask_reduce.py", TRITON,
+        [("pos = n + tl.cumsum(keep, 0) - keep", "pos = tl.cumsum(keep, 0) - keep  # MUTANT")],
         ["tests/test_mask_reduce.py"],
     ),
     # 24: COMPACT walking each trip's listed rows again instead of the next trip's

@@ -263,6 +263,11 @@ def _row_ids_kernel(p_m, p_rid, p_cnt, R, N1, sm_r, sm_0, sm_1, BLOCK: tl.conste
 ROW_IDS_BLOCK = 1024
 
 
+def row_ids_block() -> int:
+    """_row_ids_kernel's block: several blocks per list under the small_tiles setting."""
+    return 4 if settings.small_tiles else ROW_IDS_BLOCK
+
+
 def row_id_lists(o0: int, o1: int, sm) -> tuple[int, int, int, int]:
     """(lists along outer dim 0, lists along outer dim 1, lst_0, lst_1) of COMPACT over x
     [o0, o1, r, i] with mask strides sm = (r, 0, 1, i): one row-id list per distinct stored

@@ -96,7 +96,7 @@ def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
         n0, n1, lst_0, lst_1 = K.row_id_lists(o0, o1, sm)
         rid = torch.empty((n0 * n1, r), dtype=torch.int32, device=x.device)
         cnt = torch.empty((n0 * n1,), dtype=torch.int32, device=x.device)
-        K._row_ids_kernel[(n0 * n1,)](mt, rid, cnt, r, n1, sm[0], sm[1], sm[2], BLOCK=K.ROW_IDS_BLOCK, num_warps=4)
+        K._row_ids_kernel[(n0 * n1,)](mt, rid, cnt, r, n1, sm[0], sm[1], sm[2], BLOCK=K.row_ids_block(), num_warps=4)
     K._mask_reduce_forward_kernel[(o0 * o1 * n_iblk,)](
         xt, mt, sc, y, rid, cnt,
         r, o1, i, n_iblk, o0 * o1,
