@@ -396,11 +396,10 @@ MUTANTS: list[Mutant] = [
           "                return _gradients(ctx, g_logp, g_ent, _impls(ctx.saved_tensors[0].device)[1])")],
         ["tests/test_logprobs_ops.py"],
     ),
-    # 23: COMPACT's row-id lists without the running count of the earlier blocks (each block of
-    #     the mask listed from the list's start)
+    # 23: COMPACT's kept-row count one short (the last kept row of every list left out)
     Mutant(
-        "row-ids-restart", "23 kept-row list restarted per block", "torch_fused/kernels/mask_reduce.py", TRITON,
-        [("pos = n + tl.cumsum(keep, 0) - keep", "pos = tl.cumsum(keep, 0) - keep  # MUTANT")],
+        "row-ids-count", "23 kept-row count one short", "torch_fused/kernels/mask_reduce.py", TRITON,
+        [("    tl.store(p_cnt + pid, n)", "    tl.store(p_cnt + pid, n - 1)  # MUTANT")],
         ["tests/test_mask_reduce.py"],
     ),
     # 24: COMPACT walking each trip's listed rows again instead of the next trip's
