@@ -28,6 +28,7 @@ CASES = [
     ((8, 4096, 4096), "1 M N expanded"),
     ((8, 4096, 4096), "B 1 N expanded"),
     ((8, 4096, 4096), "B M 1 expanded"),
+    ((64, 512, 4096), "B M 1 expanded"),  # masked pooling over a sequence: row tiles, kept rows listed
 ]
 
 
