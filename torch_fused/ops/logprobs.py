@@ -17,6 +17,7 @@ training loop's repeated call only allocates its outputs and launches.
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import torch
@@ -279,7 +280,7 @@ def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_i
 
 def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
                     temperature_t=None, shift=False, *, v_off=0, v_total=None, out_dtype=None, out=None,
-                    exact=None):
+                    exact=None, want_dt=True):
     """The backward op's Triton implementation. Keyword-only extras for the fused lm_head
     (ops/linear_logprobs.py): the logits may be columns v_off .. v_off + V - 1 of a vocabulary
     of v_total (stats and entropy of the whole rows), and d logits may be of another dtype, or
@@ -287,7 +288,8 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     2-D logits whose elements are at least as wide, as long as row r of ``out`` starts at the
     first byte of logits row r (column j of ``out`` then never lies past column j of the
     logits; the kernel orders its warps' loads before the stores over them). ``exact``: the shift
-    mode the stats were made with (_library.exact_shift); None: the logits ops' forward's."""
+    mode the stats were made with (_library.exact_shift); None: the logits ops' forward's.
+    ``want_dt=False``: d T is None (not an empty tensor) without a tensor temperature."""
     if logits.dtype == torch.float64:
         return reference.logprobs_entropy_backward(
             grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift,
@@ -306,7 +308,8 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     # are written by the same launch (programs past the live rows), never by a second pass
     dx = out if out is not None else new_output(logits.shape, dx_dtype, logits.device)
     has_dt = temperature_t is not None
-    xdx = new_output((rows if has_dt else 0,), torch.float32, logits.device)  # without one, the empty d T
+    # without a tensor temperature: the empty d T (None where the caller does not want it: the eager path)
+    xdx = new_output((rows if has_dt else 0,), torch.float32, logits.device) if has_dt or want_dt else None
     if grid == 0:
         return dx, reference.temperature_grad(xdx, temperature_t) if has_dt else xdx
     x_copy, idx_copy, glp_copy, gh_copy = copies
@@ -402,9 +405,13 @@ logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_conte
 # torch.jit.trace, and only for plain tensors. Everything else, and every torch.ops.fused call,
 # goes through the registered op.
 # ---------------------------------------------------------------------------------------------
+# the eager path's backward: no empty d T allocated for a float temperature (the formula drops it)
+_backward_triton_eager = functools.partial(backward_triton, want_dt=False)
+
+
 def _impls(device: torch.device):
     if device.type in TRITON_DEVICES:
-        return _forward_triton, backward_triton
+        return _forward_triton, _backward_triton_eager
     return _forward_default, _backward_default
 
 
