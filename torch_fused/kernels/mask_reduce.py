@@ -302,8 +302,10 @@ TILES = {
     # a row mask with this many rows or more, in row tiles: its kept rows listed first
     # (_row_ids_kernel) and only they walked (COMPACT), so dropped rows cost no trips
     "compact_min_rows": 64,
-    # COMPACT row tiles: listed rows per thread and trip (every one a live load)
-    "compact_u": 16,
+    # COMPACT row tiles: listed rows per thread and trip (every one a live load), so that a
+    # program's trip holds about this many bytes of x, up to compact_u_max rows
+    "compact_trip_bytes": 8192,
+    "compact_u_max": 32,
     # many outputs and a row mask ([T, k, 1]): the x load is predicated, so about half of a
     # trip's loads are off; wider runs per thread keep the bytes in flight
     "row_mask_bytes": 4096,
@@ -405,18 +407,21 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
     block_r, block_i, warps, vec, pipeline, u = pick_blocks(r, i, o0 * o1, r_contig, x_bytes, n_sm, row_mask=row_mask)
     # a row mask over a long reduce dim, in row tiles (one row of threads along r): its kept rows
     # listed first and only they walked (the scale, if any, the same for every row). Measured on
-    # the H200 (bf16, half the rows kept, U = 4): 64x512x4096 0.586 of the floor against 0.425 row
-    # by row, 32x2048x4096 0.390 against 0.247, 256x128x4096 0.754 against 0.671; level or ahead
-    # with 90% kept. Not in the strips (few outputs): 8x4096x4096 0.554 against 0.578, and 0.617
-    # against 0.841 with 90% kept. The listed rows are all kept, so every load of a trip is
-    # live: the plain row tiles, with compact_u rows per thread and trip.
+    # the H200 (bf16, 50% / 90% of the rows kept; U listed rows per thread and trip, against row
+    # by row): 64x512x4096 (BLOCK_I 128) 0.774 / 0.891 at U = 32, 0.588 / 0.667 at U = 4, row by
+    # row 0.428 / 0.662; 32x2048x4096 (BLOCK_I 64) 0.843 / 0.899 at U = 32, 0.247 / 0.387 row by
+    # row; 256x128x4096 (BLOCK_I 512) 0.772 / 0.908 at U = 8, 0.630 / 0.712 at U = 32, 0.669 /
+    # 0.838 row by row. Hence U from the bytes of a trip (compact_trip_bytes). Not in the strips
+    # (few outputs): 8x4096x4096 0.554 against 0.578 row by row, 0.617 against 0.841 with 90%
+    # kept (the id loads, which each trip's x loads wait for, are not hidden there).
     # (the interpreter's small tiles: every row mask of 6 rows or more, to run the branch)
     compact = (row_mask and (block_r == 1 or settings.small_tiles) and (not has_scale or ss[0] == 0)
                and r >= (6 if settings.small_tiles else _tiles().get("compact_min_rows", 64)))
     if compact:
         block_r, block_i, warps, vec, pipeline, u = pick_blocks(r, i, o0 * o1, r_contig, x_bytes, n_sm)
         if not settings.small_tiles:
-            u = min(_tiles().get("compact_u", 16), _np2(r))
+            t = _tiles()
+            u = min(t["compact_u_max"], _np2(max(1, t["compact_trip_bytes"] // (block_i * x_bytes))), _np2(r))
     # in-tile offsets fit 32 bits unless a tile spans more than 2**31 elements of some operand
     span = max(abs(st[0]) * block_r * u + abs(st[3]) * block_i for st in (sx, sm, ss))
     constexprs = dict(
