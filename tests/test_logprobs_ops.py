@@ -676,3 +676,62 @@ def test_repeated_calls_with_another_layout_never_reuse_a_plan(device):
                 if g_ent is not None:
                     scale = scale + g_ent.abs().double().cpu()[..., None]
                 assert_grad_close(dx, rdx, scale / t, x.dtype, f"{what}: d logits, {gname} upstream gradient")
+
+
+def test_plan_launch_keys_compiled_kernels_by_alignment_and_device(monkeypatch, settings_override):
+    """_library.PlanLaunch with settings.direct_launch: the first call per (device, pointer
+    alignments) goes through kernel[grid] and keeps its compiled kernel; a later call with the
+    same alignments calls that kernel's launcher with the positional arguments and the
+    constexpr parameters in signature order; another alignment or device goes through
+    kernel[grid] again; launches traced by inline_under_compile never go direct."""
+    from torch_fused import _library
+
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *a):
+            calls.append(("direct",) + a)
+
+    class Kernel:
+        arg_names = ["p", "q", "n", "A", "B"]
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                calls.append(("grid", grid, args, kw))
+                return Compiled()
+            return launch
+
+    device = [0]
+    monkeypatch.setattr(_library, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 100 + d, raising=False)
+    settings_override(direct_launch=True)
+    go = _library.PlanLaunch(Kernel(), dict(B=2, A=1, num_warps=4), 3)
+    buf = torch.zeros(64)
+    p, q, odd = buf[:8], buf[16:24], buf[1:9]  # 4-byte elements: buf[1:] is not 16-byte aligned
+    go(5, p, q, 7)
+    go(5, p, q, 7)
+    assert calls[0] == ("grid", (5,), (p, q, 7), dict(B=2, A=1, num_warps=4))
+    assert calls[1][:10] == ("direct", 5, 1, 1, 100, "fn", "meta", None, None, None)
+    assert calls[1][10:13] == (p, q, 7) and calls[1][13:] == (1, 2)  # A, B in signature order
+    go(5, odd, q, 7)  # another alignment: its own compiled kernel
+    assert calls[2][0] == "grid"
+    device[0] = 1
+    go(5, p, q, 7)  # another device
+    assert calls[3][0] == "grid"
+    go(5, p, q, 7)
+    assert calls[4][:5] == ("direct", 5, 1, 1, 101)
+    settings_override(direct_launch=False)
+    go(5, p, q, 7)
+    assert calls[5][0] == "grid"
+    settings_override(direct_launch=True)
+    monkeypatch.setattr(_library, "_launch_hooks_set", lambda: True)  # a profiler's launch hooks
+    go(5, p, q, 7)
+    assert calls[6][0] == "grid"
+    monkeypatch.setattr(_library, "_launch_hooks_set", lambda: False)
+    monkeypatch.setattr(_library._INLINE, "active", True)
+    monkeypatch.setattr(torch.library, "wrap_triton", lambda k: k)
+    go(5, p, q, 7)
+    assert calls[7][0] == "grid"

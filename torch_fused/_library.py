@@ -216,6 +216,60 @@ def launch(kernel):
     return kernel
 
 
+def _launch_hooks_set() -> bool:
+    """Whether Triton's launch enter/exit hooks are set (a profiler such as proton): a direct
+    launch would skip them."""
+    import triton as tr
+
+    def is_set(hook):  # None, or a HookChain (newer Triton) with no hook in it: not set
+        return hook is not None and bool(getattr(hook, "calls", True))
+
+    knobs = getattr(tr, "knobs", None)
+    where = knobs.runtime if knobs is not None else tr.compiler.CompiledKernel
+    return is_set(getattr(where, "launch_enter_hook", None)) or is_set(getattr(where, "launch_exit_hook", None))
+
+
+class PlanLaunch:
+    """One kernel's launch with a launch plan's constexprs (and num_warps), for the calls of that
+    plan. The integer and float arguments of a plan's launch are fixed by the plan's key (shapes,
+    strides, dtypes, scalar arguments), so what Triton specializes a compiled kernel on can vary
+    between its calls only by each pointer's 16-byte alignment and by the current device. With
+    ``settings.direct_launch`` the first call per (device, pointer alignments) goes through
+    ``kernel[grid]`` and keeps the compiled kernel; later ones call its launcher directly, without
+    Triton's per-call argument binding and cache lookup (about 24 us of a 33 us launch on an H200's
+    host). Traced launches (inline_under_compile), the interpreter and set launch hooks always take
+    ``kernel[grid]``."""
+
+    __slots__ = ("kernel", "constexprs", "tail_names", "compiled")
+
+    def __init__(self, kernel, constexprs: dict, n_args: int):
+        self.kernel = kernel
+        self.constexprs = constexprs
+        self.tail_names = kernel.arg_names[n_args:]  # the constexpr parameters after the positional ones
+        self.compiled = {}
+
+    def __call__(self, grid: int, *args) -> None:
+        if _INLINE.active or INTERPRET or not _settings_values["direct_launch"] or _launch_hooks_set():
+            launch(self.kernel)[(grid,)](*args, **self.constexprs)
+            return
+        device = torch.cuda.current_device()
+        key = (device,) + tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
+        hit = self.compiled.get(key)
+        if hit is None:
+            ck = self.kernel[(grid,)](*args, **self.constexprs)
+            try:
+                tail = tuple(self.constexprs[n] for n in self.tail_names)
+                self.compiled[key] = (ck.run, ck.function, ck.packed_metadata, tail)
+            except (AttributeError, KeyError):  # pragma: no cover - a Triton without these: no direct path
+                self.compiled[key] = False
+            return
+        if hit is False:  # pragma: no cover
+            self.kernel[(grid,)](*args, **self.constexprs)
+            return
+        run, function, metadata, tail = hit
+        run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None, *args, *tail)
+
+
 def _inline_eligible(types, args, vocab_arg) -> bool:
     if not _settings.compile_inline_kernels:
         return False

@@ -23,7 +23,7 @@ import struct
 import torch
 
 from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift,
-                        inline_under_compile, kernel_temperature, launch, new_output, rows_strides)
+                        inline_under_compile, kernel_temperature, new_output, rows_strides, PlanLaunch)
 from .. import reference
 from ..settings import values as _settings_values
 from ..meta import logprobs as meta
@@ -158,8 +158,9 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
            _tensor_key(temperature_t), shift, _settings_key())
     plan = _FWD_PLANS.get(key)
     if plan is None:
-        plan = _FWD_PLANS.put(key, _forward_plan(logits, index, temperature, ignore_index, compute_entropy,
-                                                 temperature_t, shift))
+        p = _forward_plan(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
+        plan = _FWD_PLANS.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_forward_kernel, p[-2], 13)))
+    plan, go = plan
     (s_logp, s_ent, s_stats), dt, rows, copy, (inner, s_outer, s_inner), index_copy, k, v, c, constexprs, K = plan
     device = logits.device
     logp = new_output(s_logp, dt, device)
@@ -172,9 +173,8 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
     # a pointer the launch does not touch is passed as None (a compile-time constant: no argument
     # to bind or check per launch, and nothing to allocate where the launch is traced)
     idx = None if index is None else index.contiguous() if index_copy else index  # [rows, K] row-major
-    launch(K._logprobs_entropy_forward_kernel)[(rows,)](
-        x, idx, logp if index is not None else None, ent if compute_entropy else None, stats, temperature_t,
-        v, k, inner, s_outer, s_inner, c, ignore_index, **constexprs)
+    go(rows, x, idx, logp if index is not None else None, ent if compute_entropy else None, stats, temperature_t,
+       v, k, inner, s_outer, s_inner, c, ignore_index)
     return logp, ent, stats
 
 
@@ -300,9 +300,10 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
            exact, _settings_key())
     plan = _BWD_PLANS.get(key)
     if plan is None:
-        plan = _BWD_PLANS.put(key, _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_index,
-                                                  temperature_t, shift, v_off, v_total, out_dtype, out, in_place,
-                                                  exact))
+        p = _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_index, temperature_t, shift,
+                           v_off, v_total, out_dtype, out, in_place, exact)
+        plan = _BWD_PLANS.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_backward_kernel, p[5], 10 + len(p[4]))))
+    plan, go = plan
     dx_dtype, rows, k, copies, scalars, constexprs, grid, K = plan
     # d logits has the logits' full shape; with shift its rows L of every sequence are zero and
     # are written by the same launch (programs past the live rows), never by a second pass
@@ -325,9 +326,7 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
         gh = grad_entropy.reshape(rows) if gh_copy else grad_entropy
         ent = entropy
     tail = dx[..., -1, :] if shift else None  # written with shift only (ZERO_TAIL)
-    launch(K._logprobs_entropy_backward_kernel)[(grid,)](
-        x, idx, glp, gh, stats, ent, dx, tail, temperature_t, xdx if has_dt else None,
-        *scalars, **constexprs)
+    go(grid, x, idx, glp, gh, stats, ent, dx, tail, temperature_t, xdx if has_dt else None, *scalars)
     return dx, reference.temperature_grad(xdx, temperature_t) if has_dt else xdx
 
 
