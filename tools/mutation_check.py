@@ -409,6 +409,14 @@ MUTANTS: list[Mutant] = [
           "ids_next = tl.load(p_ids + j0 + o_r, mask=(j0 + o_r) < cnt, other=0)  # MUTANT")],
         ["tests/test_mask_reduce.py"],
     ),
+    # 25: the direct launch keyed without the pointers' alignment: a misaligned pointer launched
+    #     through a kernel compiled for aligned ones
+    Mutant(
+        "direct-launch-alignment", "25 direct launch keyed by device alone", "torch_fused/_library.py", CPU,
+        [("        key = (device,) + tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))",
+          "        key = (device,)  # MUTANT")],
+        ["tests/test_logprobs_ops.py"],
+    ),
 ]
 
 
