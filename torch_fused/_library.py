@@ -219,13 +219,11 @@ def launch(kernel):
 def _launch_hooks_set() -> bool:
     """Whether Triton's launch enter/exit hooks are set (a profiler such as proton): a direct
     launch would skip them."""
-    import triton as tr
-
     def is_set(hook):  # None, or a HookChain (newer Triton) with no hook in it: not set
         return hook is not None and bool(getattr(hook, "calls", True))
 
-    knobs = getattr(tr, "knobs", None)
-    where = knobs.runtime if knobs is not None else tr.compiler.CompiledKernel
+    knobs = getattr(triton, "knobs", None)
+    where = knobs.runtime if knobs is not None else triton.compiler.CompiledKernel
     return is_set(getattr(where, "launch_enter_hook", None)) or is_set(getattr(where, "launch_exit_hook", None))
 
 
@@ -242,10 +240,15 @@ class PlanLaunch:
 
     __slots__ = ("kernel", "constexprs", "tail_names", "compiled")
 
-    def __init__(self, kernel, constexprs: dict, n_args: int):
+    def __init__(self, kernel, constexprs: dict):
         self.kernel = kernel
-        self.constexprs = constexprs
-        self.tail_names = kernel.arg_names[n_args:]  # the constexpr parameters after the positional ones
+        self.constexprs = constexprs  # the constexpr parameters (by keyword) and launch options
+        # a direct launch passes every parameter positionally: the constexpr ones, which the plan
+        # passes by keyword, must be the signature's last
+        self.tail_names = tuple(n for n in kernel.arg_names if n in constexprs)
+        if tuple(kernel.arg_names[len(kernel.arg_names) - len(self.tail_names):]) != self.tail_names:
+            raise ValueError(f"PlanLaunch: the keyword parameters {self.tail_names} of {kernel.arg_names} "
+                             "are not the signature's last")
         self.compiled = {}
 
     def __call__(self, grid: int, *args) -> None:

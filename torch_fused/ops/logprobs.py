@@ -159,7 +159,7 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
     plan = _FWD_PLANS.get(key)
     if plan is None:
         p = _forward_plan(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
-        plan = _FWD_PLANS.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_forward_kernel, p[-2], 13)))
+        plan = _FWD_PLANS.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_forward_kernel, p[-2])))
     plan, go = plan
     (s_logp, s_ent, s_stats), dt, rows, copy, (inner, s_outer, s_inner), index_copy, k, v, c, constexprs, K = plan
     device = logits.device
@@ -302,7 +302,7 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     if plan is None:
         p = _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_index, temperature_t, shift,
                            v_off, v_total, out_dtype, out, in_place, exact)
-        plan = _BWD_PLANS.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_backward_kernel, p[5], 10 + len(p[4]))))
+        plan = _BWD_PLANS.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_backward_kernel, p[5])))
     plan, go = plan
     dx_dtype, rows, k, copies, scalars, constexprs, grid, K = plan
     # d logits has the logits' full shape; with shift its rows L of every sequence are zero and
