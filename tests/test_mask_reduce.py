@@ -452,3 +452,60 @@ def test_eager_fast_path_matches_the_registered_op(device, monkeypatch):
     with Seen():
         torch_fused.mask_reduce(x0, 1, mask)
     assert Seen.seen == ["mask_reduce"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", ["[1,M,N] mask", "[B,M,1] mask (listed rows)", "[T,k,1] mask, [T,k] scale",
+                                  "misaligned x", "no mask, reduce the last dim"])
+def test_direct_launch_matches_kernel_grid(case, settings_override):
+    """settings.direct_launch: mask_reduce's values are bit-identical to the kernel[grid]
+    launches', on the first call (through kernel[grid]) and the later ones (through the compiled
+    kernel's launcher), with the row-id listing launch (COMPACT) and with an x whose data pointer
+    is not 16-byte aligned (its own compiled kernel), on the same plan as an aligned one."""
+    from torch_fused.ops import mask_reduce as M
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    b = 512 if case.startswith("[B,M,1]") else 4  # many outputs: row tiles, where the rows are listed
+    base = torch.randn(b, 96, 257, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = base[..., 1:] if case == "misaligned x" else base[..., :256]
+    dim, mask, scale = 1, None, None
+    if case in ("[1,M,N] mask", "misaligned x"):
+        mask = (torch.rand(1, 96, 256, device="cuda", generator=g) > 0.4).expand(b, 96, 256)
+    elif case == "[B,M,1] mask (listed rows)":
+        mask = (torch.rand(b, 96, 1, device="cuda", generator=g) > 0.4).expand(b, 96, 256)
+    elif case == "[T,k,1] mask, [T,k] scale":
+        mask = torch.rand(b, 96, 1, device="cuda", generator=g) > 0.5
+        scale = torch.rand(b, 96, 1, device="cuda", generator=g)
+    else:
+        dim = -1
+    M._PLANS.clear()
+
+    settings_override(direct_launch=False)
+    want = torch_fused.mask_reduce(x, dim, mask, scale)
+    settings_override(direct_launch=True)
+    for _ in range(3):
+        assert torch.equal(torch_fused.mask_reduce(x, dim, mask, scale), want), case
+    listed = [plan[-1] is not None for plan in M._PLANS.values()]
+    assert listed == [case.startswith("[B,M,1]")], listed
+    if case == "misaligned x":  # the aligned x on the same plan (shape and strides): its own kernel
+        xa = base[..., :256].clone().as_strided(x.shape, x.stride())
+        settings_override(direct_launch=False)
+        want = torch_fused.mask_reduce(xa, dim, mask)
+        settings_override(direct_launch=True)
+        assert torch.equal(torch_fused.mask_reduce(xa, dim, mask), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checks_run_for_every_new_call_key(device):
+    """The implementation keeps a plan per call key (shapes, strides, dtypes, devices, dim): a
+    call whose key has no plan yet is checked, even after calls of good input of the same shapes."""
+    x = torch.randn(3, 5, 7, device=device)
+    torch_fused.mask_reduce(x, 1)
+    torch_fused.mask_reduce(x, 1, torch.ones(3, 5, 7, dtype=torch.bool, device=device))
+    with pytest.raises(RuntimeError, match="mask: expected a bool, integer or floating dtype"):
+        torch.ops.fused.mask_reduce(x, 1, torch.ones(3, 5, 7, dtype=torch.complex64, device=device))
+    with pytest.raises(RuntimeError, match="dim: expected a dim of x"):
+        torch.ops.fused.mask_reduce(x, 3)
+    with pytest.raises(RuntimeError, match=r"mask: shape \(3, 4, 7\) does not broadcast"):
+        torch.ops.fused.mask_reduce(x, 1, torch.ones(3, 4, 7, dtype=torch.bool, device=device))

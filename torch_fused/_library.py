@@ -192,6 +192,37 @@ def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return out
 
 
+class Plans(dict):
+    """Launch plans by call key (shapes, strides, dtypes and the scalar arguments): what
+    the checks and the layout arithmetic of a call made of those inputs concluded, so that a
+    repeated call (a training loop's) does neither again. Bounded: cleared past MAX entries. A
+    key with symbolic sizes (a call traced with dynamic shapes) is not hashable: such a plan is
+    made afresh and not kept (``get``)."""
+    MAX = 1024
+
+    def get(self, key):
+        try:
+            return dict.get(self, key)
+        except TypeError:  # unhashable: symbolic sizes
+            return None
+
+    def put(self, key, plan):
+        try:
+            hash(key)
+        except TypeError:
+            return plan
+        if len(self) >= self.MAX:
+            self.clear()
+        self[key] = plan
+        return plan
+
+
+def tensor_key(t):
+    """(shape, strides, dtype) of t, None for None: a plan key's part for one tensor (no device: the
+    log-prob plans hold no device-dependent choice; a plan that does keys the device itself)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernel launches a compiler can see (settings.compile_inline_kernels)
 

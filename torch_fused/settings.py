@@ -8,7 +8,7 @@ read once, when this module is imported, and gives the starting value.
 | name | default | environment variable | what it sets |
 |---|---|---|---|
 | ``compile_inline_kernels`` | True on torch 2.11 and later | ``TORCH_FUSED_COMPILE_INLINE`` (1: on, 0: off) | under torch.compile, CUDA calls of the log-prob ops whose vocabulary size is static (batch and sequence sizes may be symbolic) have their kernel launches traced into the graph (``torch.library.wrap_triton``), so Inductor's generated code launches them with no Python implementation per call; a symbolic vocabulary, and the backward with ``shift=True``, stay opaque op calls. Off: every call stays an opaque op call. Off by default before torch 2.11, where the GPU tests of this path have not run. A value other than the default is added to ``torch.compiler.config.cache_key_tag``, so torch.compile's FX-graph and AOTAutograd caches keep the graphs of the two values apart (Dynamo traces the same graph either way); a function already compiled in the process keeps the path it was compiled with |
-| ``direct_launch`` | False | ``TORCH_FUSED_DIRECT_LAUNCH`` (1: on) | eager log-prob launches call the compiled kernel's launcher directly after their first launch per device and pointer alignments (``_library.PlanLaunch``), without Triton's per-call argument binding. Off until its GPU tests have run |
+| ``direct_launch`` | True | ``TORCH_FUSED_DIRECT_LAUNCH`` (0: off) | eager launches of the log-prob and mask_reduce kernels call the compiled kernel's launcher directly after their first launch per device and pointer alignments (``_library.PlanLaunch``), without Triton's per-call argument binding (about 24 us per launch on an H200's host). Off: every launch goes through ``kernel[grid]`` |
 | ``poison`` | False | | fill every fresh op output with NaN (integers: -2**30) before a kernel writes it; the test suite turns it on, so an element a kernel forgets never passes |
 | ``sinkgd_graphs`` | True | ``TORCH_FUSED_SINKGD_GRAPHS`` (0: off) | the eager SinkGD step replays its launches from a CUDA graph once the same plan comes back |
 | ``sinkgd_branches`` | True | ``TORCH_FUSED_SINKGD_BRANCHES`` (0: off) | in that graph, a pass's launches over different row-width classes run as parallel branches |
@@ -61,7 +61,7 @@ _INLINE_DEFAULT = _torch_at_least(2, 11)
 
 DEFAULTS = dict(
     compile_inline_kernels=_env_flag("TORCH_FUSED_COMPILE_INLINE", _INLINE_DEFAULT),
-    direct_launch=_env_flag("TORCH_FUSED_DIRECT_LAUNCH", False),
+    direct_launch=_env_flag("TORCH_FUSED_DIRECT_LAUNCH", True),
     poison=False,
     sinkgd_graphs=_env_flag("TORCH_FUSED_SINKGD_GRAPHS", True),
     sinkgd_branches=_env_flag("TORCH_FUSED_SINKGD_BRANCHES", True),

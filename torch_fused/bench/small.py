@@ -14,7 +14,8 @@ rows timed minutes apart would carry that drift. Rows:
 - the floor of the registration: a custom op registered as the log-prob ops are (a
   ``torch.library.custom_op`` core with a registered CUDA kernel, a fake and an autograd
   formula, under a ``CompositeImplicitAutograd`` public op) whose implementations launch one
-  empty Triton kernel and allocate nothing;
+  empty Triton kernel the way the ops launch theirs (``_library.PlanLaunch``) and allocate only
+  their outputs;
 - a small GRPO-style loss (log-probs and entropy of the sampled ids, the clipped ratio against old
   log-probs times advantages, an entropy bonus, a masked mean) forward+backward under
   ``torch.compile(fullgraph=True)``, against the same formula in plain PyTorch compiled the same way.
@@ -86,14 +87,19 @@ def _empty_op():
     launch one empty kernel and allocate only their outputs."""
     import triton
 
+    from .._library import PlanLaunch
+
     @triton.jit
     def _empty_kernel(x_ptr, n):
         pass
 
+    # launched as the ops launch theirs (settings.direct_launch applies to it too)
+    empty_launch = PlanLaunch(_empty_kernel, {})
+
     if not hasattr(torch.ops.torch_fused_bench, "_empty_core"):
         @torch.library.custom_op("torch_fused_bench::_empty_core", mutates_args=())
         def core(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            _empty_kernel[(1,)](x, 0)
+            empty_launch(1, x, 0)
             return index.new_empty(index.shape, dtype=torch.float32), index.new_empty((2,), dtype=torch.float32)
 
         @core.register_fake
@@ -105,7 +111,7 @@ def _empty_op():
 
         def backward(ctx, g1, g2):
             (x,) = ctx.saved_tensors
-            _empty_kernel[(1,)](x, 0)
+            empty_launch(1, x, 0)
             return torch.empty_like(x), None
 
         core.register_autograd(backward, setup_context=setup)

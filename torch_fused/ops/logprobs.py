@@ -10,7 +10,7 @@ see kernels/logprobs.py for why they are kept apart), so that the backward saves
 tensors; the public ops hide them. Because the public ops
 are composite, ``torch.compile`` sees straight through them to the two opaque core nodes.
 
-The Triton implementations keep a launch plan per call key (``_Plans``): what the input checks
+The Triton implementations keep a launch plan per call key (``_library.Plans``): what the input checks
 and the layout arithmetic concluded for those shapes, strides, dtypes and arguments, so that a
 training loop's repeated call only allocates its outputs and launches.
 """
@@ -23,7 +23,8 @@ import struct
 import torch
 
 from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift,
-                        inline_under_compile, kernel_temperature, new_output, rows_strides, PlanLaunch)
+                        inline_under_compile, kernel_temperature, new_output, rows_strides, PlanLaunch,
+                        Plans, tensor_key)
 from .. import reference
 from ..settings import values as _settings_values
 from ..meta import logprobs as meta
@@ -73,37 +74,7 @@ logprobs_entropy_backward.register_fake(meta.logprobs_entropy_backward_fake)
 # ---------------------------------------------------------------------------------------------
 # Triton implementations
 # ---------------------------------------------------------------------------------------------
-class _Plans(dict):
-    """Launch plans by call key (shapes, strides, dtypes and the scalar arguments): what
-    the checks and the layout arithmetic of a call made of those inputs concluded, so that a
-    repeated call (a training loop's) does neither again. Bounded: cleared past MAX entries. A
-    key with symbolic sizes (a call traced with dynamic shapes) is not hashable: such a plan is
-    made afresh and not kept (``get``)."""
-    MAX = 1024
-
-    def get(self, key):
-        try:
-            return dict.get(self, key)
-        except TypeError:  # unhashable: symbolic sizes
-            return None
-
-    def put(self, key, plan):
-        try:
-            hash(key)
-        except TypeError:
-            return plan
-        if len(self) >= self.MAX:
-            self.clear()
-        self[key] = plan
-        return plan
-
-
-_FWD_PLANS = _Plans()
-
-
-def _tensor_key(t):
-    # no device: a plan holds no device-dependent choice
-    return None if t is None else (t.shape, t.stride(), t.dtype)
+_FWD_PLANS = Plans()
 
 
 def _row_layout(x):
@@ -154,8 +125,8 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
         meta.check_logits_index(logits, index, temperature, temperature_t, shift)
         return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy,
                                                   temperature_t, shift)
-    key = (_tensor_key(logits), _tensor_key(index), temperature, ignore_index, compute_entropy,
-           _tensor_key(temperature_t), shift, _settings_key())
+    key = (tensor_key(logits), tensor_key(index), temperature, ignore_index, compute_entropy,
+           tensor_key(temperature_t), shift, _settings_key())
     plan = _FWD_PLANS.get(key)
     if plan is None:
         p = _forward_plan(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
@@ -213,7 +184,7 @@ def _(a, b, c):
                        device=a.device)
 
 
-_BWD_PLANS = _Plans()
+_BWD_PLANS = Plans()
 
 
 def _view_or_none(t, shape):
@@ -295,8 +266,8 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
             grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift,
             v_off=v_off, v_total=v_total, out_dtype=out_dtype)
     in_place = out is not None and out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
-    key = (_tensor_key(grad_logp), _tensor_key(grad_entropy), _tensor_key(logits), _tensor_key(index), temperature,
-           ignore_index, _tensor_key(temperature_t), shift, v_off, v_total, out_dtype, _tensor_key(out), in_place,
+    key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), temperature,
+           ignore_index, tensor_key(temperature_t), shift, v_off, v_total, out_dtype, tensor_key(out), in_place,
            exact, _settings_key())
     plan = _BWD_PLANS.get(key)
     if plan is None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .._library import NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, n_sm, new_output
+from .._library import (NAMESPACE, TRITON_DEVICES, PlanLaunch, Plans, acc_dtype, call_eager, n_sm, new_output,
+                        tensor_key)
+from ..settings import values as _settings_values
 from .. import reference
 from ..meta import mask_reduce as meta
 
@@ -55,55 +57,79 @@ mask_reduce.register_fake(meta.mask_reduce_fake)
 mask_reduce_backward.register_fake(meta.mask_reduce_backward_fake)
 
 
-def _operand(t, shape, d):
-    """(tensor, (stride_r, stride_0, stride_1, stride_i)) of t broadcast to shape, reduce dim d
-    first; outer output dims padded in front to two. Views only, stride 0 kept."""
-    t = torch.broadcast_to(t, shape)
-    if t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    st = list(t.stride())
-    r = st.pop(d)
-    while len(st) < 3:
-        st.insert(0, 0)
-    return t, (r, *st)
+_PLANS = Plans()
 
 
-def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
+def _plan(x, dim, mask, scale, out_dtype):
+    """What the checks and the layout arithmetic of a call conclude, for the calls of its key:
+    (out shape, out dtype, reduce length, the kernels' scalar arguments, the launches, COMPACT's
+    list sizes). Raises on bad input."""
     d = meta.check_mask_reduce(x, dim, mask, scale, out_dtype)
     from ..kernels import mask_reduce as K
 
     shape = tuple(x.shape)
     out_shape = shape[:d] + shape[d + 1:]
-    y = new_output(out_shape, out_dtype or x.dtype, x.device)
-    if y.numel() == 0:
-        return y
-    if shape[d] == 0:
-        return y.zero_()
     osz = list(out_shape)
     while len(osz) < 3:
         osz.insert(0, 1)
     o0, o1, i = osz
     r = shape[d]
-    xt, sx = _operand(x, shape, d)
-    mt, sm = _operand(mask, shape, d) if mask is not None else (x, None)
-    sc, ss = _operand(scale, shape, d) if scale is not None else (x, None)
+    sx = _strides(x, shape, d)
+    sm = _strides(mask, shape, d) if mask is not None else None
+    ss = _strides(scale, shape, d) if scale is not None else None
     n_iblk, constexprs, warps = K.launch_config(r, o0, o1, i, sx, sm, ss, x.element_size(),
                                                 acc_dtype(x.dtype) == torch.float64, n_sm(x.device))
-    rid = cnt = None
+    row_ids = None  # COMPACT: (lists, their launch, its scalar arguments)
     lst_0 = lst_1 = 0
     if constexprs["COMPACT"]:
         # the kept rows of each distinct row mask, listed (one small launch over the mask alone)
         n0, n1, lst_0, lst_1 = K.row_id_lists(o0, o1, sm)
-        rid = torch.empty((n0 * n1, r), dtype=torch.int32, device=x.device)
-        cnt = torch.empty((n0 * n1,), dtype=torch.int32, device=x.device)
-        K._row_ids_kernel[(n0 * n1,)](mt, rid, cnt, r, n1, sm[0], sm[1], sm[2], BLOCK=K.row_ids_block(), num_warps=4)
-    K._mask_reduce_forward_kernel[(o0 * o1 * n_iblk,)](
-        xt, mt, sc, y, rid, cnt,
-        r, o1, i, n_iblk, o0 * o1,
-        *sx, *(sm or (0, 0, 0, 0)), *(ss or (0, 0, 0, 0)), lst_0, lst_1,
-        **constexprs, num_warps=warps,
-    )
+        row_ids = (n0 * n1, PlanLaunch(K._row_ids_kernel, dict(BLOCK=K.row_ids_block(), num_warps=4)),
+                   (r, n1, sm[0], sm[1], sm[2]))
+    scalars = (r, o1, i, n_iblk, o0 * o1, *sx, *(sm or (0, 0, 0, 0)), *(ss or (0, 0, 0, 0)), lst_0, lst_1)
+    reduce = PlanLaunch(K._mask_reduce_forward_kernel, dict(constexprs, num_warps=warps))
+    return out_shape, out_dtype or x.dtype, r, o0 * o1 * n_iblk, scalars, reduce, row_ids
+
+
+def _strides(t, shape, d):
+    """(stride_r, stride_0, stride_1, stride_i) of t broadcast to shape, reduce dim d first; outer
+    output dims padded in front to two. Stride 0 kept (a broadcast operand is never materialized)."""
+    st = list(torch.broadcast_to(t, shape).stride())
+    r = st.pop(d)
+    while len(st) < 3:
+        st.insert(0, 0)
+    return (r, *st)
+
+
+def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
+    key = (tensor_key(x), x.device, dim, tensor_key(mask), mask is not None and mask.device, tensor_key(scale),
+           scale is not None and scale.device, out_dtype, _settings_key())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS.put(key, _plan(x, dim, mask, scale, out_dtype))
+    out_shape, y_dtype, r, grid, scalars, reduce, row_ids = plan
+    y = new_output(out_shape, y_dtype, x.device)
+    if grid == 0:
+        return y
+    if r == 0:
+        return y.zero_()
+    # the kernels read each operand at its own data pointer through the plan's (broadcast) strides
+    m = None if mask is None else mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    rid = cnt = None
+    if row_ids is not None:
+        lists, list_rows, list_scalars = row_ids
+        rid = torch.empty((lists, r), dtype=torch.int32, device=x.device)
+        cnt = torch.empty((lists,), dtype=torch.int32, device=x.device)
+        list_rows(lists, m, rid, cnt, *list_scalars)
+    reduce(grid, x, m if m is not None else x, scale if scale is not None else x, y, rid, cnt, *scalars)
     return y
+
+
+def _settings_key():
+    """The settings a plan depends on (the tiles, through launch_config)."""
+    v = _settings_values
+    tiles = v["mask_reduce_tiles"]
+    return v["small_tiles"], None if tiles is None else tuple(sorted(tiles.items()))
 
 
 if TRITON_DEVICES:
