@@ -18,7 +18,10 @@ rows timed minutes apart would carry that drift. Rows:
   their outputs;
 - a small GRPO-style loss (log-probs and entropy of the sampled ids, the clipped ratio against old
   log-probs times advantages, an entropy bonus, a masked mean) forward+backward under
-  ``torch.compile(fullgraph=True)``, against the same formula in plain PyTorch compiled the same way.
+  ``torch.compile(fullgraph=True)``, against the same formula in plain PyTorch compiled the same way,
+  and once more compiled with Inductor's ``static_launch_user_defined_triton_kernels`` (the
+  log-prob kernels, which the graph launches itself, then go through Inductor's static launcher
+  as its own kernels do; torch's default leaves it off).
 
 The ``ratio`` column is ours over torch's formula (below 1: we are faster). The memory floor of
 the larger shapes (fraction of floor) is in the logprobs suite; this suite is about the calls
@@ -126,6 +129,16 @@ def _empty_op():
 _LIBS: list = []  # keeps the bench namespace's Library alive
 
 
+def _static_user_launch_config():
+    """The name of Inductor's config that launches user-defined Triton kernels with its static
+    launcher (env TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1), None in a torch
+    without it."""
+    import torch._inductor.config as cfg
+
+    name = "static_launch_user_defined_triton_kernels"
+    return name if hasattr(cfg, name) else None
+
+
 def run(report, copy_gbps, quick=False):
     shapes = SHAPES[:1] if quick else SHAPES
     empty = _empty_op()
@@ -182,9 +195,20 @@ def run(report, copy_gbps, quick=False):
         ours = torch.compile(grpo_loss(torch_fused.logprobs_and_entropy), fullgraph=True)
         plain = torch.compile(grpo_loss(plain_both), fullgraph=True)
         g_ = "GRPO loss fwd+bwd, compiled"
-        for impl, f in ((T + ", compiled", plain), ("torch_fused, compiled", ours)):
+        base = T + ", compiled"
+        for impl, f in ((base, plain), ("torch_fused, compiled", ours)):
             add(g_, impl, lambda f=f: torch.autograd.grad(f(xg, idx, old, adv, mask), xg)[0], 3 * nbytes,
-                None if f is plain else T + ", compiled")
+                None if f is plain else base)
+        static = _static_user_launch_config()
+        if static is not None:
+            # Inductor's own static launcher for the log-prob kernels too (off by default in torch:
+            # user-defined Triton kernels go through Triton's launcher); the config is read when
+            # the graph is compiled, so this function is compiled under it on its first call
+            ours_static = torch.compile(grpo_loss(torch_fused.logprobs_and_entropy), fullgraph=True, dynamic=False)
+            with torch._inductor.config.patch({static: True}):
+                torch.autograd.grad(ours_static(xg, idx, old, adv, mask), xg)
+            add(g_, "torch_fused, compiled, static launch of user kernels",
+                lambda: torch.autograd.grad(ours_static(xg, idx, old, adv, mask), xg)[0], 3 * nbytes, base)
         # every row of this shape timed in the same rounds: a ratio compares calls timed side by side
         times = wall_us_rounds([e[2] for e in entries])
         rows = {(group, impl): us for (group, impl, *_), us in zip(entries, times)}
