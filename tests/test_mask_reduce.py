@@ -248,7 +248,7 @@ SHIPPED_TILE_CASES = [
     ((10, 4, 700), torch.float16, 1, (10, 4, 1), (1, 1, 700), dict(BLOCK_I=1024, PRED_X=True, COMPACT=False)),
     # [B, M, 1] masks over long reduce dims: kept rows listed in row tiles; strips walk every row
     ((4, 300, 200), torch.bfloat16, 1, (4, 300, 1), None, dict(COMPACT=True, BLOCK_R=1, BLOCK_I=128, U=32)),
-    ((1, 300, 200), torch.float32, 1, (1, 300, 1), None, dict(COMPACT=False, BLOCK_R=16, U=16, PRED_X=True)),
+    ((1, 300, 200), torch.float32, 1, (1, 300, 1), None, dict(COMPACT=False, BLOCK_R=16, U=8, PRED_X=True)),
 ]
 
 

@@ -310,6 +310,11 @@ TILES = {
     # trip's loads are off; wider runs per thread keep the bytes in flight
     "row_mask_bytes": 4096,
     "row_mask_warps": 1,
+    # strips with a row mask ([B, M, 1] over a long reduce dim: x predicated on it, about half of
+    # the loads off): wider rows, fewer rows per thread, more warps than the other strips
+    "row_mask_strip_min_bytes": 256,
+    "row_mask_strip_u": 8,
+    "row_mask_strip_warps": 8,
 }
 _SHIPPED_KEY = tuple(sorted(TILES.items()))
 # Software pipelining (PIPELINE) is on for the contiguous-r tiles only: in the strips every value
@@ -357,7 +362,7 @@ def _pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int,
     - reduce dim contiguous (token losses, [B, L] -> [B]): the tile's fast axis is r, pipelined.
     - ``row_mask``: x predicated on a row mask walked row by row (not COMPACT); in row tiles,
       wider runs on fewer warps (``row_mask_bytes``, ``row_mask_warps``), since about half of
-      each thread's loads are off.
+      each thread's loads are off; in strips, the ``row_mask_strip_*`` tiles.
     The numbers are in ``tiles`` (TILES as sorted items).
     """
     t = dict(tiles)
@@ -370,20 +375,22 @@ def _pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int,
         block_i = max(1, min(i2, cap * 2 // block_r))
         warps = max(1, min(t["contig_warps"], block_r * block_i // (vec * 32 * 2)))
         return block_r, block_i, warps, vec, True, 1
-    min_i = max(1, t["strip_min_bytes"] // x_bytes)
+    # the strip tiles: a row mask's own where TILES has them (a mask_reduce_tiles setting may not)
+    strip = {k: t.get("row_mask_" + k, t[k]) if row_mask else t[k] for k in ("strip_min_bytes", "strip_u", "strip_warps")}
+    min_i = max(1, strip["strip_min_bytes"] // x_bytes)
     block_i = min(i2, (t["row_mask_bytes"] if row_mask else t["row_bytes"]) // x_bytes)
     enough = t["programs_per_sm"] * n_sm
     while block_i > min_i and n_outer * cdiv(i, block_i) < enough:
         block_i //= 2
-    max_warps = t["strip_warps"]
+    max_warps = strip["strip_warps"]
     if n_outer * cdiv(i, block_i) >= enough:
         u, block_r = min(t["row_u"], r2), 1
         if row_mask:
             max_warps = t["row_mask_warps"]
     else:
-        u = min(t["strip_u"], r2)
+        u = min(strip["strip_u"], r2)
         # threads along r: all of the program's threads not needed along i, fewer if r is short
-        block_r = max(1, min(r2 // u, t["strip_warps"] * 32 * vec // block_i))
+        block_r = max(1, min(r2 // u, strip["strip_warps"] * 32 * vec // block_i))
     warps = max(1, min(max_warps, block_r * block_i // (vec * 32)))
     return block_r, block_i, warps, vec, False, u
 
