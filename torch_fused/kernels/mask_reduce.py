@@ -23,7 +23,8 @@ What carries the bandwidth:
   vectors per thread are one tile load, issued together before any add. Column strips (long
   reduce dims) hide the latency with many rows in flight per thread (U = 16 16-byte vectors)
   in small programs (4 warps): a small accumulator (the U rows are summed in registers first)
-  and the mask kept as loaded bytes until its use leave room for the loads. Software
+  and the mask kept as loaded bytes until its use leave room for the loads. Strips under a row
+  mask, whose x loads are about half off, measured best wider (256-byte rows, U = 8, 8 warps). Software
   pipelining (the loads of trip k+1 issued before the adds of trip k, PIPELINE) remains for
   the contiguous-r tiles; in the strips it cost more than it gave,
   since every value carried across the loop's back edge is unpacked per element (168-186
@@ -377,7 +378,7 @@ def _pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int,
         return block_r, block_i, warps, vec, True, 1
     # the strip tiles: a row mask's own where TILES has them (a mask_reduce_tiles setting may not)
     strip = {k: t.get("row_mask_" + k, t[k]) if row_mask else t[k] for k in ("strip_min_bytes", "strip_u", "strip_warps")}
-    min_i = max(1, strip["strip_min_bytes"] // x_bytes)
+    min_i = max(1, t["strip_min_bytes"] // x_bytes)
     block_i = min(i2, (t["row_mask_bytes"] if row_mask else t["row_bytes"]) // x_bytes)
     enough = t["programs_per_sm"] * n_sm
     while block_i > min_i and n_outer * cdiv(i, block_i) < enough:
@@ -388,6 +389,9 @@ def _pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int,
         if row_mask:
             max_warps = t["row_mask_warps"]
     else:
+        # a row mask's strips are at least row_mask_strip_min_bytes wide (the choice between row
+        # tiles and strips above is the same for every mask)
+        block_i = min(i2, max(block_i, strip["strip_min_bytes"] // x_bytes))
         u = min(strip["strip_u"], r2)
         # threads along r: all of the program's threads not needed along i, fewer if r is short
         block_r = max(1, min(r2 // u, strip["strip_warps"] * 32 * vec // block_i))
