@@ -510,3 +510,28 @@ def test_checks_run_for_every_new_call_key(device):
         torch.ops.fused.mask_reduce(x, 3)
     with pytest.raises(RuntimeError, match=r"mask: shape \(3, 4, 7\) does not broadcast"):
         torch.ops.fused.mask_reduce(x, 1, torch.ones(3, 4, 7, dtype=torch.bool, device=device))
+
+
+def test_tile_sweep_reaches_every_case(settings_override):
+    """python -m torch_fused.bench --sweep --only mask_reduce: each of its cases (the bench's
+    8x4096x4096 masks, on a 132-SM device) launches with different tiles at different sweep
+    points, so no case's row of the sweep times one tile choice over and over (a row mask's
+    strips read their own TILES entries, which its sweep points set)."""
+    import itertools
+
+    from torch_fused.bench.mask_reduce import SWEEP_CASES, SWEEP_GRID, sweep_tiles
+    from torch_fused.kernels import mask_reduce as K
+    from torch_fused.ops.mask_reduce import _strides
+
+    settings_override(small_tiles=False)
+    for shape, pattern in SWEEP_CASES:
+        x = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+        stored = shape if pattern == "full" else [1 if n == "1" else s for n, s in zip(pattern.split()[:3], shape)]
+        mask = torch.empty(stored, dtype=torch.bool, device="meta").expand(shape)
+        sx, sm = _strides(x, shape, 1), _strides(mask, shape, 1)
+        seen = set()
+        for values in itertools.product(*SWEEP_GRID.values()):
+            with torch_fused.settings.override(mask_reduce_tiles={**K.TILES, **sweep_tiles(pattern, values)}):
+                n_iblk, cx, warps = K.launch_config(shape[1], 1, shape[0], shape[2], sx, sm, None, 2, False, 132)
+            seen.add((n_iblk, warps, tuple(sorted(cx.items()))))
+        assert len(seen) > 1, pattern

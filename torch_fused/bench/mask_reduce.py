@@ -78,9 +78,19 @@ def run(report, copy_gbps, quick=False):
         torch.cuda.empty_cache()
 
 
-# --sweep: the strip tiles (kernels/mask_reduce.py TILES) on the few-output cases
+# --sweep: the strip tiles (kernels/mask_reduce.py TILES) on the few-output cases; under the row
+# mask ("B M 1") the strip_* values set the row-mask strips' own tiles (row_mask_strip_*)
 SWEEP_CASES = [((8, 4096, 4096), p) for p in ("1 M N expanded", "B 1 N expanded", "B M 1 expanded", "full")]
 SWEEP_GRID = dict(strip_min_bytes=(128, 256), strip_u=(4, 8, 16), strip_warps=(4, 8), programs_per_sm=(4, 8, 16))
+
+
+def sweep_tiles(pattern: str, values) -> dict:
+    """The TILES entries one sweep point sets: SWEEP_GRID's names, or for a row mask the
+    row_mask_strip_* entries its strips read instead of strip_*."""
+    chosen = dict(zip(SWEEP_GRID, values))
+    if pattern == "B M 1 expanded":
+        chosen = {("row_mask_" + k if k.startswith("strip_") else k): v for k, v in chosen.items()}
+    return chosen
 
 
 def sweep(copy_gbps, shape=None):
@@ -93,7 +103,8 @@ def sweep(copy_gbps, shape=None):
 
     shipped = dict(K.TILES)
     cases = [(tuple(shape), p) for _, p in SWEEP_CASES] if shape else SWEEP_CASES
-    out = dict(copy_gbps=copy_gbps, shipped={k: shipped[k] for k in SWEEP_GRID}, cases=[])
+    out = dict(copy_gbps=copy_gbps, shipped={k: shipped[k] for k in SWEEP_GRID},
+               shipped_row_mask={k: shipped[k] for k in sweep_tiles("B M 1 expanded", [0] * len(SWEEP_GRID))}, cases=[])
     for shp, pattern in cases:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(shp, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -105,7 +116,7 @@ def sweep(copy_gbps, shape=None):
         c_ms = device_ms(lambda: compiled(x, mask), rep=30)[0]
         rows = []
         for values in itertools.product(*SWEEP_GRID.values()):
-            with override(mask_reduce_tiles={**K.TILES, **dict(zip(SWEEP_GRID, values))}):
+            with override(mask_reduce_tiles={**K.TILES, **sweep_tiles(pattern, values)}):
                 ms = device_ms(lambda: torch_fused.mask_reduce(x, 1, mask), rep=30)[0]
             rows.append(dict(zip(SWEEP_GRID, values), ms=ms, frac=floor_ms / ms))
         best = max(rows, key=lambda r: r["frac"])
