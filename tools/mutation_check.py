@@ -359,7 +359,7 @@ MUTANTS: list[Mutant] = [
     #     _BWD_PLANS): a call with the shapes of an earlier one but another layout (the logits, an
     #     upstream gradient) reuses that call's layout arithmetic
     Mutant(
-        "plan-key-without-strides-triton", "18 launch plan keyed without strides", "torch_fused/ops/logprobs.py", TRITON,
+        "plan-key-without-strides-triton", "18 launch plan keyed without strides", "torch_fused/_library.py", TRITON,
         [("    return None if t is None else (t.shape, t.stride(), t.dtype)",
           "    return None if t is None else (t.shape, t.dtype)  # MUTANT")],
         ["tests/test_logprobs_ops.py"],
