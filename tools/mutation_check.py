@@ -167,8 +167,8 @@ MUTANTS: list[Mutant] = [
         "mask-bcast-stride-ops", "5 broadcast mask read at the wrong stride", "torch_fused/ops/mask_reduce.py", TRITON,
         # the launcher hands the kernel x's strides where the mask is broadcast (stride 0), as if
         # the mask were laid out like x
-        [("    mt, sm = _operand(mask, shape, d) if mask is not None else (x, None)\n",
-          "    mt, sm = _operand(mask, shape, d) if mask is not None else (x, None)\n"
+        [("    sm = _strides(mask, shape, d) if mask is not None else None\n",
+          "    sm = _strides(mask, shape, d) if mask is not None else None\n"
           "    if sm is not None:  # MUTANT: stride-0 mask strides replaced by x's (contiguous) strides\n"
           "        sm = tuple(s if s != 0 else t for s, t in zip(sm, sx))\n")],
         MASK_TESTS,
