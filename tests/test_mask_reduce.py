@@ -338,6 +338,7 @@ BAD = [
     (lambda: (torch.zeros(3, 4, dtype=torch.long), 1, None, None), r"x: expected dtype float16"),
     (lambda: (torch.zeros(2, 2, 2, 2, 2), 1, None, None), r"x: expected 1 to 4 dims, got 5"),
     (lambda: (torch.zeros(3, 4), 2, None, None), r"dim: expected a dim of x in \[-2, 2\), got 2"),
+    (lambda: (torch.zeros(3, 4), 1.0, None, None), r"dim: expected an int, got float"),
     (lambda: (torch.zeros(3, 4), 1, torch.ones(3, 5, dtype=torch.bool), None), r"mask: shape \(3, 5\) does not broadcast"),
     (lambda: (torch.zeros(3, 4), 1, torch.ones(3, 4, dtype=torch.complex64), None),
      r"mask: expected a bool, integer or floating dtype, got torch.complex64"),
@@ -461,14 +462,17 @@ def test_eager_fast_path_matches_the_registered_op(device, monkeypatch):
 def test_direct_launch_matches_kernel_grid(case, settings_override):
     """settings.direct_launch: mask_reduce's values are bit-identical to the kernel[grid]
     launches', on the first call (through kernel[grid]) and the later ones (through the compiled
-    kernel's launcher), with the row-id listing launch (COMPACT) and with an x whose data pointer
-    is not 16-byte aligned (its own compiled kernel), on the same plan as an aligned one."""
+    kernel's launcher, which they do take), with the row-id listing launch (COMPACT), and for an x
+    whose data pointer is not 16-byte aligned after an aligned one of the same plan: the aligned
+    one's kernel may assume aligned rows (a row stride divisible by 16), so the misaligned x needs
+    its own."""
     from torch_fused.ops import mask_reduce as M
 
     g = torch.Generator(device="cuda").manual_seed(11)
     b = 512 if case.startswith("[B,M,1]") else 4  # many outputs: row tiles, where the rows are listed
-    base = torch.randn(b, 96, 257, device="cuda", dtype=torch.bfloat16, generator=g)
-    x = base[..., 1:] if case == "misaligned x" else base[..., :256]
+    base = torch.randn(b, 96, 272, device="cuda", dtype=torch.bfloat16, generator=g)
+    xs = [base[..., :256]] + ([base[..., 1:257]] if case == "misaligned x" else [])
+    assert xs[0].data_ptr() % 16 == 0 and all(x.stride() == xs[0].stride() for x in xs)
     dim, mask, scale = 1, None, None
     if case in ("[1,M,N] mask", "misaligned x"):
         mask = (torch.rand(1, 96, 256, device="cuda", generator=g) > 0.4).expand(b, 96, 256)
@@ -481,20 +485,18 @@ def test_direct_launch_matches_kernel_grid(case, settings_override):
         dim = -1
     M._PLANS.clear()
 
-    settings_override(direct_launch=False)
-    want = torch_fused.mask_reduce(x, dim, mask, scale)
-    settings_override(direct_launch=True)
-    for _ in range(3):
-        assert torch.equal(torch_fused.mask_reduce(x, dim, mask, scale), want), case
-    listed = [plan[-1] is not None for plan in M._PLANS.values()]
-    assert listed == [case.startswith("[B,M,1]")], listed
-    if case == "misaligned x":  # the aligned x on the same plan (shape and strides): its own kernel
-        xa = base.clone()[..., :256]
-        assert xa.stride() == x.stride() and xa.data_ptr() % 16 == 0
+    for x in xs:
         settings_override(direct_launch=False)
-        want = torch_fused.mask_reduce(xa, dim, mask)
+        want = torch_fused.mask_reduce(x, dim, mask, scale)
         settings_override(direct_launch=True)
-        assert torch.equal(torch_fused.mask_reduce(xa, dim, mask), want)
+        for _ in range(3):
+            assert torch.equal(torch_fused.mask_reduce(x, dim, mask, scale), want), case
+    (plan,) = M._PLANS.values()  # one plan: every x has the same shape and strides
+    reduce, row_ids = plan[5], plan[6]
+    assert len(reduce.compiled) == len(xs), reduce.compiled  # one compiled kernel per alignment
+    assert (row_ids is not None) == case.startswith("[B,M,1]")
+    if row_ids is not None:
+        assert len(row_ids[1].compiled) == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -508,6 +510,8 @@ def test_checks_run_for_every_new_call_key(device):
         torch.ops.fused.mask_reduce(x, 1, torch.ones(3, 5, 7, dtype=torch.complex64, device=device))
     with pytest.raises(RuntimeError, match="dim: expected a dim of x"):
         torch.ops.fused.mask_reduce(x, 3)
+    with pytest.raises(RuntimeError, match="dim: expected an int, got float"):  # equal to the 1 of a plan
+        torch_fused.mask_reduce(x, 1.0)
     with pytest.raises(RuntimeError, match=r"mask: shape \(3, 4, 7\) does not broadcast"):
         torch.ops.fused.mask_reduce(x, 1, torch.ones(3, 4, 7, dtype=torch.bool, device=device))
 

@@ -421,7 +421,7 @@ MUTANTS: list[Mutant] = [
     #     plan made for a good one, its checks skipped
     Mutant(
         "mask-reduce-plan-dim", "26 mask_reduce plan keyed without dim", "torch_fused/ops/mask_reduce.py", TRITON,
-        [("    key = (tensor_key(x), x.device, dim, tensor_key(mask),",
+        [("    key = (tensor_key(x), x.device, dim, type(dim), tensor_key(mask),",
           "    key = (tensor_key(x), x.device, tensor_key(mask),  # MUTANT")],
         ["tests/test_mask_reduce.py"],
     ),

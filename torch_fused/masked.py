@@ -55,6 +55,8 @@ def mask_reduce(x, dim, mask=None, scale=None, *, out_dtype=None):
     Gradient flows to ``x`` only (``dx = dy`` broadcast over ``dim``, times ``scale``, 0 where
     masked); ``mask`` and ``scale`` get none.
     """
+    # the op's schema would reject a non-int dim under torch.compile with torch's own message
+    _check(isinstance(dim, (int, torch.SymInt)), lambda: f"dim: expected an int, got {type(dim).__name__}")
     out = _on_replicated(lambda x, m, s: mask_reduce(x, dim, m, s, out_dtype=out_dtype),
                          dict(x=x, mask=mask, scale=scale))
     if out is not None:

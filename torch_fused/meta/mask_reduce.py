@@ -48,6 +48,7 @@ def check_mask_reduce(x, dim, mask, scale, out_dtype, *, x_name: str = "x") -> i
     _check(x.dtype in FLOAT_DTYPES,
            lambda: f"{x_name}: expected dtype float16, bfloat16, float32 or float64, got {x.dtype}")
     _check(1 <= x.dim() <= 4, lambda: f"{x_name}: expected 1 to 4 dims, got {x.dim()} (shape {tuple(x.shape)})")
+    _check(isinstance(dim, (int, torch.SymInt)), lambda: f"dim: expected an int, got {type(dim).__name__}")
     _check(-x.dim() <= dim < x.dim(),
            lambda: f"dim: expected a dim of {x_name} in [{-x.dim()}, {x.dim()}), got {dim}")
     mask_kind = "bool, integer or floating"

@@ -102,7 +102,7 @@ def _strides(t, shape, d):
 
 
 def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
-    key = (tensor_key(x), x.device, dim, tensor_key(mask), mask is not None and mask.device, tensor_key(scale),
+    key = (tensor_key(x), x.device, dim, type(dim), tensor_key(mask), mask is not None and mask.device, tensor_key(scale),
            scale is not None and scale.device, out_dtype, _settings_key())
     plan = _PLANS.get(key)
     if plan is None:
