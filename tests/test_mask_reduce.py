@@ -280,6 +280,28 @@ def test_shipped_tile_configs_match_reference(case, monkeypatch, settings_overri
     assert {k: seen[0][k] for k in flags} == flags
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter runs the tile options at small shapes")
+@pytest.mark.parametrize("shape,dtype", [((1, 300, 200), torch.float32), ((2, 333, 100), torch.bfloat16)])
+def test_row_mask_strips_with_mask_prefetch_match_reference(shape, dtype, monkeypatch, settings_override):
+    """The row-mask strips with their mask loaded a trip ahead (TILES["row_mask_strip_ahead"], a
+    --sweep option, off as shipped): several rows per trip and thread (BLOCK_R > 1), a reduce
+    length that is no multiple of the trip, NaN under the mask kept out."""
+    from torch_fused.kernels import mask_reduce as K
+
+    settings_override(small_tiles=False, mask_reduce_tiles={**K.TILES, "row_mask_strip_ahead": True})
+    shipped = K.pick_blocks
+    monkeypatch.setattr(K, "pick_blocks", lambda r, i, n_outer, rc, xb, n_sm, **kw: shipped(r, i, n_outer, rc, xb, 1, **kw))
+    seen = _record_launches(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    mask = (torch.rand(shape[0], shape[1], 1, generator=gen) < 0.6).expand(shape)
+    x = torch.where(mask, torch.randn(shape, generator=gen, dtype=torch.float64), torch.full((), NAN, dtype=torch.float64))
+    y = torch_fused.mask_reduce(x.to(dtype), 1, mask, out_dtype=torch.float32)
+    ref = torch.where(mask, x.to(dtype).double(), torch.zeros((), dtype=torch.float64)).sum(1)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+    assert seen[0]["MASK_AHEAD"] and seen[0]["BLOCK_R"] > 1 and not seen[0]["COMPACT"], seen[0]
+    assert shape[1] % (seen[0]["BLOCK_R"] * seen[0]["U"]) != 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_masked_values_never_reach_the_result(device):
     x = torch.randn(4, 3, 8, device=device)
@@ -521,9 +543,7 @@ def test_tile_sweep_reaches_every_case(settings_override):
     8x4096x4096 masks, on a 132-SM device) launches with different tiles at different sweep
     points, so no case's row of the sweep times one tile choice over and over (a row mask's
     strips read their own TILES entries, which its sweep points set)."""
-    import itertools
-
-    from torch_fused.bench.mask_reduce import SWEEP_CASES, SWEEP_GRID, sweep_tiles
+    from torch_fused.bench.mask_reduce import SWEEP_CASES, sweep_points
     from torch_fused.kernels import mask_reduce as K
     from torch_fused.ops.mask_reduce import _strides
 
@@ -533,9 +553,12 @@ def test_tile_sweep_reaches_every_case(settings_override):
         stored = shape if pattern == "full" else [1 if n == "1" else s for n, s in zip(pattern.split()[:3], shape)]
         mask = torch.empty(stored, dtype=torch.bool, device="meta").expand(shape)
         sx, sm = _strides(x, shape, 1), _strides(mask, shape, 1)
-        seen = set()
-        for values in itertools.product(*SWEEP_GRID.values()):
-            with torch_fused.settings.override(mask_reduce_tiles={**K.TILES, **sweep_tiles(pattern, values)}):
+        seen = {}
+        for point, tiles in sweep_points(pattern):
+            assert set(tiles) <= set(K.TILES), tiles
+            with torch_fused.settings.override(mask_reduce_tiles={**K.TILES, **tiles}):
                 n_iblk, cx, warps = K.launch_config(shape[1], 1, shape[0], shape[2], sx, sm, None, 2, False, 132)
-            seen.add((n_iblk, warps, tuple(sorted(cx.items()))))
-        assert len(seen) > 1, pattern
+            seen.setdefault(tuple(sorted(point.items())), (n_iblk, warps, tuple(sorted(cx.items()))))
+        assert len(set(seen.values())) > 1, pattern
+        if pattern == "B M 1 expanded":  # the prefetch point reaches the launch
+            assert {dict(c[2])["MASK_AHEAD"] for c in seen.values()} == {False, True}

@@ -79,32 +79,42 @@ def run(report, copy_gbps, quick=False):
 
 
 # --sweep: the strip tiles (kernels/mask_reduce.py TILES) on the few-output cases; under the row
-# mask ("B M 1") the strip_* values set the row-mask strips' own tiles (row_mask_strip_*)
+# mask ("B M 1") the strip_* values set the row-mask strips' own tiles (row_mask_strip_*), and
+# its strips' mask prefetch (row_mask_strip_ahead) is swept too
 SWEEP_CASES = [((8, 4096, 4096), p) for p in ("1 M N expanded", "B 1 N expanded", "B M 1 expanded", "full")]
 SWEEP_GRID = dict(strip_min_bytes=(128, 256), strip_u=(4, 8, 16), strip_warps=(4, 8), programs_per_sm=(4, 8, 16))
+SWEEP_EXTRA = {"B M 1 expanded": dict(row_mask_strip_ahead=(False, True))}
 
 
-def sweep_tiles(pattern: str, values) -> dict:
-    """The TILES entries one sweep point sets: SWEEP_GRID's names, or for a row mask the
-    row_mask_strip_* entries its strips read instead of strip_*."""
-    chosen = dict(zip(SWEEP_GRID, values))
-    if pattern == "B M 1 expanded":
-        chosen = {("row_mask_" + k if k.startswith("strip_") else k): v for k, v in chosen.items()}
-    return chosen
+def sweep_tiles(pattern: str, point: dict) -> dict:
+    """The TILES entries one sweep point (names of SWEEP_GRID and SWEEP_EXTRA) sets: for a row mask
+    the row_mask_strip_* entries its strips read instead of strip_*."""
+    if pattern != "B M 1 expanded":
+        return dict(point)
+    return {("row_mask_" + k if k.startswith("strip_") else k): v for k, v in point.items()}
+
+
+def sweep_points(pattern: str):
+    """(point, TILES entries) of every sweep point of a case's mask pattern."""
+    import itertools
+
+    grid = dict(SWEEP_GRID, **SWEEP_EXTRA.get(pattern, {}))
+    for values in itertools.product(*grid.values()):
+        point = dict(zip(grid, values))
+        yield point, sweep_tiles(pattern, point)
 
 
 def sweep(copy_gbps, shape=None):
     """Device time of fused::mask_reduce over dim 1 for every combination of SWEEP_GRID's strip
     settings, per mask of SWEEP_CASES (``shape``: B,M,N instead of 8,4096,4096), beside
     torch.compile's time; fractions of the floor. The shipped choice is ``TILES``."""
-    import itertools
-
     from ..kernels import mask_reduce as K
 
     shipped = dict(K.TILES)
     cases = [(tuple(shape), p) for _, p in SWEEP_CASES] if shape else SWEEP_CASES
     out = dict(copy_gbps=copy_gbps, shipped={k: shipped[k] for k in SWEEP_GRID},
-               shipped_row_mask={k: shipped[k] for k in sweep_tiles("B M 1 expanded", [0] * len(SWEEP_GRID))}, cases=[])
+               shipped_row_mask={k: shipped.get(k) for k in sweep_tiles("B M 1 expanded", dict(
+                   SWEEP_GRID, **SWEEP_EXTRA["B M 1 expanded"]))}, cases=[])
     for shp, pattern in cases:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(shp, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -115,13 +125,13 @@ def sweep(copy_gbps, shape=None):
         compiled = torch.compile(plain, dynamic=False)
         c_ms = device_ms(lambda: compiled(x, mask), rep=30)[0]
         rows = []
-        for values in itertools.product(*SWEEP_GRID.values()):
-            with override(mask_reduce_tiles={**K.TILES, **sweep_tiles(pattern, values)}):
+        for point, tiles in sweep_points(pattern):
+            with override(mask_reduce_tiles={**K.TILES, **tiles}):
                 ms = device_ms(lambda: torch_fused.mask_reduce(x, 1, mask), rep=30)[0]
-            rows.append(dict(zip(SWEEP_GRID, values), ms=ms, frac=floor_ms / ms))
+            rows.append(dict(point, ms=ms, frac=floor_ms / ms))
         best = max(rows, key=lambda r: r["frac"])
         print(f"mask_reduce sweep {shp} {pattern}: torch.compile {c_ms * 1e3:.1f} us "
               f"({floor_ms / c_ms:.3f}); best {best['ms'] * 1e3:.1f} us ({best['frac']:.3f}) at "
-              f"{ {k: best[k] for k in SWEEP_GRID} }", flush=True)
+              f"{ {k: v for k, v in best.items() if k not in ('ms', 'frac')} }", flush=True)
         out["cases"].append(dict(shape=list(shp), mask=pattern, floor_ms=floor_ms, compile_ms=c_ms, rows=rows))
     return out

@@ -316,6 +316,9 @@ TILES = {
     "row_mask_strip_min_bytes": 256,
     "row_mask_strip_u": 8,
     "row_mask_strip_warps": 8,
+    # those strips' mask loaded a trip ahead of the x loads it predicates (MASK_AHEAD), as in the
+    # row tiles: off, as measured with the strips' earlier tiles (4% slower); in --sweep's grid
+    "row_mask_strip_ahead": False,
 }
 _SHIPPED_KEY = tuple(sorted(TILES.items()))
 # Software pipelining (PIPELINE) is on for the contiguous-r tiles only: in the strips every value
@@ -446,8 +449,8 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
         EVEN=r % (block_r * u) == 0 and i % block_i == 0,
         # row tiles only: on the [B, M, 1] strips (8x4096x4096) it measured 4% slower, on the row
         # tiles 3% faster (65536x4x8192, 64x512x4096)
-        MASK_AHEAD=pred_x and not r_contig and sm[0] != 0 and not pipeline and block_r == 1 and not compact
-        and _tiles().get("mask_ahead", True),
+        MASK_AHEAD=pred_x and not r_contig and sm[0] != 0 and not pipeline and not compact
+        and (_tiles().get("mask_ahead", True) if block_r == 1 else _tiles().get("row_mask_strip_ahead", False)),
         COMPACT=compact,
     )
     return cdiv(i, block_i), constexprs, warps
