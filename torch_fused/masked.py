@@ -7,7 +7,7 @@ import torch
 
 from ._library import acc_dtype, eager_eligible, is_dtensor
 from .ops.mask_reduce import eager_mask_reduce
-from .meta.mask_reduce import _check, check_mask_reduce
+from .meta.mask_reduce import _check, check_dim_type, check_mask_reduce
 from .reference import stored_view
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -55,8 +55,7 @@ def mask_reduce(x, dim, mask=None, scale=None, *, out_dtype=None):
     Gradient flows to ``x`` only (``dx = dy`` broadcast over ``dim``, times ``scale``, 0 where
     masked); ``mask`` and ``scale`` get none.
     """
-    # the op's schema would reject a non-int dim under torch.compile with torch's own message
-    _check(isinstance(dim, (int, torch.SymInt)), lambda: f"dim: expected an int, got {type(dim).__name__}")
+    check_dim_type(dim)
     out = _on_replicated(lambda x, m, s: mask_reduce(x, dim, m, s, out_dtype=out_dtype),
                          dict(x=x, mask=mask, scale=scale))
     if out is not None:

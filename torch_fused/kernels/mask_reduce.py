@@ -317,7 +317,8 @@ TILES = {
     "row_mask_strip_u": 8,
     "row_mask_strip_warps": 8,
     # those strips' mask loaded a trip ahead of the x loads it predicates (MASK_AHEAD), as in the
-    # row tiles: off, as measured with the strips' earlier tiles (4% slower); in --sweep's grid
+    # row tiles: off (4% slower on 8x4096x4096 with 128-byte rows, U = 16, 4 warps; not timed with
+    # the tiles above); in --sweep's grid
     "row_mask_strip_ahead": False,
 }
 _SHIPPED_KEY = tuple(sorted(TILES.items()))
@@ -337,14 +338,15 @@ def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int =
     reduce lengths and the plain one for odd ones."""
     if settings.small_tiles:
         return 2, 4, 1, 2, r % 2 == 0, 2
-    return _pick_blocks(r, i, n_outer, r_contiguous, x_bytes, n_sm, _tiles_key(), row_mask)
+    return _pick_blocks(r, i, n_outer, r_contiguous, x_bytes, n_sm, tiles_key(), row_mask)
 
 
 def _tiles() -> dict:
     return settings.mask_reduce_tiles or TILES
 
 
-def _tiles_key() -> tuple:
+def tiles_key() -> tuple:
+    """The tiles in force (the mask_reduce_tiles setting, or TILES) as a hashable key."""
     tiles = settings.mask_reduce_tiles
     return _SHIPPED_KEY if tiles is None else tuple(sorted(tiles.items()))
 
@@ -447,8 +449,7 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
         # always where it applies: on the [1, M, N]-mask strips 0.959 of the floor with it, 0.757 without
         OUTER_FIRST=m_outer,
         EVEN=r % (block_r * u) == 0 and i % block_i == 0,
-        # row tiles only: on the [B, M, 1] strips (8x4096x4096) it measured 4% slower, on the row
-        # tiles 3% faster (65536x4x8192, 64x512x4096)
+        # row tiles: 3% faster (65536x4x8192, 64x512x4096); strips: the row_mask_strip_ahead tile
         MASK_AHEAD=pred_x and not r_contig and sm[0] != 0 and not pipeline and not compact
         and (_tiles().get("mask_ahead", True) if block_r == 1 else _tiles().get("row_mask_strip_ahead", False)),
         COMPACT=compact,

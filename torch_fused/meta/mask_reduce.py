@@ -42,13 +42,19 @@ def _broadcastable(shape, target) -> bool:
     return True
 
 
+def check_dim_type(dim) -> None:
+    """``dim`` is an int (a SymInt while tracing). The public helpers check it before dispatch too:
+    under torch.compile the op's schema would reject it first, with torch's own message."""
+    _check(isinstance(dim, (int, torch.SymInt)), lambda: f"dim: expected an int, got {type(dim).__name__}")
+
+
 def check_mask_reduce(x, dim, mask, scale, out_dtype, *, x_name: str = "x") -> int:
     """Validate and return dim normalized to [0, x.dim()). Messages name x as ``x_name``, so a
     helper that reduces its ``loss`` argument reports ``loss``."""
     _check(x.dtype in FLOAT_DTYPES,
            lambda: f"{x_name}: expected dtype float16, bfloat16, float32 or float64, got {x.dtype}")
     _check(1 <= x.dim() <= 4, lambda: f"{x_name}: expected 1 to 4 dims, got {x.dim()} (shape {tuple(x.shape)})")
-    _check(isinstance(dim, (int, torch.SymInt)), lambda: f"dim: expected an int, got {type(dim).__name__}")
+    check_dim_type(dim)
     _check(-x.dim() <= dim < x.dim(),
            lambda: f"dim: expected a dim of {x_name} in [{-x.dim()}, {x.dim()}), got {dim}")
     mask_kind = "bool, integer or floating"

@@ -62,8 +62,8 @@ _PLANS = Plans()
 
 def _plan(x, dim, mask, scale, out_dtype):
     """What the checks and the layout arithmetic of a call conclude, for the calls of its key:
-    (out shape, out dtype, reduce length, the kernels' scalar arguments, the launches, COMPACT's
-    list sizes). Raises on bad input."""
+    (out shape, out dtype, reduce length, grid size, the reduce kernel's scalar arguments, its
+    launch, COMPACT's (lists, their launch, its scalar arguments) or None). Raises on bad input."""
     d = meta.check_mask_reduce(x, dim, mask, scale, out_dtype)
     from ..kernels import mask_reduce as K
 
@@ -127,9 +127,9 @@ def _mask_reduce_triton(x, dim, mask=None, scale=None, out_dtype=None):
 
 def _settings_key():
     """The settings a plan depends on (the tiles, through launch_config)."""
-    v = _settings_values
-    tiles = v["mask_reduce_tiles"]
-    return v["small_tiles"], None if tiles is None else tuple(sorted(tiles.items()))
+    from ..kernels import mask_reduce as K
+
+    return _settings_values["small_tiles"], K.tiles_key()
 
 
 if TRITON_DEVICES:
