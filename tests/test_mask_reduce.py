@@ -177,6 +177,8 @@ BRANCH_CASES = [
     ("[B,M,1] mask over a long reduce dim: kept rows listed, scale bcast along r", (3, 9, 6), 1, "contiguous",
      ((3, 9, 1), "int"), ((3, 1, 6), torch.float32), torch.bfloat16,
      dict(COMPACT=True, PRED_X=True, MASK_AHEAD=False, S_BCAST_R=True)),
+    ("[B,M,1] mask, even reduce length: listed rows through the loop pipeliner", (2, 10, 6), 1, "contiguous",
+     ((2, 10, 1), "bool"), None, torch.float32, dict(COMPACT=True, NUM_STAGES=2)),
     ("[M,1] mask shared by outer rows, listed once, transposed x", (2, 3, 11, 5), 2, "transposed",
      ((11, 1), "bool"), None, torch.float32, dict(COMPACT=True, OUTER_FIRST=True)),
     ("[B,M,1] mask, per-element scale: not listed", (2, 9, 6), 1, "contiguous", ((2, 9, 1), "bool"),
@@ -246,9 +248,13 @@ SHIPPED_TILE_CASES = [
     ((5, 3000), torch.bfloat16, -1, (5, 3000), (1, 3000), dict(BLOCK_R=2048, PIPELINE=True)),  # reduce dim contiguous
     # [B, M, 1] mask, short reduce dim: walked row by row (row-mask tiles: wider runs, one warp)
     ((10, 4, 700), torch.float16, 1, (10, 4, 1), (1, 1, 700), dict(BLOCK_I=1024, PRED_X=True, COMPACT=False)),
-    # [B, M, 1] masks over long reduce dims: kept rows listed in row tiles; strips walk every row
-    ((4, 300, 200), torch.bfloat16, 1, (4, 300, 1), None, dict(COMPACT=True, BLOCK_R=1, BLOCK_I=128, U=32)),
-    ((1, 300, 200), torch.float32, 1, (1, 300, 1), None, dict(COMPACT=False, BLOCK_R=16, U=8, PRED_X=True)),
+    # [B, M, 1] masks over long reduce dims: kept rows listed, in row tiles (rows walked by hand)
+    # and in strips (Triton's loop pipeliner, listed rows one per row of threads)
+    ((4, 300, 200), torch.bfloat16, 1, (4, 300, 1), None, dict(COMPACT=True, BLOCK_R=1, BLOCK_I=128, U=32,
+                                                               NUM_STAGES=1)),
+    ((1, 300, 200), torch.float32, 1, (1, 300, 1), None, dict(COMPACT=True, BLOCK_R=32, U=1, NUM_STAGES=4)),
+    # strips under a row mask over fewer than compact_min_rows rows: every row walked, x predicated
+    ((1, 60, 200), torch.float32, 1, (1, 60, 1), None, dict(COMPACT=False, BLOCK_R=8, U=8, PRED_X=True)),
 ]
 
 
@@ -283,12 +289,14 @@ def test_shipped_tile_configs_match_reference(case, monkeypatch, settings_overri
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter runs the tile options at small shapes")
 @pytest.mark.parametrize("shape,dtype", [((1, 300, 200), torch.float32), ((2, 333, 100), torch.bfloat16)])
 def test_row_mask_strips_with_mask_prefetch_match_reference(shape, dtype, monkeypatch, settings_override):
-    """The row-mask strips with their mask loaded a trip ahead (TILES["row_mask_strip_ahead"], a
-    --sweep option, off as shipped): several rows per trip and thread (BLOCK_R > 1), a reduce
+    """The row-mask strips that walk every row (compact_strips off, as --sweep times them) with
+    their mask loaded a trip ahead (TILES["row_mask_strip_ahead"], off as shipped): several rows
+    per trip and thread (BLOCK_R > 1), a reduce
     length that is no multiple of the trip, NaN under the mask kept out."""
     from torch_fused.kernels import mask_reduce as K
 
-    settings_override(small_tiles=False, mask_reduce_tiles={**K.TILES, "row_mask_strip_ahead": True})
+    settings_override(small_tiles=False, mask_reduce_tiles={**K.TILES, "row_mask_strip_ahead": True,
+                                                            "compact_strips": False})
     shipped = K.pick_blocks
     monkeypatch.setattr(K, "pick_blocks", lambda r, i, n_outer, rc, xb, n_sm, **kw: shipped(r, i, n_outer, rc, xb, 1, **kw))
     seen = _record_launches(monkeypatch)
@@ -542,8 +550,9 @@ def test_tile_sweep_reaches_every_case(settings_override):
     """python -m torch_fused.bench --sweep --only mask_reduce: each of its cases (the bench's
     8x4096x4096 masks, on a 132-SM device) launches with different tiles at different sweep
     points, so no case's row of the sweep times one tile choice over and over (a row mask's
-    strips read their own TILES entries, which its sweep points set)."""
-    from torch_fused.bench.mask_reduce import SWEEP_CASES, sweep_points
+    strips read their own TILES entries, which its sweep points set), and every point of the
+    row mask's grid launches differently."""
+    from torch_fused.bench.mask_reduce import ROW_MASK_SWEEP_GRID, SWEEP_CASES, sweep_points
     from torch_fused.kernels import mask_reduce as K
     from torch_fused.ops.mask_reduce import _strides
 
@@ -554,11 +563,17 @@ def test_tile_sweep_reaches_every_case(settings_override):
         mask = torch.empty(stored, dtype=torch.bool, device="meta").expand(shape)
         sx, sm = _strides(x, shape, 1), _strides(mask, shape, 1)
         seen = {}
-        for point, tiles in sweep_points(pattern):
-            assert set(tiles) <= set(K.TILES), tiles
-            with torch_fused.settings.override(mask_reduce_tiles={**K.TILES, **tiles}):
+        for point in sweep_points(pattern):
+            assert set(point) <= set(K.TILES), point
+            with torch_fused.settings.override(mask_reduce_tiles={**K.TILES, **point}):
                 n_iblk, cx, warps = K.launch_config(shape[1], 1, shape[0], shape[2], sx, sm, None, 2, False, 132)
             seen.setdefault(tuple(sorted(point.items())), (n_iblk, warps, tuple(sorted(cx.items()))))
         assert len(set(seen.values())) > 1, pattern
-        if pattern == "B M 1 expanded":  # the prefetch point reaches the launch
-            assert {dict(c[2])["MASK_AHEAD"] for c in seen.values()} == {False, True}
+        if pattern == "B M 1 expanded":  # each swept entry reaches the launch; listed rows or not
+            assert {dict(c[2])["COMPACT"] for c in seen.values()} == {False, True}
+            for key in ROW_MASK_SWEEP_GRID:
+                by_rest = {}
+                for point, launch in seen.items():
+                    rest = tuple(kv for kv in point if kv[0] != key)
+                    by_rest.setdefault(rest, set()).add(launch)
+                assert any(len(v) > 1 for v in by_rest.values()), key

@@ -78,30 +78,26 @@ def run(report, copy_gbps, quick=False):
         torch.cuda.empty_cache()
 
 
-# --sweep: the strip tiles (kernels/mask_reduce.py TILES) on the few-output cases; under the row
-# mask ("B M 1") the strip_* values set the row-mask strips' own tiles (row_mask_strip_*), and
-# its strips' mask prefetch (row_mask_strip_ahead) is swept too
+# --sweep: the strip tiles (kernels/mask_reduce.py TILES) on the few-output cases. The row mask's
+# ("B M 1") strips list its kept rows: their sweep is the strip width (row_mask_strip_min_bytes)
+# and the listed walk's trips, warps and pipeline stages (compact_strip_*; 1 stage: ids loaded a
+# trip ahead by hand), plus one point walking every row instead (compact_strips off)
 SWEEP_CASES = [((8, 4096, 4096), p) for p in ("1 M N expanded", "B 1 N expanded", "B M 1 expanded", "full")]
 SWEEP_GRID = dict(strip_min_bytes=(128, 256), strip_u=(4, 8, 16), strip_warps=(4, 8), programs_per_sm=(4, 8, 16))
-SWEEP_EXTRA = {"B M 1 expanded": dict(row_mask_strip_ahead=(False, True))}
-
-
-def sweep_tiles(pattern: str, point: dict) -> dict:
-    """The TILES entries one sweep point (names of SWEEP_GRID and SWEEP_EXTRA) sets: for a row mask
-    the row_mask_strip_* entries its strips read instead of strip_*."""
-    if pattern != "B M 1 expanded":
-        return dict(point)
-    return {("row_mask_" + k if k.startswith("strip_") else k): v for k, v in point.items()}
+ROW_MASK_SWEEP_GRID = dict(row_mask_strip_min_bytes=(128, 256, 512), compact_strip_rows=(16, 32, 64),
+                           compact_strip_warps=(4, 8), compact_strip_stages=(1, 2, 3, 4))
+ROW_MASK_SWEEP_EXTRA = [dict(compact_strips=False)]
 
 
 def sweep_points(pattern: str):
-    """(point, TILES entries) of every sweep point of a case's mask pattern."""
+    """The TILES entries of every sweep point of a case's mask pattern."""
     import itertools
 
-    grid = dict(SWEEP_GRID, **SWEEP_EXTRA.get(pattern, {}))
+    grid = ROW_MASK_SWEEP_GRID if pattern == "B M 1 expanded" else SWEEP_GRID
     for values in itertools.product(*grid.values()):
-        point = dict(zip(grid, values))
-        yield point, sweep_tiles(pattern, point)
+        yield dict(zip(grid, values))
+    if pattern == "B M 1 expanded":
+        yield from (dict(p) for p in ROW_MASK_SWEEP_EXTRA)
 
 
 def sweep(copy_gbps, shape=None):
@@ -113,8 +109,7 @@ def sweep(copy_gbps, shape=None):
     shipped = dict(K.TILES)
     cases = [(tuple(shape), p) for _, p in SWEEP_CASES] if shape else SWEEP_CASES
     out = dict(copy_gbps=copy_gbps, shipped={k: shipped[k] for k in SWEEP_GRID},
-               shipped_row_mask={k: shipped.get(k) for k in sweep_tiles("B M 1 expanded", dict(
-                   SWEEP_GRID, **SWEEP_EXTRA["B M 1 expanded"]))}, cases=[])
+               shipped_row_mask={k: shipped[k] for k in [*ROW_MASK_SWEEP_GRID, "compact_strips"]}, cases=[])
     for shp, pattern in cases:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(shp, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -125,8 +120,8 @@ def sweep(copy_gbps, shape=None):
         compiled = torch.compile(plain, dynamic=False)
         c_ms = device_ms(lambda: compiled(x, mask), rep=30)[0]
         rows = []
-        for point, tiles in sweep_points(pattern):
-            with override(mask_reduce_tiles={**K.TILES, **tiles}):
+        for point in sweep_points(pattern):
+            with override(mask_reduce_tiles={**K.TILES, **point}):
                 ms = device_ms(lambda: torch_fused.mask_reduce(x, 1, mask), rep=30)[0]
             rows.append(dict(point, ms=ms, frac=floor_ms / ms))
         best = max(rows, key=lambda r: r["frac"])

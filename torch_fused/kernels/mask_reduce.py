@@ -25,10 +25,16 @@ What carries the bandwidth:
   in small programs (4 warps): a small accumulator (the U rows are summed in registers first)
   and the mask kept as loaded bytes until its use leave room for the loads. Strips under a row
   mask, whose x loads are about half off, measured best wider (256-byte rows, U = 8, 8 warps). Software
-  pipelining (the loads of trip k+1 issued before the adds of trip k, PIPELINE) remains for
+  pipelining by hand (the loads of trip k+1 issued before the adds of trip k, PIPELINE) remains for
   the contiguous-r tiles; in the strips it cost more than it gave,
   since every value carried across the loop's back edge is unpacked per element (168-186
   registers with a mask).
+- Listed rows. A row mask over a long reduce dim is turned into lists of the kept row ids
+  (_row_ids_kernel) and only those rows are walked (COMPACT), so every load of a trip is live.
+  Each trip's x loads wait for its ids; the row tiles hide that with U listed rows per thread,
+  the strips with Triton's own loop pipeliner (tl.range num_stages: the ids and then the x rows
+  they name copied into shared memory by cp.async, stages ahead of the adds), which loads
+  that depend on loads in the same loop need.
 """
 
 from __future__ import annotations
@@ -152,6 +158,31 @@ def _add_tile(acc, b_x, mk, b_sc, HAS_MASK: tl.constexpr, HAS_SCALE: tl.constexp
 
 
 @triton.jit
+def _add_listed_rows(acc, p_xt, t_xi, p_ids, cnt, o_r, m_i, sx_r, sc_i, HAS_SCALE: tl.constexpr,
+                     X_EVICT: tl.constexpr, TRIP: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """acc plus the x rows of the cnt ids at p_ids, TRIP ids a trip. NUM_STAGES > 1: through
+    Triton's loop pipeliner (the ids of later trips and the x rows they name copied into shared
+    memory, cp.async, NUM_STAGES - 1 trips ahead of the adds); else each trip's ids loaded a trip
+    ahead of the x loads that wait for them."""
+    if NUM_STAGES > 1:
+        for j0 in tl.range(0, cnt, TRIP, num_stages=NUM_STAGES):
+            m_r = (j0 + o_r) < cnt
+            ids = tl.load(p_ids + j0 + o_r, mask=m_r, other=0)
+            b_x = tl.load(p_xt + ids.to(tl.int64) * sx_r + t_xi, mask=m_r & m_i, other=0.0, eviction_policy=X_EVICT)
+            acc = _add_tile(acc, b_x, m_r, sc_i, True, HAS_SCALE)
+    else:
+        ids_next = tl.load(p_ids + o_r, mask=o_r < cnt, other=0)
+        for j0 in range(0, cnt, TRIP):
+            ids = ids_next
+            m_r = (j0 + o_r) < cnt
+            ids_next = tl.load(p_ids + j0 + TRIP + o_r, mask=(j0 + TRIP + o_r) < cnt, other=0)
+            b_x = tl.load(p_xt + ids.to(tl.int64) * sx_r + t_xi, mask=m_r & m_i, other=0.0, eviction_policy=X_EVICT)
+            # the rows past the list count as masked (an inf scale times their 0 stays out)
+            acc = _add_tile(acc, b_x, m_r, sc_i, True, HAS_SCALE)
+    return acc
+
+
+@triton.jit
 def _mask_reduce_forward_kernel(
     p_x, p_m, p_s, p_y, p_rid, p_cnt,
     R, O1, I, n_iblk, n_outer,
@@ -164,6 +195,7 @@ def _mask_reduce_forward_kernel(
     PRED_X: tl.constexpr, WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
     VEC: tl.constexpr, M_EVICT: tl.constexpr, X_EVICT: tl.constexpr, PIPELINE: tl.constexpr, U: tl.constexpr,
     OUTER_FIRST: tl.constexpr, EVEN: tl.constexpr, MASK_AHEAD: tl.constexpr, COMPACT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     if OUTER_FIRST:
@@ -193,21 +225,11 @@ def _mask_reduce_forward_kernel(
         acc = tl.zeros([BLOCK_R, BLOCK_I], dtype=tl.float32)
     TRIP: tl.constexpr = U * BLOCK_R
     if COMPACT:
-        # a row mask ([rows, 1]) whose kept rows _row_ids_kernel listed: only they are walked, in
-        # trips of TRIP listed rows (the ids loaded a trip ahead of the x loads that wait for them)
+        # a row mask ([rows, 1]) whose kept rows _row_ids_kernel listed: only they are walked
         lst = a * lst_0 + b * lst_1
-        cnt = tl.load(p_cnt + lst)
-        p_ids = p_rid + lst * R
         t_xi = _tile_offsets(sx_r, sx_i, True, False, WIDE, TRIP, BLOCK_I, VEC)  # [1, BLOCK_I]
-        ids_next = tl.load(p_ids + o_r, mask=o_r < cnt, other=0)
-        for j0 in range(0, cnt, TRIP):
-            ids = ids_next
-            m_r = (j0 + o_r) < cnt
-            ids_next = tl.load(p_ids + j0 + TRIP + o_r, mask=(j0 + TRIP + o_r) < cnt, other=0)
-            b_x = tl.load(p_xt + ids.to(tl.int64) * sx_r + t_xi, mask=m_r & m_i, other=0.0,
-                          eviction_policy=X_EVICT)
-            # the rows past the list count as masked (an inf scale times their 0 stays out)
-            acc = _add_tile(acc, b_x, m_r, sc_i, True, HAS_SCALE)
+        acc = _add_listed_rows(acc, p_xt, t_xi, p_rid + lst * R, tl.load(p_cnt + lst), o_r, m_i, sx_r, sc_i,
+                               HAS_SCALE, X_EVICT, TRIP, NUM_STAGES)
     elif PIPELINE:
         # software pipelining: the loads of trip k+1 are issued before the adds of trip k
         xn, mn, sn = _load_tile(p_xt, t_x, p_mt, t_m, keep_i, p_st, t_s, sc_i, 0, o_r, m_i, R, sx_r, sm_r, ss_r,
@@ -261,12 +283,14 @@ def _row_ids_kernel(p_m, p_rid, p_cnt, R, N1, sm_r, sm_0, sm_1, BLOCK: tl.conste
     tl.store(p_cnt + pid, n)
 
 
-ROW_IDS_BLOCK = 1024
+ROW_IDS_BLOCK = 4096  # the most rows of one block of _row_ids_kernel
 
 
-def row_ids_block() -> int:
-    """_row_ids_kernel's block: several blocks per list under the small_tiles setting."""
-    return 4 if settings.small_tiles else ROW_IDS_BLOCK
+def row_ids_block(r: int) -> int:
+    """_row_ids_kernel's block for lists of r rows: the whole list in one block up to
+    ROW_IDS_BLOCK rows (each further block waits for the one before it), several blocks per list
+    under the small_tiles setting."""
+    return 4 if settings.small_tiles else min(ROW_IDS_BLOCK, max(128, _np2(r)))
 
 
 def row_id_lists(o0: int, o1: int, sm) -> tuple[int, int, int, int]:
@@ -307,6 +331,8 @@ TILES = {
     # program's trip holds about this many bytes of x, up to compact_u_max rows
     "compact_trip_bytes": 8192,
     "compact_u_max": 32,
+    # COMPACT row tiles: Triton's loop pipeliner stages (1: the ids loaded a trip ahead by hand)
+    "compact_row_stages": 1,
     # many outputs and a row mask ([T, k, 1]): the x load is predicated, so about half of a
     # trip's loads are off; wider runs per thread keep the bytes in flight
     "row_mask_bytes": 4096,
@@ -320,6 +346,14 @@ TILES = {
     # row tiles: off (4% slower on 8x4096x4096 with 128-byte rows, U = 16, 4 warps; not timed with
     # the tiles above); in --sweep's grid
     "row_mask_strip_ahead": False,
+    # a row mask with compact_min_rows rows or more in strips: its kept rows listed too, and
+    # walked in trips of compact_strip_rows listed rows (one per row of threads, U = 1) on
+    # compact_strip_warps warps, through Triton's loop pipeliner with compact_strip_stages stages
+    # (the ids and the x rows they name copied into shared memory that many trips ahead, minus one)
+    "compact_strips": True,
+    "compact_strip_rows": 32,
+    "compact_strip_warps": 4,
+    "compact_strip_stages": 4,
 }
 _SHIPPED_KEY = tuple(sorted(TILES.items()))
 # Software pipelining (PIPELINE) is on for the contiguous-r tiles only: in the strips every value
@@ -421,23 +455,36 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
     m_shared = has_mask and (m_outer or (sm[3] == 0 and i > 1))
     row_mask = pred_x and not r_contig
     block_r, block_i, warps, vec, pipeline, u = pick_blocks(r, i, o0 * o1, r_contig, x_bytes, n_sm, row_mask=row_mask)
-    # a row mask over a long reduce dim, in row tiles (one row of threads along r): its kept rows
-    # listed first and only they walked (the scale, if any, the same for every row). Measured on
+    # a row mask over a long reduce dim: its kept rows listed first and only they walked (the
+    # scale, if any, the same for every row). Row tiles (one row of threads along r), measured on
     # the H200 (bf16, 50% / 90% of the rows kept; U listed rows per thread and trip, against row
     # by row): 64x512x4096 (BLOCK_I 128) 0.774 / 0.891 at U = 32, 0.588 / 0.667 at U = 4, row by
     # row 0.428 / 0.662; 32x2048x4096 (BLOCK_I 64) 0.843 / 0.899 at U = 32, 0.247 / 0.387 row by
     # row; 256x128x4096 (BLOCK_I 512) 0.772 / 0.908 at U = 8, 0.630 / 0.712 at U = 32, 0.669 /
-    # 0.838 row by row. Hence U from the bytes of a trip (compact_trip_bytes). Not in the strips
-    # (few outputs): 8x4096x4096 0.554 against 0.578 row by row, 0.617 against 0.841 with 90%
-    # kept (the id loads, which each trip's x loads wait for, are not hidden there).
+    # 0.838 row by row. Hence U from the bytes of a trip (compact_trip_bytes). Strips (few
+    # outputs) walk the list through Triton's loop pipeliner, one listed row per row of threads:
+    # 8x4096x4096 0.744 / 0.859 (10% kept: 0.361), row by row 0.644 / 0.897 / 0.175;
+    # 16x8192x2048 0.811 / 0.903 / 0.462, row by row 0.686 / 0.947 / 0.187 (the listing launch,
+    # about 6 us, is in these times; docs/BENCHMARKS.md). The loop pipeliner in the row tiles
+    # (compact_row_stages 2 / 3): 32x2048x4096 0.890 / 0.893 against 0.852, but 64x512x4096 0.762
+    # / 0.645 against 0.802 and 256x128x4096 0.775 / 0.758 against 0.796, so off there.
     # (the interpreter's small tiles: every row mask of 6 rows or more, to run the branch)
-    compact = (row_mask and (block_r == 1 or settings.small_tiles) and (not has_scale or ss[0] == 0)
-               and r >= (6 if settings.small_tiles else _tiles().get("compact_min_rows", 64)))
-    if compact:
+    t = _tiles()
+    strips = block_r > 1 and not settings.small_tiles
+    compact = (row_mask and (not strips or t.get("compact_strips", False)) and (not has_scale or ss[0] == 0)
+               and r >= (6 if settings.small_tiles else t.get("compact_min_rows", 64)))
+    stages = 1
+    if compact and strips:
+        # the strip's width as chosen above; listed rows one per row of threads, pipelined
+        block_r, u, stages = t["compact_strip_rows"], 1, t["compact_strip_stages"]
+        warps = max(1, min(t["compact_strip_warps"], block_r * block_i // (vec * 32)))
+    elif compact:
         block_r, block_i, warps, vec, pipeline, u = pick_blocks(r, i, o0 * o1, r_contig, x_bytes, n_sm)
-        if not settings.small_tiles:
-            t = _tiles()
+        if settings.small_tiles:
+            stages = 2 if r % 2 == 0 else 1  # both loops of COMPACT in the interpreter's tests
+        else:
             u = min(t["compact_u_max"], _np2(max(1, t["compact_trip_bytes"] // (block_i * x_bytes))), _np2(r))
+            stages = t.get("compact_row_stages", 1)
     # in-tile offsets fit 32 bits unless a tile spans more than 2**31 elements of some operand
     span = max(abs(st[0]) * block_r * u + abs(st[3]) * block_i for st in (sx, sm, ss))
     constexprs = dict(
@@ -452,7 +499,7 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
         # row tiles: 3% faster (65536x4x8192, 64x512x4096); strips: the row_mask_strip_ahead tile
         MASK_AHEAD=pred_x and not r_contig and sm[0] != 0 and not pipeline and not compact
         and (_tiles().get("mask_ahead", True) if block_r == 1 else _tiles().get("row_mask_strip_ahead", False)),
-        COMPACT=compact,
+        COMPACT=compact, NUM_STAGES=stages,
     )
     return cdiv(i, block_i), constexprs, warps
 

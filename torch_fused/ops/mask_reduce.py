@@ -84,7 +84,7 @@ def _plan(x, dim, mask, scale, out_dtype):
     if constexprs["COMPACT"]:
         # the kept rows of each distinct row mask, listed (one small launch over the mask alone)
         n0, n1, lst_0, lst_1 = K.row_id_lists(o0, o1, sm)
-        row_ids = (n0 * n1, PlanLaunch(K._row_ids_kernel, dict(BLOCK=K.row_ids_block(), num_warps=4)),
+        row_ids = (n0 * n1, PlanLaunch(K._row_ids_kernel, dict(BLOCK=K.row_ids_block(r), num_warps=4)),
                    (r, n1, sm[0], sm[1], sm[2]))
     scalars = (r, o1, i, n_iblk, o0 * o1, *sx, *(sm or (0, 0, 0, 0)), *(ss or (0, 0, 0, 0)), lst_0, lst_1)
     reduce = PlanLaunch(K._mask_reduce_forward_kernel, dict(constexprs, num_warps=warps))
