@@ -140,10 +140,12 @@ def run(report, copy_gbps, quick=False):
 # Settings tried by --sweep: (passes with the logits GEMM in the Triton kernels, TMA on, tiles
 # (BM, BN, BK, GROUP_M, warps, stages) of the forward, of the backward, CHUNK_BYTES in MiB,
 # MIN_COLS and DLOGITS_MIN_COLS)
-_T3, _T5 = (128, 256, 64, 8, 8, 3), (256, 128, 64, 8, 8, 3)
+_T3, _T5 = (128, 256, 64, 16, 8, 3), (256, 128, 64, 16, 8, 3)
+_G8, _G32 = (128, 256, 64, 8, 8, 3), (128, 256, 64, 32, 8, 3)
 _BOTH = ("forward", "backward")
 SWEEP = [((), True, _T3, _T3, 128, 2048), (_BOTH, True, _T3, _T3, 128, 2048), (_BOTH, True, _T3, _T3, 160, 2048),
-         (_BOTH, True, _T3, _T3, 128, 4096), (_BOTH, True, _T3, _T3, 128, 8192), (_BOTH, True, _T3, _T5, 128, 2048)]
+         (_BOTH, True, _T3, _T3, 128, 4096), (_BOTH, True, _T3, _T3, 128, 8192), (_BOTH, True, _T3, _T5, 128, 2048),
+         (_BOTH, True, _G8, _G8, 128, 8192), (_BOTH, True, _G32, _G32, 128, 8192)]
 
 
 def sweep(copy_gbps, shape=None):
