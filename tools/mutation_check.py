@@ -425,6 +425,17 @@ MUTANTS: list[Mutant] = [
           "    key = (tensor_key(x), x.device, tensor_key(mask),  # MUTANT")],
         ["tests/test_mask_reduce.py"],
     ),
+    # 27: the pipelined listed-row walk (strips) without its bound on the list: the slots past
+    #     the count load id 0 (mask other=0), so x's row 0 is added once per such slot
+    Mutant(
+        "compact-pipelined-bound", "27 pipelined listed rows past the count", "torch_fused/kernels/mask_reduce.py",
+        TRITON,
+        [("            b_x = tl.load(p_xt + ids.to(tl.int64) * sx_r + t_xi, mask=m_r & m_i, other=0.0, "
+          "eviction_policy=X_EVICT)\n            acc = _add_tile(acc, b_x, m_r, sc_i, True, HAS_SCALE)\n    else:",
+          "            b_x = tl.load(p_xt + ids.to(tl.int64) * sx_r + t_xi, mask=m_i, other=0.0, "
+          "eviction_policy=X_EVICT)  # MUTANT\n            acc = _add_tile(acc, b_x, m_i, sc_i, True, HAS_SCALE)\n    else:")],
+        ["tests/test_mask_reduce.py"],
+    ),
 ]
 
 
