@@ -45,7 +45,26 @@ import triton
 import triton.language as tl
 
 from ..settings import current as settings
-from .._library import NOMINAL_SMS, cdiv
+from .._library import INTERPRET, NOMINAL_SMS, cdiv
+
+# Programmatic dependent launch (Hopper and later): the reduce over listed rows is launched while
+# the listing runs and waits for it in-kernel (gdc_wait), so its launch and set-up overlap the
+# listing. HAS_PDL: this Triton has the instructions and the launch option.
+try:
+    from triton.backends.nvidia.compiler import CUDAOptions
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_PDL = "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and not INTERPRET
+except ImportError:  # pragma: no cover - an older Triton
+    HAS_PDL = False
+if not HAS_PDL:
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+    @triton.jit
+    def gdc_wait():
+        pass
 
 
 @triton.jit
@@ -195,7 +214,7 @@ def _mask_reduce_forward_kernel(
     PRED_X: tl.constexpr, WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
     VEC: tl.constexpr, M_EVICT: tl.constexpr, X_EVICT: tl.constexpr, PIPELINE: tl.constexpr, U: tl.constexpr,
     OUTER_FIRST: tl.constexpr, EVEN: tl.constexpr, MASK_AHEAD: tl.constexpr, COMPACT: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     if OUTER_FIRST:
@@ -228,6 +247,8 @@ def _mask_reduce_forward_kernel(
         # a row mask ([rows, 1]) whose kept rows _row_ids_kernel listed: only they are walked
         lst = a * lst_0 + b * lst_1
         t_xi = _tile_offsets(sx_r, sx_i, True, False, WIDE, TRIP, BLOCK_I, VEC)  # [1, BLOCK_I]
+        if PDL:
+            gdc_wait()  # the listing launch done, its lists visible
         acc = _add_listed_rows(acc, p_xt, t_xi, p_rid + lst * R, tl.load(p_cnt + lst), o_r, m_i, sx_r, sc_i,
                                HAS_SCALE, X_EVICT, TRIP, NUM_STAGES)
     elif PIPELINE:
@@ -267,10 +288,13 @@ def _mask_reduce_forward_kernel(
 
 
 @triton.jit
-def _row_ids_kernel(p_m, p_rid, p_cnt, R, N1, sm_r, sm_0, sm_1, BLOCK: tl.constexpr):
+def _row_ids_kernel(p_m, p_rid, p_cnt, R, N1, sm_r, sm_0, sm_1, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """COMPACT's lists: for each outer index of a row mask (one program per distinct stored one,
     (a, b) = divmod(program, N1)), the ids of the rows r it keeps (mask != 0), in order, at
-    p_rid[program, :], and their count at p_cnt[program]."""
+    p_rid[program, :], and their count at p_cnt[program]. PDL: the reduce launched after it may
+    start at once (it waits for the lists in-kernel)."""
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
     p = p_m + (pid // N1) * sm_0 + (pid % N1) * sm_1
     n = 0
@@ -499,7 +523,7 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
         # row tiles: 3% faster (65536x4x8192, 64x512x4096); strips: the row_mask_strip_ahead tile
         MASK_AHEAD=pred_x and not r_contig and sm[0] != 0 and not pipeline and not compact
         and (_tiles().get("mask_ahead", True) if block_r == 1 else _tiles().get("row_mask_strip_ahead", False)),
-        COMPACT=compact, NUM_STAGES=stages,
+        COMPACT=compact, NUM_STAGES=stages, PDL=False,
     )
     return cdiv(i, block_i), constexprs, warps
 
@@ -542,6 +566,7 @@ def compile_cases():
         lists = row_id_lists(o0, o1, m4) if cx["COMPACT"] else (1, 1, 0, 0)
         if cx["COMPACT"]:
             sig.update(p_rid="*i32", p_cnt="*i32")
+            cx["PDL"] = HAS_PDL  # as ops/mask_reduce.py launches it on Hopper
         else:
             cx.update(p_rid=None, p_cnt=None)
         args = [("R", shape[d]), ("O1", o1), ("I", i), ("n_iblk", n_iblk), ("n_outer", o0 * o1)]
@@ -556,4 +581,4 @@ def compile_cases():
         yield (f"mask_reduce {name}", _mask_reduce_forward_kernel, sig, cx, warps)
     yield ("mask_reduce row ids", _row_ids_kernel,
            {"p_m": "*u8", "p_rid": "*i32", "p_cnt": "*i32", "R": "i32", "N1": "i32", "sm_r": "i32", "sm_0": "i32",
-            "sm_1": "i32"}, {"BLOCK": ROW_IDS_BLOCK}, 4)
+            "sm_1": "i32"}, {"BLOCK": ROW_IDS_BLOCK, "PDL": HAS_PDL}, 4)

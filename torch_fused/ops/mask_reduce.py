@@ -81,13 +81,18 @@ def _plan(x, dim, mask, scale, out_dtype):
                                                 acc_dtype(x.dtype) == torch.float64, n_sm(x.device))
     row_ids = None  # COMPACT: (lists, their launch, its scalar arguments)
     lst_0 = lst_1 = 0
+    options = {}
     if constexprs["COMPACT"]:
-        # the kept rows of each distinct row mask, listed (one small launch over the mask alone)
+        # the kept rows of each distinct row mask, listed (one small launch over the mask alone);
+        # on Hopper and later the reduce is launched while the listing runs (K.HAS_PDL)
+        pdl = K.HAS_PDL and x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
+        constexprs = dict(constexprs, PDL=pdl)
+        options = dict(launch_pdl=True) if pdl else {}
         n0, n1, lst_0, lst_1 = K.row_id_lists(o0, o1, sm)
-        row_ids = (n0 * n1, PlanLaunch(K._row_ids_kernel, dict(BLOCK=K.row_ids_block(r), num_warps=4)),
+        row_ids = (n0 * n1, PlanLaunch(K._row_ids_kernel, dict(BLOCK=K.row_ids_block(r), PDL=pdl, num_warps=4)),
                    (r, n1, sm[0], sm[1], sm[2]))
     scalars = (r, o1, i, n_iblk, o0 * o1, *sx, *(sm or (0, 0, 0, 0)), *(ss or (0, 0, 0, 0)), lst_0, lst_1)
-    reduce = PlanLaunch(K._mask_reduce_forward_kernel, dict(constexprs, num_warps=warps))
+    reduce = PlanLaunch(K._mask_reduce_forward_kernel, dict(constexprs, num_warps=warps, **options))
     return out_shape, out_dtype or x.dtype, r, o0 * o1 * n_iblk, scalars, reduce, row_ids
 
 
