@@ -523,7 +523,11 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
         # row tiles: 3% faster (65536x4x8192, 64x512x4096); strips: the row_mask_strip_ahead tile
         MASK_AHEAD=pred_x and not r_contig and sm[0] != 0 and not pipeline and not compact
         and (_tiles().get("mask_ahead", True) if block_r == 1 else _tiles().get("row_mask_strip_ahead", False)),
-        COMPACT=compact, NUM_STAGES=stages, PDL=False,
+        COMPACT=compact, NUM_STAGES=stages,
+        # row tiles over listed rows launched while the listing runs (ops/mask_reduce.py turns this
+        # off where the device or Triton lacks it): 64x512x4096 0.833 against 0.810; the strips,
+        # with about two programs per SM, measured slower so (8x4096x4096 0.60 against 0.74)
+        PDL=compact and not strips,
     )
     return cdiv(i, block_i), constexprs, warps
 
@@ -566,7 +570,7 @@ def compile_cases():
         lists = row_id_lists(o0, o1, m4) if cx["COMPACT"] else (1, 1, 0, 0)
         if cx["COMPACT"]:
             sig.update(p_rid="*i32", p_cnt="*i32")
-            cx["PDL"] = HAS_PDL  # as ops/mask_reduce.py launches it on Hopper
+            cx["PDL"] = cx["PDL"] and HAS_PDL  # as ops/mask_reduce.py launches it on Hopper
         else:
             cx.update(p_rid=None, p_cnt=None)
         args = [("R", shape[d]), ("O1", o1), ("I", i), ("n_iblk", n_iblk), ("n_outer", o0 * o1)]

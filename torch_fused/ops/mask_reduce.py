@@ -84,8 +84,10 @@ def _plan(x, dim, mask, scale, out_dtype):
     options = {}
     if constexprs["COMPACT"]:
         # the kept rows of each distinct row mask, listed (one small launch over the mask alone);
-        # on Hopper and later the reduce is launched while the listing runs (K.HAS_PDL)
-        pdl = K.HAS_PDL and x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
+        # where the tiles ask for it, on Hopper and later, the reduce is launched while the
+        # listing runs (programmatic dependent launch)
+        pdl = (constexprs["PDL"] and K.HAS_PDL and x.device.type == "cuda"
+               and torch.cuda.get_device_capability(x.device)[0] >= 9)
         constexprs = dict(constexprs, PDL=pdl)
         options = dict(launch_pdl=True) if pdl else {}
         n0, n1, lst_0, lst_1 = K.row_id_lists(o0, o1, sm)
