@@ -177,8 +177,9 @@ BRANCH_CASES = [
     ("[B,M,1] mask over a long reduce dim: kept rows listed, scale bcast along r", (3, 9, 6), 1, "contiguous",
      ((3, 9, 1), "int"), ((3, 1, 6), torch.float32), torch.bfloat16,
      dict(COMPACT=True, PRED_X=True, MASK_AHEAD=False, S_BCAST_R=True)),
-    ("[B,M,1] mask, even reduce length: listed rows through the loop pipeliner", (2, 10, 6), 1, "contiguous",
-     ((2, 10, 1), "bool"), None, torch.float32, dict(COMPACT=True, NUM_STAGES=2)),
+    ("[B,M,1] mask, even reduce length: listed rows through the loop pipeliner, scale bcast along r", (2, 10, 6), 1,
+     "contiguous", ((2, 10, 1), "bool"), ((2, 1, 6), torch.float32), torch.float32,
+     dict(COMPACT=True, NUM_STAGES=2, S_BCAST_R=True)),
     ("[M,1] mask shared by outer rows, listed once, transposed x", (2, 3, 11, 5), 2, "transposed",
      ((11, 1), "bool"), None, torch.float32, dict(COMPACT=True, OUTER_FIRST=True)),
     ("[B,M,1] mask, per-element scale: not listed", (2, 9, 6), 1, "contiguous", ((2, 9, 1), "bool"),
@@ -527,6 +528,37 @@ def test_direct_launch_matches_kernel_grid(case, settings_override):
     assert (row_ids is not None) == case.startswith("[B,M,1]")
     if row_ids is not None:
         assert len(row_ids[1].compiled) == 1
+
+
+def test_dependent_launch_only_in_row_tiles_over_listed_rows(settings_override):
+    """The tile choice asks for the programmatic dependent launch (PDL) where the reduce walks
+    listed rows in row tiles (64x512x4096 row mask), never in the strips (8x4096x4096 row mask,
+    measured slower with it) nor without listed rows; ops/mask_reduce.py grants it on CUDA
+    devices of compute capability 9 and later only."""
+    from torch_fused.kernels import mask_reduce as K
+    from torch_fused.ops.mask_reduce import _strides
+
+    settings_override(small_tiles=False)
+    seen = {}
+    for shape, stored in [((64, 512, 4096), (64, 512, 1)), ((8, 4096, 4096), (8, 4096, 1)),
+                          ((8, 4096, 4096), (1, 4096, 4096))]:
+        x = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+        mask = torch.empty(stored, dtype=torch.bool, device="meta").expand(shape)
+        sx, sm = _strides(x, shape, 1), _strides(mask, shape, 1)
+        _, cx, _ = K.launch_config(shape[1], 1, shape[0], shape[2], sx, sm, None, 2, False, 132)
+        seen[shape, stored] = (cx["COMPACT"], cx["BLOCK_R"] == 1, cx["PDL"])
+    assert list(seen.values()) == [(True, True, True), (True, False, False), (False, False, False)], seen
+    # row tiles over listed rows, asked for; not granted on a CPU tensor
+    from torch_fused.ops import mask_reduce as M
+
+    x = torch.zeros(2048, 64, 8)
+    mask = torch.ones(2048, 64, 1, dtype=torch.bool).expand(2048, 64, 8)
+    _, cx, _ = K.launch_config(64, 1, 2048, 8, _strides(x, x.shape, 1), _strides(mask, x.shape, 1), None, 4, False,
+                               M.n_sm(x.device))
+    assert cx["COMPACT"] and cx["PDL"]
+    plan = M._plan(x, 1, mask, None, None)
+    assert plan[5].constexprs["PDL"] is False and "launch_pdl" not in plan[5].constexprs
+    assert plan[6][1].constexprs["PDL"] is False
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -9,7 +9,8 @@ op (shift-free rows), and where installed the peers: TRL's ``trl.kernels.Chunked
 (with entropy, its trainer's chunk of 32768) and cut-cross-entropy's ``linear_cross_entropy``
 (per-token loss, no entropy; exact gradients with ``filter_eps=None``, and its default filtered
 ones; the filter skips little on these random logits of spread ~2). ``shift=True`` on the same
-N rows (hidden ``[8, N/8 + 1, H]``) is timed against the same floor and the unshifted call. A
+N rows (hidden ``[8, N/8 + 1, H]``) is timed against its own floor and compared with the unshifted
+call through their multiples of their floors. A
 frozen head (d hidden only) is timed against its two GEMMs. ``--sweep`` times the ways of making the logits
 (ops/linear_logprobs.py, FUSED_GEMM and TMA; the GEMM tiles of kernels/lm_head.py) and the
 chunk sizes.
@@ -85,7 +86,7 @@ def run(report, copy_gbps, quick=False):
             return torch.autograd.grad(lp.sum() + ent.sum(), (h, w))
 
         # shift=True on the same N rows: hidden [8, N/8 + 1, H] as a model leaves it, position t
-        # scoring id t; timed against the same floor and beside the unshifted call
+        # scoring id t; compared with the unshifted call through their multiples of their floors
         hs = torch.randn(8, n // 8 + 1, hd, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
         idx_s = idx.view(8, n // 8)
 

@@ -101,8 +101,9 @@ def sweep_points(pattern: str):
 
 
 def sweep(copy_gbps, shape=None):
-    """Device time of fused::mask_reduce over dim 1 for every combination of SWEEP_GRID's strip
-    settings, per mask of SWEEP_CASES (``shape``: B,M,N instead of 8,4096,4096), beside
+    """Device time of fused::mask_reduce over dim 1 at every sweep point of each mask of
+    SWEEP_CASES (sweep_points: SWEEP_GRID, or the row mask's ROW_MASK_SWEEP_GRID; ``shape``:
+    B,M,N instead of 8,4096,4096), beside
     torch.compile's time; fractions of the floor. The shipped choice is ``TILES``."""
     from ..kernels import mask_reduce as K
 

@@ -348,8 +348,8 @@ TILES = {
     # a row mask ([B, M, 1]: x predicated on it) loaded a trip ahead of the x loads, in row tiles
     # (one row of threads along r; MASK_AHEAD)
     "mask_ahead": True,
-    # a row mask with this many rows or more, in row tiles: its kept rows listed first
-    # (_row_ids_kernel) and only they walked (COMPACT), so dropped rows cost no trips
+    # a row mask with this many rows or more (row tiles, and strips with compact_strips): its kept
+    # rows listed first (_row_ids_kernel) and only they walked (COMPACT), so dropped rows cost no trips
     "compact_min_rows": 64,
     # COMPACT row tiles: listed rows per thread and trip (every one a live load), so that a
     # program's trip holds about this many bytes of x, up to compact_u_max rows
@@ -368,7 +368,7 @@ TILES = {
     "row_mask_strip_warps": 8,
     # those strips' mask loaded a trip ahead of the x loads it predicates (MASK_AHEAD), as in the
     # row tiles: off (4% slower on 8x4096x4096 with 128-byte rows, U = 16, 4 warps; not timed with
-    # the tiles above); in --sweep's grid
+    # the tiles above); the strips of a row mask over compact_min_rows rows or more list them instead
     "row_mask_strip_ahead": False,
     # a row mask with compact_min_rows rows or more in strips: its kept rows listed too, and
     # walked in trips of compact_strip_rows listed rows (one per row of threads, U = 1) on
@@ -525,7 +525,7 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
         and (_tiles().get("mask_ahead", True) if block_r == 1 else _tiles().get("row_mask_strip_ahead", False)),
         COMPACT=compact, NUM_STAGES=stages,
         # row tiles over listed rows launched while the listing runs (ops/mask_reduce.py turns this
-        # off where the device or Triton lacks it): 64x512x4096 0.833 against 0.810; the strips,
+        # off where the device or Triton lacks it): 64x512x4096 0.833 against 0.806; the strips,
         # with about two programs per SM, measured slower so (8x4096x4096 0.60 against 0.74)
         PDL=compact and not strips,
     )

@@ -86,7 +86,7 @@ def _plan(x, dim, mask, scale, out_dtype):
         # the kept rows of each distinct row mask, listed (one small launch over the mask alone);
         # where the tiles ask for it, on Hopper and later, the reduce is launched while the
         # listing runs (programmatic dependent launch)
-        pdl = (constexprs["PDL"] and K.HAS_PDL and x.device.type == "cuda"
+        pdl = (constexprs["PDL"] and K.HAS_PDL and x.device.type == "cuda" and torch.version.hip is None
                and torch.cuda.get_device_capability(x.device)[0] >= 9)
         constexprs = dict(constexprs, PDL=pdl)
         options = dict(launch_pdl=True) if pdl else {}
