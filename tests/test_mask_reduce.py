@@ -530,6 +530,26 @@ def test_direct_launch_matches_kernel_grid(case, settings_override):
         assert len(row_ids[1].compiled) == 1
 
 
+def test_tiles_setting_must_replace_every_entry(settings_override):
+    """mask_reduce_tiles replaces TILES whole: a dict missing entries (or with unknown ones) is
+    refused with the setting's name and the entries at fault, not a KeyError deep in the tile
+    choice; a full one is taken."""
+    from torch_fused.kernels import mask_reduce as K
+
+    st, sm = (4096, 0, 4096 * 4096, 1), (1, 0, 4096, 0)  # x [8, 4096, 4096], mask [8, 4096, 1]: (r, 0, 1, i)
+    partial = {k: v for k, v in K.TILES.items() if k != "compact_strips"}
+    for bad, what in [(partial, r"missing \['compact_strips'\], unknown \[\]"),
+                      ({**K.TILES, "strip_rows": 4}, r"missing \[\], unknown \['strip_rows'\]")]:
+        settings_override(small_tiles=False, mask_reduce_tiles=bad)
+        with pytest.raises(ValueError, match="mask_reduce_tiles: expected a dict with the entries of .*" + what):
+            K.launch_config(4096, 1, 8, 4096, st, sm, None, 2, False, 132)
+        with pytest.raises(ValueError, match="mask_reduce_tiles"):
+            K.tiles_key()
+    settings_override(small_tiles=False, mask_reduce_tiles={**K.TILES, "compact_strips": False})
+    _, cx, _ = K.launch_config(4096, 1, 8, 4096, st, sm, None, 2, False, 132)
+    assert not cx["COMPACT"] and cx["PRED_X"] and cx["BLOCK_R"] > 1  # the strips walking every row
+
+
 def test_dependent_launch_only_in_row_tiles_over_listed_rows(settings_override):
     """The tile choice asks for the programmatic dependent launch (PDL) where the reduce walks
     listed rows in row tiles (64x512x4096 row mask), never in the strips (8x4096x4096 row mask,

@@ -400,13 +400,29 @@ def pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int =
 
 
 def _tiles() -> dict:
-    return settings.mask_reduce_tiles or TILES
+    tiles = settings.mask_reduce_tiles
+    if tiles is None:
+        return TILES
+    _check_tiles(tiles)
+    return tiles
+
+
+def _check_tiles(tiles) -> None:
+    """The mask_reduce_tiles setting replaces TILES whole: the same entries, no fewer, no others."""
+    if not isinstance(tiles, dict) or set(tiles) != set(TILES):
+        got = set(tiles) if isinstance(tiles, dict) else set()
+        raise ValueError(f"mask_reduce_tiles: expected a dict with the entries of kernels/mask_reduce.py TILES "
+                         f"(e.g. {{**TILES, 'strip_u': 8}}); missing {sorted(set(TILES) - got)}, "
+                         f"unknown {sorted(got - set(TILES))}")
 
 
 def tiles_key() -> tuple:
     """The tiles in force (the mask_reduce_tiles setting, or TILES) as a hashable key."""
     tiles = settings.mask_reduce_tiles
-    return _SHIPPED_KEY if tiles is None else tuple(sorted(tiles.items()))
+    if tiles is None:
+        return _SHIPPED_KEY
+    _check_tiles(tiles)
+    return tuple(sorted(tiles.items()))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -439,8 +455,8 @@ def _pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int,
         block_i = max(1, min(i2, cap * 2 // block_r))
         warps = max(1, min(t["contig_warps"], block_r * block_i // (vec * 32 * 2)))
         return block_r, block_i, warps, vec, True, 1
-    # the strip tiles: a row mask's own where TILES has them (a mask_reduce_tiles setting may not)
-    strip = {k: t.get("row_mask_" + k, t[k]) if row_mask else t[k] for k in ("strip_min_bytes", "strip_u", "strip_warps")}
+    # the strip tiles: a row mask's own (row_mask_strip_*)
+    strip = {k: t["row_mask_" + k] if row_mask else t[k] for k in ("strip_min_bytes", "strip_u", "strip_warps")}
     min_i = max(1, t["strip_min_bytes"] // x_bytes)
     block_i = min(i2, (t["row_mask_bytes"] if row_mask else t["row_bytes"]) // x_bytes)
     enough = t["programs_per_sm"] * n_sm
@@ -495,8 +511,8 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
     # (the interpreter's small tiles: every row mask of 6 rows or more, to run the branch)
     t = _tiles()
     strips = block_r > 1 and not settings.small_tiles
-    compact = (row_mask and (not strips or t.get("compact_strips", False)) and (not has_scale or ss[0] == 0)
-               and r >= (6 if settings.small_tiles else t.get("compact_min_rows", 64)))
+    compact = (row_mask and (not strips or t["compact_strips"]) and (not has_scale or ss[0] == 0)
+               and r >= (6 if settings.small_tiles else t["compact_min_rows"]))
     stages = 1
     if compact and strips:
         # the strip's width as chosen above; listed rows one per row of threads, pipelined
@@ -508,7 +524,7 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
             stages = 2 if r % 2 == 0 else 1  # both loops of COMPACT in the interpreter's tests
         else:
             u = min(t["compact_u_max"], _np2(max(1, t["compact_trip_bytes"] // (block_i * x_bytes))), _np2(r))
-            stages = t.get("compact_row_stages", 1)
+            stages = t["compact_row_stages"]
     # in-tile offsets fit 32 bits unless a tile spans more than 2**31 elements of some operand
     span = max(abs(st[0]) * block_r * u + abs(st[3]) * block_i for st in (sx, sm, ss))
     constexprs = dict(
@@ -522,7 +538,7 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
         EVEN=r % (block_r * u) == 0 and i % block_i == 0,
         # row tiles: 3% faster (65536x4x8192, 64x512x4096); strips: the row_mask_strip_ahead tile
         MASK_AHEAD=pred_x and not r_contig and sm[0] != 0 and not pipeline and not compact
-        and (_tiles().get("mask_ahead", True) if block_r == 1 else _tiles().get("row_mask_strip_ahead", False)),
+        and (t["mask_ahead"] if block_r == 1 else t["row_mask_strip_ahead"]),
         COMPACT=compact, NUM_STAGES=stages,
         # row tiles over listed rows launched while the listing runs (ops/mask_reduce.py turns this
         # off where the device or Triton lacks it): 64x512x4096 0.833 against 0.806; the strips,
