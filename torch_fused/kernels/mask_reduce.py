@@ -418,11 +418,8 @@ def _check_tiles(tiles) -> None:
 
 def tiles_key() -> tuple:
     """The tiles in force (the mask_reduce_tiles setting, or TILES) as a hashable key."""
-    tiles = settings.mask_reduce_tiles
-    if tiles is None:
-        return _SHIPPED_KEY
-    _check_tiles(tiles)
-    return tuple(sorted(tiles.items()))
+    tiles = _tiles()
+    return _SHIPPED_KEY if tiles is TILES else tuple(sorted(tiles.items()))
 
 
 @functools.lru_cache(maxsize=4096)
