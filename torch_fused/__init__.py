@@ -119,7 +119,7 @@ def selective_log_softmax(
     t, t_tensor = _temperature_args(temperature, logits)
     ignore_index, shift = _ignore_index(ignore_index), _shift(shift)
     if _eager_eligible(logits, index, t_tensor):
-        return _eager_core("fused::selective_log_softmax", logits, index, t, ignore_index, False, t_tensor, shift)[0]
+        return _eager_core("fused::selective_log_softmax", logits, index, t, ignore_index, False, t_tensor, shift)
     return torch.ops.fused.selective_log_softmax(logits, index, t, ignore_index, shift=shift,
                                                  temperature_tensor=t_tensor)
 
@@ -146,7 +146,7 @@ def entropy_from_logits(
     t, t_tensor = _temperature_args(temperature, logits)
     shift = _shift(shift)
     if _eager_eligible(logits, t_tensor):
-        return _eager_core("fused::entropy_from_logits", logits, None, t, -100, True, t_tensor, shift)[1]
+        return _eager_core("fused::entropy_from_logits", logits, None, t, -100, True, t_tensor, shift)
     return torch.ops.fused.entropy_from_logits(logits, t, shift=shift, temperature_tensor=t_tensor)
 
 
@@ -173,9 +173,7 @@ def logprobs_and_entropy(
     t, t_tensor = _temperature_args(temperature, logits)
     ignore_index, shift = _ignore_index(ignore_index), _shift(shift)
     if _eager_eligible(logits, index, t_tensor):
-        logp, ent, _ = _eager_core("fused::logprobs_and_entropy", logits, index, t, ignore_index, True, t_tensor,
-                                   shift)
-        return logp, ent
+        return _eager_core("fused::logprobs_and_entropy", logits, index, t, ignore_index, True, t_tensor, shift)
     return torch.ops.fused.logprobs_and_entropy(logits, index, t, ignore_index, shift=shift,
                                                 temperature_tensor=t_tensor)
 

@@ -247,15 +247,21 @@ def launch(kernel):
     return kernel
 
 
+def _hook_set(hook) -> bool:
+    """None, or a HookChain (newer Triton) with no hook in it: not set."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+# where Triton keeps its launch hooks: triton.knobs.runtime (newer Triton) or CompiledKernel
+_HOOKS = ((triton.knobs.runtime if getattr(triton, "knobs", None) is not None else triton.compiler.CompiledKernel)
+          if HAS_TRITON else None)
+
+
 def _launch_hooks_set() -> bool:
     """Whether Triton's launch enter/exit hooks are set (a profiler such as proton): a direct
     launch would skip them."""
-    def is_set(hook):  # None, or a HookChain (newer Triton) with no hook in it: not set
-        return hook is not None and bool(getattr(hook, "calls", True))
-
-    knobs = getattr(triton, "knobs", None)
-    where = knobs.runtime if knobs is not None else triton.compiler.CompiledKernel
-    return is_set(getattr(where, "launch_enter_hook", None)) or is_set(getattr(where, "launch_exit_hook", None))
+    return (_hook_set(getattr(_HOOKS, "launch_enter_hook", None))
+            or _hook_set(getattr(_HOOKS, "launch_exit_hook", None)))
 
 
 class PlanLaunch:
@@ -269,7 +275,7 @@ class PlanLaunch:
     host). Traced launches (inline_under_compile), the interpreter and set launch hooks always take
     ``kernel[grid]``."""
 
-    __slots__ = ("kernel", "constexprs", "tail_names", "compiled")
+    __slots__ = ("kernel", "constexprs", "tail_names", "compiled", "tensor_slots")
 
     def __init__(self, kernel, constexprs: dict):
         self.kernel = kernel
@@ -281,13 +287,19 @@ class PlanLaunch:
             raise ValueError(f"PlanLaunch: the keyword parameters {self.tail_names} of {kernel.arg_names} "
                              "are not the signature's last")
         self.compiled = {}
+        # the positions of the tensor arguments, from the first call: a PlanLaunch is one plan's,
+        # and a plan's key fixes which pointer arguments are tensors and which None
+        self.tensor_slots = None
 
     def __call__(self, grid: int, *args) -> None:
         if _INLINE.active or INTERPRET or not _settings_values["direct_launch"] or _launch_hooks_set():
             launch(self.kernel)[(grid,)](*args, **self.constexprs)
             return
         device = torch.cuda.current_device()
-        key = (device,) + tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
+        slots = self.tensor_slots
+        if slots is None:
+            slots = self.tensor_slots = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        key = (device, *[args[i].data_ptr() % 16 == 0 for i in slots])
         hit = self.compiled.get(key)
         if hit is None:
             ck = self.kernel[(grid,)](*args, **self.constexprs)

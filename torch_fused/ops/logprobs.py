@@ -314,9 +314,13 @@ if TRITON_DEVICES:
 # Autograd of the core op
 # ---------------------------------------------------------------------------------------------
 def _setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[2])
+    _save(ctx, inputs, output[1], output[2])
+
+
+def _save(ctx, inputs, ent, stats):
+    """What the autograd formula needs: the scalar arguments and the saved tensors."""
     logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift = inputs
-    _, ent, stats = output
-    ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: skip its term
     ctx.temperature = temperature
     ctx.ignore_index = ignore_index
@@ -385,18 +389,38 @@ def _impls(device: torch.device):
     return _forward_default, _backward_default
 
 
+def public_outputs(index, compute_entropy, output):
+    """The public function's result from the core's (logp, entropy, stats): the entropy alone
+    without an index, the log-probs alone without the entropy, else both."""
+    if index is None:
+        return output[1]
+    return (output[0], output[1]) if compute_entropy else output[0]
+
+
 class _EagerCore(torch.autograd.Function):
+    """The core's implementation and autograd formula, returning only the public function's
+    outputs (public_outputs): the stats, and the entropy where it is not returned, stay
+    intermediates of the node (fewer outputs for autograd to wrap and hand back per call)."""
+
     # forward with ctx (no separate setup_context): Function.apply then skips binding the
     # arguments by inspect.signature, which costs more than the rest of a small call
     @staticmethod
     def forward(ctx, logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
         inputs = (logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
-        output = _impls(logits.device)[0](*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
+        _, ent, stats = output = _impls(logits.device)[0](*inputs)
+        _save(ctx, inputs, ent, stats)
+        ctx.has_index = index is not None
+        return public_outputs(index, compute_entropy, output)
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent, g_stats):
+    def backward(ctx, *grads):
+        # the public outputs' gradients back in the core's places
+        if not ctx.has_index:  # the entropy alone
+            g_logp, g_ent = None, grads[0]
+        elif ctx.compute_entropy:
+            g_logp, g_ent = grads
+        else:
+            g_logp, g_ent = grads[0], None
         if torch.is_grad_enabled():
             # create_graph=True: the registered backward op, which has no autograd formula, so a
             # second backward through d logits raises as on the op path (once_differentiable
@@ -406,11 +430,17 @@ class _EagerCore(torch.autograd.Function):
         return _gradients(ctx, g_logp, g_ent, _impls(ctx.saved_tensors[0].device)[1])
 
 
+def _eager_implementation(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
+    return public_outputs(index, compute_entropy, _impls(logits.device)[0](
+        logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift))
+
+
 def eager_core(name, logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
-    """(logp, entropy, stats) of the core op by the eager fast path; ``name``: the public op's, for
-    the profiler's record. Where no gradient can flow (no_grad, or no input requires grad) the
-    implementation runs without the autograd.Function (and without the entropy copy it saves)."""
-    return call_eager(name, (logits, temperature_t), _EagerCore.apply, _impls(logits.device)[0],
+    """The public function's result (public_outputs) by the eager fast path; ``name``: the public
+    op's, for the profiler's record. Where no gradient can flow (no_grad, or no input requires
+    grad) the implementation runs without the autograd.Function (and without the entropy copy it
+    saves)."""
+    return call_eager(name, (logits, temperature_t), _EagerCore.apply, _eager_implementation,
                       logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
 
 
