@@ -413,7 +413,7 @@ MUTANTS: list[Mutant] = [
     #     through a kernel compiled for aligned ones
     Mutant(
         "direct-launch-alignment", "25 direct launch keyed by device alone", "torch_fused/_library.py", CPU,
-        [("        key = (device,) + tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))",
+        [("        key = (device, *[args[i].data_ptr() % 16 == 0 for i in slots])",
           "        key = (device,)  # MUTANT")],
         ["tests/test_logprobs_ops.py"],
     ),
@@ -435,6 +435,14 @@ MUTANTS: list[Mutant] = [
           "            b_x = tl.load(p_xt + ids.to(tl.int64) * sx_r + t_xi, mask=m_i, other=0.0, "
           "eviction_policy=X_EVICT)  # MUTANT\n            acc = _add_tile(acc, b_x, m_i, sc_i, True, HAS_SCALE)\n    else:")],
         ["tests/test_mask_reduce.py"],
+    ),
+    # 28: the eager path's node handing the two public outputs' gradients back to the core
+    #     swapped (logprobs_and_entropy: d log-probs taken as d entropy and the reverse)
+    Mutant(
+        "eager-output-grads-swapped", "28 eager node's output gradients swapped", "torch_fused/ops/logprobs.py", CPU,
+        [("        elif ctx.compute_entropy:\n            g_logp, g_ent = grads\n",
+          "        elif ctx.compute_entropy:\n            g_ent, g_logp = grads  # MUTANT\n")],
+        ["tests/test_logprobs_ops.py"],
     ),
 ]
 
