@@ -737,3 +737,36 @@ def test_plan_launch_keys_compiled_kernels_by_alignment_and_device(monkeypatch, 
     monkeypatch.setattr(torch.library, "wrap_triton", lambda k: k)
     go(5, p, q, 7)
     assert calls[7][0] == "grid"
+
+
+def test_launch_hooks_are_seen_on_the_installed_triton():
+    """A launch hook set the way a profiler sets it (Triton's own hook object) turns the direct
+    launch off: ``_launch_hooks_set`` reads the live hooks of the installed Triton, not a stale copy."""
+    triton = pytest.importorskip("triton")
+    from torch_fused import _library
+
+    assert not _library._launch_hooks_set()
+    if getattr(triton, "knobs", None) is None:  # older Triton: a plain attribute of CompiledKernel
+        where, hook = triton.compiler.CompiledKernel, None
+        old = getattr(where, "launch_enter_hook", None)
+        where.launch_enter_hook = lambda *a: None
+        try:
+            assert _library._launch_hooks_set()
+        finally:
+            where.launch_enter_hook = old
+        return
+    chain = triton.knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):  # a plain attribute
+        triton.knobs.runtime.launch_enter_hook = lambda *a: None
+        try:
+            assert _library._launch_hooks_set()
+        finally:
+            triton.knobs.runtime.launch_enter_hook = chain
+        return
+    hook = lambda *a: None  # noqa: E731
+    chain.add(hook)
+    try:
+        assert _library._launch_hooks_set()
+    finally:
+        chain.remove(hook)
+    assert not _library._launch_hooks_set()
