@@ -747,7 +747,7 @@ def test_launch_hooks_are_seen_on_the_installed_triton():
 
     assert not _library._launch_hooks_set()
     if getattr(triton, "knobs", None) is None:  # older Triton: a plain attribute of CompiledKernel
-        where, hook = triton.compiler.CompiledKernel, None
+        where = triton.compiler.CompiledKernel
         old = getattr(where, "launch_enter_hook", None)
         where.launch_enter_hook = lambda *a: None
         try:

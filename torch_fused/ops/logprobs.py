@@ -391,7 +391,8 @@ def _impls(device: torch.device):
 
 def public_outputs(index, compute_entropy, output):
     """The public function's result from the core's (logp, entropy, stats): the entropy alone
-    without an index, the log-probs alone without the entropy, else both."""
+    without an index, the log-probs alone without the entropy, else both. The one selection of
+    the public ops and of the eager path (whose node's backward inverts it)."""
     if index is None:
         return output[1]
     return (output[0], output[1]) if compute_entropy else output[0]
@@ -465,17 +466,17 @@ _core = torch.ops.fused._logprobs_entropy_forward
 
 def _selective_log_softmax(logits, index, temperature=1.0, ignore_index=-100, *, shift=False,
                            temperature_tensor=None):
-    return _core(logits, index, temperature, ignore_index, False, temperature_tensor, shift)[0]
+    out = _core(logits, index, temperature, ignore_index, False, temperature_tensor, shift)
+    return public_outputs(index, False, out)
 
 
 def _entropy_from_logits(logits, temperature=1.0, *, shift=False, temperature_tensor=None):
-    return _core(logits, None, temperature, -100, True, temperature_tensor, shift)[1]
+    return public_outputs(None, True, _core(logits, None, temperature, -100, True, temperature_tensor, shift))
 
 
 def _logprobs_and_entropy(logits, index, temperature=1.0, ignore_index=-100, *, shift=False,
                           temperature_tensor=None):
-    logp, ent, _ = _core(logits, index, temperature, ignore_index, True, temperature_tensor, shift)
-    return logp, ent
+    return public_outputs(index, True, _core(logits, index, temperature, ignore_index, True, temperature_tensor, shift))
 
 
 LIB.impl("selective_log_softmax", _selective_log_softmax, "CompositeImplicitAutograd")
