@@ -67,6 +67,11 @@ def run(report, copy_gbps, quick=False):
             ms, host_ms = device_ms(fn)
             pk = peak_extra_mb(fn)
             note = f"host {host_ms * 1e3:.0f} us/call"
+            if floor != cost["floor_bytes"]:
+                # the kept-rows floor is the table's; beside it, the floor of x read once whole
+                # (what a kernel that cannot skip rows must move)
+                read_once_ms = cost["floor_bytes"] / (copy_gbps * 1e9) * 1e3
+                note += f"; {read_once_ms / ms:.3f} of the x-read-once floor"
             if impl == "torch_fused":
                 note += f"; rel err {err:.1e}; out {y.numel() * 2 / 2**20:.0f} MiB"
             report.rows.append(Row("mask_reduce dim 1", name, impl, ms, floor, peak_extra_mb=pk, note=note).finish(copy_gbps))
