@@ -557,6 +557,26 @@ def test_double_backward_raises_on_both_paths(path, monkeypatch):
         torch.autograd.grad((gx * gx).sum() + (x * x).sum(), x)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("which", ["selective", "entropy", "both"])
+def test_create_graph_gives_the_first_derivative_on_the_fast_path(which, device):
+    """create_graph=True on the eager fast path: the same first derivative as a plain backward,
+    for each public function, and a second backward raises. The node keeps only the outputs the
+    function returns (the Triton forward makes no entropy for selective_log_softmax); the
+    registered backward op it calls here still takes a tensor for each of its inputs."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 9, generator=g).to(device).requires_grad_(True)
+    idx = torch.randint(0, 9, (4,), generator=g).to(device)
+    f = {"selective": lambda: torch_fused.selective_log_softmax(x, idx),
+         "entropy": lambda: torch_fused.entropy_from_logits(x),
+         "both": lambda: sum(torch_fused.logprobs_and_entropy(x, idx))}[which]
+    (ref,) = torch.autograd.grad(f().sum(), x)
+    (gx,) = torch.autograd.grad(f().sum(), x, create_graph=True)
+    torch.testing.assert_close(gx, ref)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(gx.sum(), x)
+
+
 @pytest.mark.parametrize("bad", [1, None, "yes"])
 def test_shift_of_the_wrong_type_names_the_argument(bad):
     x = torch.randn(2, 3, 5)
@@ -705,7 +725,7 @@ def test_plan_launch_keys_compiled_kernels_by_alignment_and_device(monkeypatch, 
 
     device = [0]
     monkeypatch.setattr(_library, "INTERPRET", False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: device[0], raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 100 + d, raising=False)
     settings_override(direct_launch=True)
     go = _library.PlanLaunch(Kernel(), dict(B=2, A=1, num_warps=4))

@@ -16,7 +16,7 @@ g = torch.Generator(device="cuda").manual_seed(0)
 x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
 xg = x.detach().requires_grad_(True)
 idx = torch.randint(0, v, (n,), device="cuda", generator=g)
-empty = _empty_op()
+empty, _ = _empty_op()
 
 def fb(f):
     return lambda: torch.autograd.grad(f(xg).sum(), xg)[0]

@@ -295,7 +295,7 @@ class PlanLaunch:
         if _INLINE.active or INTERPRET or not _settings_values["direct_launch"] or _launch_hooks_set():
             launch(self.kernel)[(grid,)](*args, **self.constexprs)
             return
-        device = torch.cuda.current_device()
+        device = torch._C._cuda_getDevice()  # CUDA is initialized: the arguments are CUDA tensors
         slots = self.tensor_slots
         if slots is None:
             slots = self.tensor_slots = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))

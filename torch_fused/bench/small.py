@@ -11,11 +11,13 @@ rows timed minutes apart would carry that drift. Rows:
 - eager forward and forward+backward of each public function beside the plain formula
   (``log_softmax(x.float())`` gathered, ``-(p * log p).sum``), and the raw op
   (``torch.ops.fused.*``: the same kernels with the public function's argument handling left out);
-- the floor of the registration: a custom op registered as the log-prob ops are (a
-  ``torch.library.custom_op`` core with a registered CUDA kernel, a fake and an autograd
-  formula, under a ``CompositeImplicitAutograd`` public op) whose implementations launch one
-  empty Triton kernel the way the ops launch theirs (``_library.PlanLaunch``) and allocate only
-  their outputs;
+- the floors of the two registrations, at every shape: a custom op registered as the log-prob
+  ops are (a ``torch.library.custom_op`` core with a registered CUDA kernel, a fake and an
+  autograd formula, under a ``CompositeImplicitAutograd`` public op: the raw op's path), and a
+  ``torch.autograd.Function`` (the public functions' eager path; fwd+bwd rows), each launching
+  one empty Triton kernel forward and one backward the way the ops launch theirs
+  (``_library.PlanLaunch``) and allocating only their outputs: what a call costs before any
+  work of its own;
 - a small GRPO-style loss (log-probs and entropy of the sampled ids, the clipped ratio against old
   log-probs times advantages, an entropy bonus, a masked mean) forward+backward under
   ``torch.compile(fullgraph=True)``, against the same formula in plain PyTorch compiled the same way,
@@ -123,7 +125,23 @@ def _empty_op():
         lib.impl("empty", lambda x, index: torch.ops.torch_fused_bench._empty_core(x, index)[0],
                  "CompositeImplicitAutograd")
         _LIBS.append(lib)
-    return torch.ops.torch_fused_bench.empty
+
+    class EmptyEager(torch.autograd.Function):
+        """The eager path's floor: one autograd.Function, one empty launch each way."""
+
+        @staticmethod
+        def forward(ctx, x, index):
+            empty_launch(1, x, 0)
+            ctx.save_for_backward(x)
+            return index.new_empty(index.shape, dtype=torch.float32)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            empty_launch(1, x, 0)
+            return torch.empty_like(x), None
+
+    return torch.ops.torch_fused_bench.empty, EmptyEager.apply
 
 
 _LIBS: list = []  # keeps the bench namespace's Library alive
@@ -141,7 +159,7 @@ def _static_user_launch_config():
 
 def run(report, copy_gbps, quick=False):
     shapes = SHAPES[:1] if quick else SHAPES
-    empty = _empty_op()
+    empty, empty_eager = _empty_op()
     for n, v in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g) * 3
@@ -166,8 +184,7 @@ def run(report, copy_gbps, quick=False):
         add(g_, T, lambda: plain_selective(x, idx), nbytes)
         add(g_, "torch_fused", lambda: torch_fused.selective_log_softmax(x, idx), nbytes, T)
         add(g_, "torch.ops.fused (raw op)", lambda: torch.ops.fused.selective_log_softmax(x, idx), nbytes, T)
-        if n * v <= 1 << 20:
-            add(g_, "empty-kernel op (floor)", lambda: empty(x, idx), 0, T)
+        add(g_, "empty-kernel op (floor)", lambda: empty(x, idx), 0, T)
         g_ = "entropy_from_logits fwd"
         add(g_, T, lambda: plain_entropy(x), nbytes)
         add(g_, "torch_fused", lambda: torch_fused.entropy_from_logits(x), nbytes, T)
@@ -177,8 +194,8 @@ def run(report, copy_gbps, quick=False):
         g_ = "selective_log_softmax fwd+bwd"
         add(g_, T, fb(lambda t: plain_selective(t, idx)), 3 * nbytes)
         add(g_, "torch_fused", fb(lambda t: torch_fused.selective_log_softmax(t, idx)), 3 * nbytes, T)
-        if n * v <= 1 << 20:
-            add(g_, "empty-kernel op (floor)", fb(lambda t: empty(t, idx)), 0, T)
+        add(g_, "empty-kernel op (floor)", fb(lambda t: empty(t, idx)), 0, T)
+        add(g_, "empty-kernel autograd.Function (floor)", fb(lambda t: empty_eager(t, idx)), 0, T)
         g_ = "entropy_from_logits fwd+bwd"
         add(g_, T, fb(plain_entropy), 3 * nbytes)
         add(g_, "torch_fused", fb(torch_fused.entropy_from_logits), 3 * nbytes, T)

@@ -119,7 +119,11 @@ def _forward_plan(logits, index, temperature, ignore_index, compute_entropy, tem
     return shapes, acc_dtype(x.dtype), rows, copy, layout, index_copy, k, v, c, constexprs, K
 
 
-def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, temperature_t=None, shift=False):
+def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, temperature_t=None, shift=False, *,
+                    placeholders=True):
+    """The forward op's Triton implementation. ``placeholders=False`` (the eager path, whose node
+    returns only the public outputs): None for an output the call does not make (the log-probs
+    without an index, the entropy without compute_entropy) instead of the op's empty tensor."""
     if logits.dtype == torch.float64:
         # float64 is a validation dtype: the reference on the same device keeps fp64 accuracy
         meta.check_logits_index(logits, index, temperature, temperature_t, shift)
@@ -134,8 +138,8 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
     plan, go = plan
     (s_logp, s_ent, s_stats), dt, rows, copy, (inner, s_outer, s_inner), index_copy, k, v, c, constexprs, K = plan
     device = logits.device
-    logp = new_output(s_logp, dt, device)
-    ent = new_output(s_ent, dt, device)
+    logp = new_output(s_logp, dt, device) if placeholders or index is not None else None
+    ent = new_output(s_ent, dt, device) if placeholders or compute_entropy else None
     stats = new_output(s_stats, dt, device)
     if rows == 0:
         return logp, ent, stats
@@ -335,15 +339,16 @@ def _backward(ctx, g_logp, g_ent, _g_stats):
     return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward)
 
 
-def _gradients(ctx, g_logp, g_ent, backward_op):
+def _gradients(ctx, g_logp, g_ent, backward_op, saved=None):
     """The autograd formula of the core, with the backward op (or, on the eager fast path, its
-    implementation) given."""
-    logits, index, stats, ent, temperature_t = ctx.saved_tensors
+    implementation) given; ``saved``: ctx.saved_tensors where the caller has unpacked them."""
+    logits, index, stats, ent, temperature_t = ctx.saved_tensors if saved is None else saved
     # arguments left at their defaults (temperature_t, shift) may not reach autograd: one
     # gradient per argument that did
-    n_in = len(ctx.needs_input_grad)
-    need_x = ctx.needs_input_grad[0]
-    need_t = n_in > 5 and ctx.needs_input_grad[5]
+    needs = ctx.needs_input_grad
+    n_in = len(needs)
+    need_x = needs[0]
+    need_t = n_in > 5 and needs[5]
 
     def grads(dx, dt):
         return ((dx if need_x else None,) + (None,) * 4 + (dt if need_t else None, None))[:n_in]
@@ -379,13 +384,16 @@ logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_conte
 # torch.jit.trace, and only for plain tensors. Everything else, and every torch.ops.fused call,
 # goes through the registered op.
 # ---------------------------------------------------------------------------------------------
-# the eager path's backward: no empty d T allocated for a float temperature (the formula drops it)
+# the eager path's implementations: no empty tensor allocated for an output the node does not
+# return (the log-probs without an index, the entropy where it is not computed) or for d T of a
+# float temperature (the formula drops it)
+_forward_triton_eager = functools.partial(_forward_triton, placeholders=False)
 _backward_triton_eager = functools.partial(backward_triton, want_dt=False)
 
 
 def _impls(device: torch.device):
     if device.type in TRITON_DEVICES:
-        return _forward_triton, _backward_triton_eager
+        return _forward_triton_eager, _backward_triton_eager
     return _forward_default, _backward_default
 
 
@@ -422,13 +430,17 @@ class _EagerCore(torch.autograd.Function):
             g_logp, g_ent = grads
         else:
             g_logp, g_ent = grads[0], None
+        saved = ctx.saved_tensors  # unpacked once: each unpack makes new tensor objects
         if torch.is_grad_enabled():
             # create_graph=True: the registered backward op, which has no autograd formula, so a
             # second backward through d logits raises as on the op path (once_differentiable
             # would not: it looks at the upstream gradients only, which need not require grad,
-            # and a second derivative through the saved logits would silently be zero)
-            return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward)
-        return _gradients(ctx, g_logp, g_ent, _impls(ctx.saved_tensors[0].device)[1])
+            # and a second derivative through the saved logits would silently be zero). Its
+            # schema takes a tensor for the entropy the eager forward did not make.
+            if saved[3] is None:
+                saved = saved[:3] + (saved[2].new_empty(0),) + saved[4:]
+            return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward, saved)
+        return _gradients(ctx, g_logp, g_ent, _impls(saved[0].device)[1], saved)
 
 
 def _eager_implementation(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
