@@ -391,9 +391,9 @@ MUTANTS: list[Mutant] = [
     #     a second derivative through the saved logits silently zero instead of an error
     Mutant(
         "create-graph-silent", "22 double backward silently zero", "torch_fused/ops/logprobs.py", CPU,
-        [("            return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward)",
+        [("            return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward, saved)",
           "            with torch.no_grad():  # MUTANT\n"
-          "                return _gradients(ctx, g_logp, g_ent, _impls(ctx.saved_tensors[0].device)[1])")],
+          "                return _gradients(ctx, g_logp, g_ent, _impls(saved[0].device)[1], saved)")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 23: COMPACT's kept-row count one short (the last kept row of every list left out)
