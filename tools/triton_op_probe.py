@@ -21,7 +21,7 @@ from torch.library import triton_op, wrap_triton
 import torch_fused
 from torch_fused._library import new_output
 from torch_fused.settings import override
-from torch_fused.bench.small import grpo_loss, plain_both, wall_us_rounds
+from torch_fused.bench.small import ROUNDS, grpo_loss, plain_both, wall_us_rounds
 from torch_fused.ops import logprobs as L
 
 NS = "torch_fused_probe"
@@ -99,7 +99,7 @@ def main():
     backend = "inductor" if device == "cuda" else "none (uncompiled)"
     shapes = [(64, 1024), (512, 4096), (512, 32000), (4096, 32000)] if device == "cuda" else [(6, 40)]
     lines = [f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}; "
-             f"backend {backend}; GRPO-style loss fwd+bwd, bf16 logits, wall us per call (200 calls, median of 5 rounds, the variants timed in turn within a round)",
+             f"backend {backend}; GRPO-style loss fwd+bwd, bf16 logits, wall us per call (200 calls, median of {ROUNDS} rounds, the variants timed in turn within a round)",
              "", "| shape | plain formula, compiled | torch_fused ops, compiled (launches inlined) | "
              "torch_fused ops, compiled (opaque op calls) | triton_op pair, compiled | "
              "max abs diff of d logits from the plain formula's, and non-finite counts |", "|---|---:|---:|---:|---:|---:|"]

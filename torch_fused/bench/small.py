@@ -5,8 +5,10 @@ At [64, 1024] a call is host-bound: the time is the Python and dispatch path, no
 Each row is the wall time per call of ``CALLS`` calls back to back (one synchronize at the end),
 so a host-bound call is timed by its host path and a device-bound one by its kernels, as a
 training loop sees them. The rows of one shape are timed in rounds (each row once per round, the
-median of 5 rounds): the host's speed drifts by tens of percent over a run, and a ratio of two
-rows timed minutes apart would carry that drift. Rows:
+median of 9 rounds): the host's speed drifts by tens of percent over a run, and a ratio of two
+rows timed minutes apart would carry that drift. A ratio is the median over the rounds of the
+two rows' ratio within a round, reported with its lowest and highest: where that range spans 1,
+the host's noise alone can put either side ahead. Rows:
 
 - eager forward and forward+backward of each public function beside the plain formula
   (``log_softmax(x.float())`` gathered, ``-(p * log p).sum``), and the raw op
@@ -44,18 +46,25 @@ from .logprobs import plain_entropy, plain_selective
 
 SHAPES = [(64, 1024), (512, 4096), (512, 32000), (4096, 32000)]
 CALLS = 200
+ROUNDS = 9
 
 
 def wall_us(fn, calls: int = CALLS) -> float:
-    """Wall microseconds per call of fn over `calls` calls back to back (the median of 5 such
+    """Wall microseconds per call of fn over `calls` calls back to back (the median of ROUNDS such
     runs), warm."""
     return wall_us_rounds([fn], calls)[0]
 
 
-def wall_us_rounds(fns, calls: int = CALLS, rounds: int = 5) -> list[float]:
+def wall_us_rounds(fns, calls: int = CALLS, rounds: int = ROUNDS) -> list[float]:
     """wall_us of each of fns, timed in rounds (every fn once per round, in turn), so that a
     slower or faster spell of the host falls on all of them alike: the median over the rounds
     of each fn's wall microseconds per call over `calls` calls back to back, warm."""
+    return [median(r) for r in wall_us_runs(fns, calls, rounds)]
+
+
+def wall_us_runs(fns, calls: int = CALLS, rounds: int = ROUNDS) -> list[list[float]]:
+    """Each of fns' wall microseconds per call in every round (one list per fn, one entry per
+    round), the fns timed in turn within a round after a warm-up of 20 calls each."""
     for fn in fns:
         for _ in range(20):
             fn()
@@ -68,7 +77,20 @@ def wall_us_rounds(fns, calls: int = CALLS, rounds: int = 5) -> list[float]:
                 fn()
             torch.cuda.synchronize()
             out.append((time.perf_counter() - t0) / calls * 1e6)
-    return [sorted(r)[len(r) // 2] for r in runs]
+    return runs
+
+
+def median(values):
+    s = sorted(values)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def paired_ratio(ours, base):
+    """(median, min, max) over the rounds of ours / base within each round: a ratio of two calls
+    timed seconds apart, and its spread, which shows how much of a difference the host's noise
+    alone makes."""
+    r = [a / b for a, b in zip(ours, base)]
+    return median(r), min(r), max(r)
 
 
 def plain_both(logits, index):
@@ -227,10 +249,14 @@ def run(report, copy_gbps, quick=False):
             add(g_, "torch_fused, compiled, static launch of user kernels",
                 lambda: torch.autograd.grad(ours_static(xg, idx, old, adv, mask), xg)[0], 3 * nbytes, base)
         # every row of this shape timed in the same rounds: a ratio compares calls timed side by side
-        times = wall_us_rounds([e[2] for e in entries])
-        rows = {(group, impl): us for (group, impl, *_), us in zip(entries, times)}
-        for (group, impl, _, floor, base), us in zip(entries, times):
-            note = "" if base is None else f"ratio to torch {us / rows[(group, base)]:.2f}"
+        runs = wall_us_runs([e[2] for e in entries])
+        by_impl = {(group, impl): r for (group, impl, *_), r in zip(entries, runs)}
+        for (group, impl, _, floor, base), r in zip(entries, runs):
+            us = median(r)
+            note = ""
+            if base is not None:
+                mid, lo, hi = paired_ratio(r, by_impl[(group, base)])
+                note = f"ratio to torch {mid:.2f} ({lo:.2f}-{hi:.2f})"
             report.rows.append(Row(group, shape, impl, us / 1e3, floor, note=note).finish(copy_gbps))
             print(f"{group:36s} {shape:18s} {impl:28s} {us:9.1f} us  {note}", flush=True)
         del x, xg, idx
@@ -241,8 +267,9 @@ def run(report, copy_gbps, quick=False):
 def markdown(report) -> str:
     lines = [
         f"Device: {report.device}; torch {report.torch}; triton {report.triton}. Wall time per call, "
-        f"{CALLS} calls back to back, warm; the rows of a shape timed in turn, median of 5 rounds; "
-        f"ratio: ours over torch's formula in the same group.",
+        f"{CALLS} calls back to back, warm; the rows of a shape timed in turn, median of {ROUNDS} rounds; "
+        f"ratio: ours over torch's formula in the same group and round, the median over the rounds "
+        f"(its lowest-highest in brackets).",
         "",
         "| group | shape | impl | us per call | ratio |",
         "|---|---|---|---:|---|",
