@@ -16,9 +16,16 @@ def test_the_ratio_is_taken_within_each_round():
 
 
 def test_a_host_drift_common_to_both_rows_leaves_the_ratio_alone():
+    # the host's speed drifts 4x over the rounds, the same for both rows; ours is 0.8 of the base
+    # in every round but one, which a burst of noise slowed to 4x the base
     base = [100.0, 300.0, 150.0, 120.0, 400.0]
     ours = [0.8 * b for b in base]
-    assert paired_ratio(ours, base) == pytest.approx((0.8, 0.8, 0.8))
+    ours[3] = 4 * base[3]
+    mid, lo, hi = paired_ratio(ours, base)
+    assert mid == pytest.approx(0.8)
+    assert (lo, hi) == pytest.approx((0.8, 4.0))
+    # the ratio of the medians pairs a fast round of one row with a slow round of the other
+    assert median(ours) / median(base) == pytest.approx(1.6)
 
 
 def test_median_of_an_even_count_is_the_mean_of_the_middle_two():

@@ -197,6 +197,7 @@ def _trace_cuda_ops(shift, symbolic=False, **settings):
 
 
 @pytest.mark.skipif(not torch_fused._library.TRITON_DEVICES or INTERPRET, reason="needs triton (not the interpreter)")
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="traces fake CUDA tensors: needs a CUDA build of torch")
 @pytest.mark.filterwarnings("ignore")
 def test_compiled_graph_launches_the_kernels_itself():
     """settings.compile_inline_kernels: under torch.compile a CUDA call's kernel launches are
@@ -559,11 +560,21 @@ def test_double_backward_raises_on_both_paths(path, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("which", ["selective", "entropy", "both"])
-def test_create_graph_gives_the_first_derivative_on_the_fast_path(which, device):
+def test_create_graph_gives_the_first_derivative_on_the_fast_path(which, device, monkeypatch):
     """create_graph=True on the eager fast path: the same first derivative as a plain backward,
     for each public function, and a second backward raises. The node keeps only the outputs the
     function returns (the Triton forward makes no entropy for selective_log_softmax); the
-    registered backward op it calls here still takes a tensor for each of its inputs."""
+    registered backward op it calls here still gets a tensor for each Tensor of its schema (some
+    torch versions accept a None there, others raise)."""
+    op = torch.ops.fused._logprobs_entropy_backward
+    required = [i for i, a in enumerate(op.default._schema.arguments) if str(a.type) == "Tensor"]
+    calls = []
+
+    def checked(*args, **kwargs):
+        calls.append([i for i in required if not isinstance(args[i], torch.Tensor)])
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.fused, "_logprobs_entropy_backward", checked)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 9, generator=g).to(device).requires_grad_(True)
     idx = torch.randint(0, 9, (4,), generator=g).to(device)
@@ -573,6 +584,7 @@ def test_create_graph_gives_the_first_derivative_on_the_fast_path(which, device)
     (ref,) = torch.autograd.grad(f().sum(), x)
     (gx,) = torch.autograd.grad(f().sum(), x, create_graph=True)
     torch.testing.assert_close(gx, ref)
+    assert calls == [[]], f"calls of the backward op, positions of a required Tensor not given one: {calls}"
     # d logits is a node of the graph (made by the registered backward op), whose own backward raises
     assert gx.grad_fn is not None
     with pytest.raises(RuntimeError, match="autograd"):

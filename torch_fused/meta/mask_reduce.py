@@ -56,7 +56,9 @@ def check_mask_reduce(x, dim, mask, scale, out_dtype, *, x_name: str = "x") -> i
     _check(1 <= x.dim() <= 4, lambda: f"{x_name}: expected 1 to 4 dims, got {x.dim()} (shape {tuple(x.shape)})")
     check_dim_type(dim)
     _check(-x.dim() <= dim < x.dim(),
-           lambda: f"dim: expected a dim of {x_name} in [{-x.dim()}, {x.dim()}), got {dim}")
+           # int(dim): Dynamo cannot format a dynamic int (a SymInt) into a string on every torch
+           # version; int() specializes it, which only this failing call sees
+           lambda: f"dim: expected a dim of {x_name} in [{-x.dim()}, {x.dim()}), got {int(dim)}")
     mask_kind = "bool, integer or floating"
     for name, t, dtypes, kind in (("mask", mask, MASK_DTYPES, mask_kind), ("scale", scale, FLOAT_DTYPES, "floating")):
         if t is None:

@@ -123,7 +123,9 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
                     placeholders=True):
     """The forward op's Triton implementation. ``placeholders=False`` (the eager path, whose node
     returns only the public outputs): None for an output the call does not make (the log-probs
-    without an index, the entropy without compute_entropy) instead of the op's empty tensor."""
+    without an index, the entropy without compute_entropy) instead of the op's empty tensor.
+    float64 logits go to the reference, which ignores ``placeholders`` and always returns the
+    op's three tensors (the eager path then picks its public outputs from them)."""
     if logits.dtype == torch.float64:
         # float64 is a validation dtype: the reference on the same device keeps fp64 accuracy
         meta.check_logits_index(logits, index, temperature, temperature_t, shift)
