@@ -8,7 +8,7 @@
 # its driver, and the torch and triton versions. Settings, all optional:
 #   TESTS=...          test paths to run first (default: tests)
 #   TEST_TIMEOUT=900   seconds allowed for the tests (the whole -m cuda suite takes over 450 s on
-#                      an H100 host, most of it compiling)
+#                      an H100 host)
 #   NOBENCH=1          run the tests only
 #   TORCH_FUSED_BENCH_SINKGD_COMPILE=0  skip the slow-to-compile torch.compile SinkGD baseline
 #   SHARDED=1          then python -m torch_fused.bench.sinkgd_sharded --out $OUT (one rank's
