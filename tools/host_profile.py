@@ -1,11 +1,14 @@
 """Where the host time of a small eager call goes (CUDA): wall time per call of the pieces of the
-public log-prob path, and cProfile / torch.profiler summaries. Writes $OUT/host_profile.txt."""
+public log-prob path; the public forward+backward beside the empty-kernel autograd.Function floor,
+with and without the autograd engine's device thread and with the kernel launches stubbed out; and
+cProfile / torch.profiler summaries. Writes $OUT/host_profile.txt."""
 import cProfile, io, os, pstats
 import torch
 import torch_fused
 from torch_fused.ops import logprobs as L
 from torch_fused.kernels import logprobs as K
-from torch_fused.bench.small import wall_us, _empty_op
+from torch_fused import _library as LIB
+from torch_fused.bench.small import wall_us, wall_us_rounds, _empty_op
 
 out = open(os.path.join(os.environ.get("OUT", "."), "host_profile.txt"), "w")
 def say(*a):
@@ -16,7 +19,7 @@ g = torch.Generator(device="cuda").manual_seed(0)
 x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
 xg = x.detach().requires_grad_(True)
 idx = torch.randint(0, v, (n,), device="cuda", generator=g)
-empty, _ = _empty_op()
+empty, empty_function = _empty_op()
 
 def fb(f):
     return lambda: torch.autograd.grad(f(xg).sum(), xg)[0]
@@ -71,6 +74,37 @@ for name, f in cases:
 with torch.autograd.set_multithreading_enabled(False):
     for name, f in cases[-7:]:
         say(f"[autograd multithreading off] {name:40s} {wall_us(f):8.1f} us")
+# the public fwd+bwd above the empty-kernel autograd.Function floor: how much of the gap the
+# autograd engine's device thread adds (multithreading off runs the backward on this thread) and
+# how much the two kernel launches cost (stubbed: no kernel runs, the outputs are garbage)
+def stubbed(f):
+    def g():
+        real = LIB.PlanLaunch.__call__
+        LIB.PlanLaunch.__call__ = lambda self, grid, *a: None
+        try:
+            return f()
+        finally:
+            LIB.PlanLaunch.__call__ = real
+    return g
+
+def no_mt(f):
+    def g():
+        with torch.autograd.set_multithreading_enabled(False):
+            return f()
+    return g
+
+for n_, v_ in ((64, 1024), (512, 32000)):
+    xs = torch.randn(n_, v_, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    ids = torch.randint(0, v_, (n_,), device="cuda", generator=g)
+    fbs = lambda f: (lambda: torch.autograd.grad(f(xs).sum(), xs)[0])
+    pub = fbs(lambda t: torch_fused.selective_log_softmax(t, ids))
+    flo = fbs(lambda t: empty_function(t, ids))
+    tor = fbs(lambda t: torch.log_softmax(t.float(), -1).gather(-1, ids[:, None]))
+    rows = [("torch formula", tor), ("public", pub), ("public, launches stubbed", stubbed(pub)),
+            ("empty-kernel autograd.Function", flo)]
+    rows += [(name + ", multithreading off", no_mt(f)) for name, f in rows]
+    for (name, _), t in zip(rows, wall_us_rounds([f for _, f in rows])):
+        say(f"[{n_}, {v_}] fwd+bwd, {name:50s} {t:8.1f} us")
 for name, f in (("public fwd+bwd", fb(lambda t: torch_fused.selective_log_softmax(t, idx))),
                 ("grad of Mul (python node)", fb(Mul.apply))):
     s = io.StringIO()
