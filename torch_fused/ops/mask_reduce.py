@@ -8,6 +8,8 @@ routing weight or a constant whose gradient users take from their own graph if t
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 
 from .._library import (NAMESPACE, TRITON_DEVICES, PlanLaunch, Plans, acc_dtype, call_eager, n_sm, new_output,
@@ -44,7 +46,7 @@ def mask_reduce_backward(
 
 
 @torch.library.custom_op(f"{NAMESPACE}::_mask_count", mutates_args=())
-def mask_count(mask: torch.Tensor, shape: list[int], dim: int) -> torch.Tensor:
+def mask_count(mask: torch.Tensor, shape: List[int], dim: int) -> torch.Tensor:
     """float32 count of ``mask != 0`` along ``dim`` of ``mask`` broadcast to ``shape`` (the
     masked helpers' denominators), counted on the mask's stored elements. An op, so that the
     strides it reads are always those of a real tensor, never of a compiled graph's intermediate;

@@ -19,6 +19,8 @@ replayed from a CUDA graph when it repeats), and this file: the op, its checks a
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 
 from ..._library import NAMESPACE, TRITON_DEVICES, acc_dtype
@@ -101,9 +103,9 @@ def _step_impl(params, grads, spectral_vecs, lr, lr_scale, weight_decay, eps, si
 
 @torch.library.custom_op(f"{NAMESPACE}::sinkgd_step", mutates_args=("params", "spectral_vecs"))
 def sinkgd_step(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    spectral_vecs: list[torch.Tensor],
+    params: List[torch.Tensor],
+    grads: List[torch.Tensor],
+    spectral_vecs: List[torch.Tensor],
     lr: torch.Tensor,
     lr_scale: float,
     weight_decay: float,
