@@ -1,15 +1,19 @@
-"""The ops register on every torch the package supports (torch >= 2.6, pyproject.toml).
+"""Importing torch_fused with an older torch than it supports gives its version warning, not a
+schema error from torch.
 
 torch.library.custom_op infers an op's schema from its function's annotations, and torch 2.6's
 inference accepts ``typing.List[...]`` but not the builtin generic ``list[...]``: one such
-annotation and ``import torch_fused`` fails there. CI installs the newest torch, which accepts
-both, so this test reads the annotations instead of relying on the torch it runs on."""
+annotation and ``import torch_fused`` fails there before the warning is seen. CI installs the
+newest torch, which accepts both, so this test reads the annotations instead of relying on the
+torch it runs on."""
 
 from __future__ import annotations
 
 import inspect
 import re
 import sys
+
+import pytest
 
 from torch._library.custom_ops import CustomOpDef
 
@@ -38,3 +42,12 @@ def test_every_custom_op_schema_is_inferred_from_annotations_torch_2_6_reads():
             if _BUILTIN_GENERIC.search(annotation):
                 bad.append(f"{qualname}({p.name}: {annotation})")
     assert not bad, "use typing.List / typing.Tuple (torch 2.6 cannot infer a schema from these): " + ", ".join(bad)
+
+
+@pytest.mark.parametrize("version, warns", [("2.6.0+cu124", True), ("2.7.1", True), ("2.10.0", True),
+                                            ("2.11.0+cu130", False), ("2.14.1", False), ("2.12.0a0+git1234", False)])
+def test_an_older_torch_gets_the_version_warning(version, warns):
+    message = torch_fused._torch_version_warning(version)
+    assert (message is not None) == warns
+    if warns:
+        assert version in message and "2.11" in message

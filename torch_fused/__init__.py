@@ -7,11 +7,34 @@ the documented Python entry points over them.
 from __future__ import annotations
 
 
+import warnings
+
 import torch
 
-from . import ops as _ops  # noqa: F401  (registers the fused:: ops)
-from ._library import eager_eligible as _eager_eligible, is_dtensor as _is_dtensor
-from .ops.logprobs import eager_core as _eager_core
+# The oldest torch the test suite passes on (the GPU suite on 2.11, the whole CPU suite on later
+# releases); on 2.6 and 2.7 it fails in compiled error paths, DTensor and the older Triton's
+# kernels. pyproject.toml requires it; an older torch installed past it gets this warning.
+MIN_TORCH = (2, 11)
+
+
+def _torch_version_warning(version: str) -> str | None:
+    """The warning for an installed torch older than MIN_TORCH, None otherwise."""
+    try:
+        release = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    except ValueError:  # an unusual local build string: assume it is recent
+        return None
+    if release >= MIN_TORCH:
+        return None
+    return (f"torch_fused needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}, found {version}: on older "
+            "releases some ops and their compiled paths fail (tested: 2.6 and 2.7); upgrade torch")
+
+
+if (_message := _torch_version_warning(torch.__version__)) is not None:
+    warnings.warn(_message, RuntimeWarning, stacklevel=2)
+
+from . import ops as _ops  # noqa: E402,F401  (registers the fused:: ops)
+from ._library import eager_eligible as _eager_eligible, is_dtensor as _is_dtensor  # noqa: E402
+from .ops.logprobs import eager_core as _eager_core  # noqa: E402
 
 __version__ = "0.1.0"
 
