@@ -78,20 +78,20 @@ with torch.autograd.set_multithreading_enabled(False):
 # autograd engine's device thread adds (multithreading off runs the backward on this thread) and
 # how much the two kernel launches cost (stubbed: no kernel runs, the outputs are garbage)
 def stubbed(f):
-    def g():
+    def call():
         real = LIB.PlanLaunch.__call__
         LIB.PlanLaunch.__call__ = lambda self, grid, *a: None
         try:
             return f()
         finally:
             LIB.PlanLaunch.__call__ = real
-    return g
+    return call
 
 def no_mt(f):
-    def g():
+    def call():
         with torch.autograd.set_multithreading_enabled(False):
             return f()
-    return g
+    return call
 
 for n_, v_ in ((64, 1024), (512, 32000)):
     xs = torch.randn(n_, v_, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
