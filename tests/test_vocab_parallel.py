@@ -397,6 +397,37 @@ def mesh_dim_on_a_2d_mesh(ctx):
 
 
 @check(interpret=False)
+def gradient_metadata(ctx):
+    """The gradients of Shard(-1) logits and of a Shard(0) head weight (and bias) are DTensors
+    with the input's placements, global shape and global stride, the same on every rank, when V
+    does not divide by the world size. torch's own to_local backward derives the global stride
+    from the local shard's ((38, 1) on one rank, (36, 1) on the other for V = 37 over 2);
+    torch.autograd.grad returns that as is, and torch 2.11's gradient accumulation turned it into
+    a full-size Replicate() gradient."""
+    import torch_fused
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    v = 37
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(2, 5, v, generator=g)
+    idx = torch.randint(0, v, (2, 5), generator=g)
+    w_full, b_full = torch.randn(v, 8, generator=g), torch.randn(v, generator=g)
+    x = distribute_tensor(full, ctx.mesh, [Shard(-1)]).requires_grad_(True)
+    w = distribute_tensor(w_full, ctx.mesh, [Shard(0)]).requires_grad_(True)
+    b = distribute_tensor(b_full, ctx.mesh, [Shard(0)]).requires_grad_(True)
+    lp, ent = torch_fused.logprobs_and_entropy(x, idx)
+    lp2, ent2 = torch_fused.linear_logprobs_and_entropy(torch.randn(2, 5, 8, generator=g), w, idx, bias=b)
+    loss = (lp.to_local() + ent.to_local() + lp2.to_local() + ent2.to_local()).sum()
+    grads = torch.autograd.grad(loss, (x, w, b))
+    for name, t, gt in (("logits", x, grads[0]), ("weight", w, grads[1]), ("bias", b, grads[2])):
+        with ctx.soft(f"d {name}"):
+            assert gt.placements == t.placements, (gt.placements, t.placements)
+            assert gt.shape == t.shape and gt.stride() == t.stride(), (gt.shape, gt.stride(), t.shape, t.stride())
+            assert gt.to_local().shape == t.to_local().shape, (gt.to_local().shape, t.to_local().shape)
+    ctx.done()
+
+
+@check(interpret=False)
 def unsupported_placements_fail_clearly(ctx):
     import torch_fused
     from torch.distributed.device_mesh import init_device_mesh
@@ -547,6 +578,10 @@ def test_head_with_vocab_sharded_weight(group):
 
 def test_mesh_dim_on_a_2d_mesh(group):
     _assert_check(group, "mesh_dim_on_a_2d_mesh")
+
+
+def test_gradient_metadata(group):
+    _assert_check(group, "gradient_metadata")
 
 
 def test_unsupported_placements_fail_clearly(group):

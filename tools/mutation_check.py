@@ -444,6 +444,13 @@ MUTANTS: list[Mutant] = [
           "        elif ctx.compute_entropy:\n            g_ent, g_logp = grads  # MUTANT\n")],
         ["tests/test_logprobs_ops.py"],
     ),
+    # 29: the vocabulary-parallel logits made local with torch's to_local, whose backward gives d
+    #     logits a global stride derived from the uneven local shard (not the logits')
+    Mutant(
+        "vocab-parallel-grad-stride", "29 vocab-parallel d logits' DTensor stride", "torch_fused/parallel.py", CPU,
+        [("    x = _local_shard(logits)\n", "    x = logits.to_local()  # MUTANT\n")],
+        ["tests/test_vocab_parallel.py"],
+    ),
 ]
 
 

@@ -11,8 +11,8 @@ import warnings
 
 import torch
 
-# The oldest torch tested to work: the GPU tests pass on 2.11 (its CPU suite fails 8 vocab-parallel
-# tests over gloo), the whole CPU suite on 2.13 and 2.14; on 2.6 and 2.7 the suite fails in
+# The oldest torch tested to work: the GPU tests pass on 2.11, the whole CPU suite on 2.11, 2.13
+# and 2.14; on 2.6 and 2.7 the suite fails in
 # compiled error paths, DTensor and the older Triton's kernels. pyproject.toml requires it; an
 # older torch installed past it gets this warning.
 MIN_TORCH = (2, 11)

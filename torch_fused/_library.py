@@ -43,6 +43,8 @@ def check(cond, message) -> None:
     """
     if cond is True:
         return
+    if cond is False:  # a Python bool: raise here, as torch._check would (Dynamo re-raises it)
+        raise RuntimeError(message())
     torch._check(cond, message)
 
 
@@ -51,6 +53,8 @@ def check_value(cond, message) -> None:
     input checks, on one device and sharded alike."""
     if cond is True:
         return
+    if cond is False:
+        raise ValueError(message())
     torch._check_value(cond, message)
 
 

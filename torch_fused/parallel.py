@@ -155,6 +155,30 @@ def vocab_layout(t: DTensor, what: str, shard_dim: int, mesh_dim=None) -> VocabL
     return VocabLayout(mesh, dim, group.group_name, world, rank, v, starts, sizes)
 
 
+class _LocalShard(torch.autograd.Function):
+    """``t.to_local()`` whose gradient comes back as a DTensor with exactly ``t``'s mesh,
+    placements, shape and stride. torch's own to_local backward derives the gradient's global
+    stride from the local shard's, which for a vocabulary that does not divide evenly is not the
+    logits' stride (37 columns over 2 ranks: (38, 1) on rank 0 for a [rows, 37] tensor of stride (37, 1));
+    torch 2.11's gradient accumulation then copies that gradient into a Replicate tensor of the
+    full shape, an all-gather of d logits and a leaf whose gradient is no longer Shard(-1)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        ctx.spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride())
+        local = t.to_local()
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, g):
+        mesh, placements, shape, stride = ctx.spec
+        return DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _local_shard(t):
+    return None if t is None else _LocalShard.apply(t)
+
+
 def _replicated_local(t, what: str, layout: VocabLayout, ref_what: str):
     """A plain tensor as is; a DTensor must be Replicate() on the same mesh: its local tensor
     (differentiable: its gradient comes back Replicate)."""
@@ -423,7 +447,7 @@ def logprobs_entropy(logits, index, *, temperature=None, ignore_index: int = -10
     layout = vocab_layout(logits, "logits", -1, mesh_dim)
     t = _float_temperature(temperature)
     idx = _replicated_local(index, "index", layout, "logits") if want_logp else None
-    x = logits.to_local()
+    x = _local_shard(logits)
     meta_lp.check_logits_index(logits, idx, t, None, shift)  # global shapes (the DTensor's), as single-device
     check(idx is None or idx.device == x.device,
           lambda: f"index: expected device {x.device} (the logits' device), got {idx.device}")
@@ -453,7 +477,7 @@ def linear_logprobs_and_entropy(hidden, weight, index, *, bias=None, mesh_dim=No
     h = _replicated_local(hidden, "hidden", layout, "weight")
     idx = _replicated_local(index, "index", layout, "weight")
     meta_ll.check_linear(h, weight, idx, bias, opts)  # global weight / bias shapes
-    w = weight.to_local()
-    b = bias.to_local() if bias is not None else None
+    w = _local_shard(weight)
+    b = _local_shard(bias)
     logp, ent = _VocabParallelLinear.apply(h, w, idx, b, layout, opts)
     return _replicate(logp, layout.mesh), _replicate(ent, layout.mesh)

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .._library import FLOAT_DTYPES, acc_dtype, check
+from .._library import FLOAT_DTYPES, acc_dtype, check, check_value
 from .logprobs import check_logits_index, row_shape
 
 
@@ -71,11 +71,11 @@ def check_linear(hidden, weight, index, bias, opts: HeadOptions) -> None:
               lambda: f"bias: expected shape ({weight.shape[0]},) (one per vocabulary row), got {tuple(bias.shape)}")
         check(bias.dtype == hidden.dtype and bias.device == hidden.device,
               lambda: f"bias: expected {hidden.dtype} on {hidden.device}, got {bias.dtype} on {bias.device}")
-    torch._check_value(logit_scale > 0 and math.isfinite(logit_scale),
-                       lambda: f"logit_scale: expected a positive finite number, got {logit_scale}")
+    check_value(logit_scale > 0 and math.isfinite(logit_scale),
+                lambda: f"logit_scale: expected a positive finite number, got {logit_scale}")
     if softcap is not None:
-        torch._check_value(softcap > 0 and math.isfinite(softcap),
-                           lambda: f"softcap: expected None or a positive finite number, got {softcap}")
+        check_value(softcap > 0 and math.isfinite(softcap),
+                    lambda: f"softcap: expected None or a positive finite number, got {softcap}")
     # index and temperature: the log-prob ops' checks, with the hidden states in the logits' place
     # (their leading dims are the logits' rows)
     check_logits_index(hidden, index, temperature, None, shift, what="hidden")

@@ -11,12 +11,12 @@ import math
 
 import torch
 
-from .._library import FLOAT_DTYPES, INDEX_DTYPES, acc_dtype, check
+from .._library import FLOAT_DTYPES, INDEX_DTYPES, acc_dtype, check, check_value
 
 
 def check_temperature(temperature: float) -> None:
     # ValueError, as for a tensor temperature whose value is checked where it is read
-    torch._check_value(
+    check_value(
         temperature > 0 and math.isfinite(temperature),
         lambda: f"temperature: expected a positive finite number, got {temperature}",
     )
