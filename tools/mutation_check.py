@@ -393,7 +393,7 @@ MUTANTS: list[Mutant] = [
         "create-graph-silent", "22 double backward silently zero", "torch_fused/ops/logprobs.py", CPU,
         [("            return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward, saved)",
           "            with torch.no_grad():  # MUTANT\n"
-          "                return _gradients(ctx, g_logp, g_ent, _impls(saved[0].device)[1], saved)")],
+          "                return _gradients(ctx, g_logp, g_ent, _eager_backward(saved[0]), saved)")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 23: COMPACT's kept-row count one short (the last kept row of every list left out)
@@ -450,6 +450,15 @@ MUTANTS: list[Mutant] = [
         "vocab-parallel-grad-stride", "29 vocab-parallel d logits' DTensor stride", "torch_fused/parallel.py", CPU,
         [("    x = _local_shard(logits)\n", "    x = logits.to_local()  # MUTANT\n")],
         ["tests/test_vocab_parallel.py"],
+    ),
+    # 30: the eager path's backward plans (linked to the forward's plan) keyed without the
+    #     upstream gradients: an expanded or strided gradient reusing a contiguous one's plan
+    Mutant(
+        "linked-bwd-plan-key-triton", "30 eager backward plan keyed without the gradients",
+        "torch_fused/ops/logprobs.py", TRITON,
+        [("        key = (tensor_key(grad_logp), tensor_key(grad_entropy), _settings_key())\n",
+          "        key = (_settings_key(),)  # MUTANT\n")],
+        ["tests/test_logprobs_ops.py"],
     ),
 ]
 

@@ -119,32 +119,41 @@ def _forward_plan(logits, index, temperature, ignore_index, compute_entropy, tem
     return shapes, acc_dtype(x.dtype), rows, copy, layout, index_copy, k, v, c, constexprs, K
 
 
-def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, temperature_t=None, shift=False, *,
-                    placeholders=True):
-    """The forward op's Triton implementation. ``placeholders=False`` (the eager path, whose node
-    returns only the public outputs): None for an output the call does not make (the log-probs
-    without an index, the entropy without compute_entropy) instead of the op's empty tensor.
-    float64 logits go to the reference, which ignores ``placeholders`` and always returns the
-    op's three tensors (the eager path then picks its public outputs from them)."""
+def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, temperature_t=None, shift=False):
+    """The forward op's Triton implementation."""
+    return _forward_run(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift, True)[:3]
+
+
+def _forward_run(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift, placeholders):
+    """(logp, entropy, stats, the backward plans of this forward's key) of the forward's Triton
+    implementation. ``placeholders=False`` (the eager path, whose node returns only the public
+    outputs): None for an output the call does not make (the log-probs without an index, the
+    entropy without compute_entropy) instead of the op's empty tensor. float64 logits go to the
+    reference, which ignores ``placeholders`` and always returns the op's three tensors (the eager
+    path then picks its public outputs from them), and no backward plans (None).
+
+    The backward plans: backward_triton's ``plans``, the eager path's cache of the backward
+    launch plans of calls with this forward's key, keyed by the upstream gradients alone (the
+    rest of a backward plan's key is the forward's: the saved logits, index and arguments)."""
     if logits.dtype == torch.float64:
         # float64 is a validation dtype: the reference on the same device keeps fp64 accuracy
         meta.check_logits_index(logits, index, temperature, temperature_t, shift)
         return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy,
-                                                  temperature_t, shift)
+                                                  temperature_t, shift) + (None,)
     key = (tensor_key(logits), tensor_key(index), temperature, ignore_index, compute_entropy,
            tensor_key(temperature_t), shift, _settings_key())
     plan = _FWD_PLANS.get(key)
     if plan is None:
         p = _forward_plan(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
-        plan = _FWD_PLANS.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_forward_kernel, p[-2])))
-    plan, go = plan
+        plan = _FWD_PLANS.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_forward_kernel, p[-2]), Plans()))
+    plan, go, bwd_plans = plan
     (s_logp, s_ent, s_stats), dt, rows, copy, (inner, s_outer, s_inner), index_copy, k, v, c, constexprs, K = plan
     device = logits.device
     logp = new_output(s_logp, dt, device) if placeholders or index is not None else None
     ent = new_output(s_ent, dt, device) if placeholders or compute_entropy else None
     stats = new_output(s_stats, dt, device)
     if rows == 0:
-        return logp, ent, stats
+        return logp, ent, stats, bwd_plans
     # with shift the rows are the first L of every [L+1, V] block: the same first element
     x = (logits[..., :-1, :] if shift else logits).contiguous() if copy else logits
     # a pointer the launch does not touch is passed as None (a compile-time constant: no argument
@@ -152,7 +161,7 @@ def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, t
     idx = None if index is None else index.contiguous() if index_copy else index  # [rows, K] row-major
     go(rows, x, idx, logp if index is not None else None, ent if compute_entropy else None, stats, temperature_t,
        v, k, inner, s_outer, s_inner, c, ignore_index)
-    return logp, ent, stats
+    return logp, ent, stats, bwd_plans
 
 
 def shift_is_exact(triton_path: bool, dtype: torch.dtype, c: float) -> bool:
@@ -257,7 +266,7 @@ def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_i
 
 def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
                     temperature_t=None, shift=False, *, v_off=0, v_total=None, out_dtype=None, out=None,
-                    exact=None, want_dt=True):
+                    exact=None, want_dt=True, plans=None):
     """The backward op's Triton implementation. Keyword-only extras for the fused lm_head
     (ops/linear_logprobs.py): the logits may be columns v_off .. v_off + V - 1 of a vocabulary
     of v_total (stats and entropy of the whole rows), and d logits may be of another dtype, or
@@ -266,20 +275,27 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     first byte of logits row r (column j of ``out`` then never lies past column j of the
     logits; the kernel orders its warps' loads before the stores over them). ``exact``: the shift
     mode the stats were made with (_library.exact_shift); None: the logits ops' forward's.
-    ``want_dt=False``: d T is None (not an empty tensor) without a tensor temperature."""
+    ``want_dt=False``: d T is None (not an empty tensor) without a tensor temperature. ``plans``:
+    the backward plans of the forward call that saved these tensors (_forward_run; the eager
+    path, whose keyword extras are then all at their defaults), keyed by the upstream gradients."""
     if logits.dtype == torch.float64:
         return reference.logprobs_entropy_backward(
             grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift,
             v_off=v_off, v_total=v_total, out_dtype=out_dtype)
-    in_place = out is not None and out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
-    key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), temperature,
-           ignore_index, tensor_key(temperature_t), shift, v_off, v_total, out_dtype, tensor_key(out), in_place,
-           exact, _settings_key())
-    plan = _BWD_PLANS.get(key)
+    if plans is not None:
+        in_place = False
+        key = (tensor_key(grad_logp), tensor_key(grad_entropy), _settings_key())
+    else:
+        plans = _BWD_PLANS
+        in_place = out is not None and out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+        key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), temperature,
+               ignore_index, tensor_key(temperature_t), shift, v_off, v_total, out_dtype, tensor_key(out), in_place,
+               exact, _settings_key())
+    plan = plans.get(key)
     if plan is None:
         p = _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_index, temperature_t, shift,
                            v_off, v_total, out_dtype, out, in_place, exact)
-        plan = _BWD_PLANS.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_backward_kernel, p[5])))
+        plan = plans.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_backward_kernel, p[5])))
     plan, go = plan
     dx_dtype, rows, k, copies, scalars, constexprs, grid, K = plan
     # d logits has the logits' full shape; with shift its rows L of every sequence are zero and
@@ -341,9 +357,10 @@ def _backward(ctx, g_logp, g_ent, _g_stats):
     return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward)
 
 
-def _gradients(ctx, g_logp, g_ent, backward_op, saved=None):
+def _gradients(ctx, g_logp, g_ent, backward_op, saved=None, **extra):
     """The autograd formula of the core, with the backward op (or, on the eager fast path, its
-    implementation) given; ``saved``: ctx.saved_tensors where the caller has unpacked them."""
+    implementation) given; ``saved``: ctx.saved_tensors where the caller has unpacked them;
+    ``extra``: keyword arguments for an implementation (backward_triton's want_dt, plans)."""
     logits, index, stats, ent, temperature_t = ctx.saved_tensors if saved is None else saved
     # arguments left at their defaults (temperature_t, shift) may not reach autograd: one
     # gradient per argument that did
@@ -368,7 +385,7 @@ def _gradients(ctx, g_logp, g_ent, backward_op, saved=None):
     # the d logits too (the float temperature is then only a placeholder)
     dx, dt = backward_op(
         g_logp, g_ent, logits, index, stats, ent, ctx.temperature, ctx.ignore_index, temperature_t, ctx.shift,
-    )
+        **extra)
     return grads(dx, dt.to(temperature_t.dtype) if need_t else None)
 
 
@@ -389,14 +406,29 @@ logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_conte
 # the eager path's implementations: no empty tensor allocated for an output the node does not
 # return (the log-probs without an index, the entropy where it is not computed) or for d T of a
 # float temperature (the formula drops it)
-_forward_triton_eager = functools.partial(_forward_triton, placeholders=False)
+_TRITON_CUDA, _TRITON_CPU = "cuda" in TRITON_DEVICES, "cpu" in TRITON_DEVICES
+
+
+def _on_triton(t: torch.Tensor) -> bool:
+    """Whether t's device takes the Triton implementations (TRITON_DEVICES), from the tensor's
+    flags (no torch.device object made per call)."""
+    return (_TRITON_CUDA and t.is_cuda) or (_TRITON_CPU and t.is_cpu)
+
+
+def _eager_forward(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
+    """(logp, entropy, stats, backward plans or None): _forward_run without placeholders on a
+    Triton device, else the default implementation (no backward plans)."""
+    if _on_triton(logits):
+        return _forward_run(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift, False)
+    return _forward_default(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift) + (None,)
+
+
+def _eager_backward(logits):
+    """The backward implementation for the eager path's saved logits (without backward plans)."""
+    return _backward_triton_eager if _on_triton(logits) else _backward_default
+
+
 _backward_triton_eager = functools.partial(backward_triton, want_dt=False)
-
-
-def _impls(device: torch.device):
-    if device.type in TRITON_DEVICES:
-        return _forward_triton_eager, _backward_triton_eager
-    return _forward_default, _backward_default
 
 
 def public_outputs(index, compute_entropy, output):
@@ -418,9 +450,10 @@ class _EagerCore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
         inputs = (logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
-        _, ent, stats = output = _impls(logits.device)[0](*inputs)
-        _save(ctx, inputs, ent, stats)
+        output = _eager_forward(*inputs)
+        _save(ctx, inputs, output[1], output[2])
         ctx.has_index = index is not None
+        ctx.plans = output[3]  # the backward's launch plans for this forward's key (None: none kept)
         return public_outputs(index, compute_entropy, output)
 
     @staticmethod
@@ -442,11 +475,13 @@ class _EagerCore(torch.autograd.Function):
             if saved[3] is None:
                 saved = saved[:3] + (saved[2].new_empty(0),) + saved[4:]
             return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward, saved)
-        return _gradients(ctx, g_logp, g_ent, _impls(saved[0].device)[1], saved)
+        if ctx.plans is not None:
+            return _gradients(ctx, g_logp, g_ent, backward_triton, saved, want_dt=False, plans=ctx.plans)
+        return _gradients(ctx, g_logp, g_ent, _eager_backward(saved[0]), saved)
 
 
 def _eager_implementation(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
-    return public_outputs(index, compute_entropy, _impls(logits.device)[0](
+    return public_outputs(index, compute_entropy, _eager_forward(
         logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift))
 
 
