@@ -45,7 +45,8 @@ def test_every_custom_op_schema_is_inferred_from_annotations_torch_2_6_reads():
 
 
 @pytest.mark.parametrize("version, warns", [("2.6.0+cu124", True), ("2.7.1", True), ("2.9.1", True), ("2.10.0", False),
-                                            ("2.11.0+cu130", False), ("2.14.1", False), ("2.12.0a0+git1234", False)])
+                                            ("2.11.0+cu130", False), ("2.14.1", False), ("2.12.0a0+git1234", False),
+                                            ("local.build", False)])
 def test_an_older_torch_gets_the_version_warning(version, warns):
     message = torch_fused._torch_version_warning(version)
     assert (message is not None) == warns

@@ -17,14 +17,13 @@ import torch
 # Triton's kernels. pyproject.toml requires it; an older torch installed past it gets this warning.
 MIN_TORCH = (2, 10)
 
+from .settings import torch_release as _torch_release  # noqa: E402
+
 
 def _torch_version_warning(version: str) -> str | None:
     """The warning for an installed torch older than MIN_TORCH, None otherwise."""
-    try:
-        release = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
-    except ValueError:  # an unusual local build string: assume it is recent
-        return None
-    if release >= MIN_TORCH:
+    release = _torch_release(version)
+    if release is None or release >= MIN_TORCH:  # unparsable (an unusual local build): assume recent
         return None
     return (f"torch_fused needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}, found {version}: on older "
             "releases some ops and their compiled paths fail (tested: 2.6, 2.7 and 2.9); upgrade torch")

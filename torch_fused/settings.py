@@ -49,11 +49,19 @@ def _env_flag(name: str, default: bool) -> bool:
     return default if value is None else value != "0"
 
 
-def _torch_at_least(major: int, minor: int) -> bool:
+def torch_release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a torch version string ("2.11.0+cu130" -> (2, 11)); None where it does not
+    parse (an unusual local build string). The one parse of the version for the import warning
+    (torch_fused/__init__.py) and the version-dependent defaults here."""
     try:
-        return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
-    except ValueError:  # pragma: no cover - an unparsable version string
-        return False
+        return tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return None
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    release = torch_release(torch.__version__)
+    return release is not None and release >= (major, minor)
 
 
 # compile_inline_kernels without its environment variable: on where the GPU tests of the path ran
