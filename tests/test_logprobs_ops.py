@@ -712,6 +712,47 @@ def test_repeated_calls_with_another_layout_never_reuse_a_plan(device):
                 assert_grad_close(dx, rdx, scale / t, x.dtype, f"{what}: d logits, {gname} upstream gradient")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_saved_tensor_hooks_that_change_the_saved_layout(device):
+    """A saved-tensor hook (torch.autograd.graph.save_on_cpu, an activation offloader) may hand
+    the backward a copy of the logits in another layout than the forward's: a contiguous copy of
+    a sliced ``[:, :-1]`` view, or a transposed-storage copy of contiguous logits (and of the
+    saved row statistics, which the backward kernel reads as contiguous rows). The eager path's
+    backward plans, kept per forward plan, must not reuse one layout's plan for the other: the
+    same forward key with and without the hook, in both orders, against float64."""
+    from _helpers import assert_grad_close, ref_logprobs_entropy
+
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(3, 7, 50, generator=g).to(device)
+    index = torch.randint(0, 50, (3, 6), generator=g).to(device)
+    upstream = torch.randn(3, 6, generator=g).to(device)
+    packs = {
+        "contiguous copy of a slice": (lambda t: t.contiguous().clone() if t.dim() == 3 else t, True),
+        "transposed-storage copy (logits and row statistics)": (lambda t: t.transpose(0, 1).contiguous().transpose(0, 1) if t.dim() == 3 else t,
+                                    False),
+    }
+    for what, (pack, sliced) in packs.items():
+        for order in ((True, False), (False, True)):
+            for hooked in order:
+                x = base.clone().requires_grad_(True)
+                logits = x[:, :-1] if sliced else x[:, :6]
+                if not sliced:
+                    logits = logits.contiguous()
+                if hooked:
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                        lp = torch_fused.selective_log_softmax(logits, index)
+                else:
+                    lp = torch_fused.selective_log_softmax(logits, index)
+                (dx,) = torch.autograd.grad(lp, x, upstream)
+                xr = base.double().cpu().requires_grad_(True)
+                rlp, _ = ref_logprobs_entropy(xr[:, :6], index.cpu(), 1.0)
+                (rdx,) = torch.autograd.grad(rlp, xr, upstream.double().cpu())
+                scale = upstream.abs().double().cpu()[..., None]
+                assert_grad_close(dx[:, :6], rdx[:, :6], scale, torch.float32,
+                                  f"{what}, hook {'on' if hooked else 'off'} (order {order})")
+                assert bool((dx[:, 6:] == 0).all()), f"{what}: the rows outside the logits"
+
+
 def test_plan_launch_keys_compiled_kernels_by_alignment_and_device(monkeypatch, settings_override):
     """_library.PlanLaunch with settings.direct_launch: the first call per (device, pointer
     alignments) goes through kernel[grid] and keeps its compiled kernel; a later call with the

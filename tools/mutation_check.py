@@ -453,11 +453,28 @@ MUTANTS: list[Mutant] = [
     ),
     # 30: the eager path's backward plans (linked to the forward's plan) keyed without the
     #     upstream gradients: an expanded or strided gradient reusing a contiguous one's plan
+    # 31: the same keyed without the saved logits' layout: a saved-tensor hook that hands back a
+    #     contiguous copy of a sliced logits reusing the slice's plan (or the reverse)
     Mutant(
         "linked-bwd-plan-key-triton", "30 eager backward plan keyed without the gradients",
         "torch_fused/ops/logprobs.py", TRITON,
-        [("        key = (tensor_key(grad_logp), tensor_key(grad_entropy), _settings_key())\n",
-          "        key = (_settings_key(),)  # MUTANT\n")],
+        [("        key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key())\n",
+          "        key = (tensor_key(logits), tensor_key(index), _settings_key())  # MUTANT\n")],
+        ["tests/test_logprobs_ops.py"],
+    ),
+    Mutant(
+        "linked-bwd-plan-saved-layout-triton", "31 eager backward plan keyed without the saved logits' layout",
+        "torch_fused/ops/logprobs.py", TRITON,
+        [("        key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key())\n",
+          "        key = (tensor_key(grad_logp), tensor_key(grad_entropy), _settings_key())  # MUTANT\n")],
+        ["tests/test_logprobs_ops.py"],
+    ),
+    # 32: the backward kernel handed saved row statistics in the layout a saved-tensor hook gave
+    #     them (it reads them as contiguous rows)
+    Mutant(
+        "saved-stats-layout-triton", "32 saved row statistics read in a hook's layout",
+        "torch_fused/ops/logprobs.py", TRITON,
+        [("go(grid, x, idx, glp, gh, stats.contiguous(), ent,", "go(grid, x, idx, glp, gh, stats, ent,")],
         ["tests/test_logprobs_ops.py"],
     ),
 ]

@@ -49,9 +49,9 @@ def _env_flag(name: str, default: bool) -> bool:
     return default if value is None else value != "0"
 
 
-def torch_release(version: str) -> tuple[int, int] | None:
+def torch_release(version: str) -> tuple[int, ...] | None:
     """(major, minor) of a torch version string ("2.11.0+cu130" -> (2, 11)); None where it does not
-    parse (an unusual local build string). The one parse of the version for the import warning
+    parse (an unusual local build string); a bare "2" gives (2,). The one parse of the version for the import warning
     (torch_fused/__init__.py) and the version-dependent defaults here."""
     try:
         return tuple(int(p) for p in version.split("+")[0].split(".")[:2])

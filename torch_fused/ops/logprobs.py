@@ -133,8 +133,8 @@ def _forward_run(logits, index, temperature, ignore_index, compute_entropy, temp
     path then picks its public outputs from them), and no backward plans (None).
 
     The backward plans: backward_triton's ``plans``, the eager path's cache of the backward
-    launch plans of calls with this forward's key, keyed by the upstream gradients alone (the
-    rest of a backward plan's key is the forward's: the saved logits, index and arguments)."""
+    launch plans of calls with this forward's key, keyed by the upstream gradients and the saved
+    logits' and index's layouts (the rest of a backward plan's key is the forward's arguments)."""
     if logits.dtype == torch.float64:
         # float64 is a validation dtype: the reference on the same device keeps fp64 accuracy
         meta.check_logits_index(logits, index, temperature, temperature_t, shift)
@@ -277,14 +277,21 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     mode the stats were made with (_library.exact_shift); None: the logits ops' forward's.
     ``want_dt=False``: d T is None (not an empty tensor) without a tensor temperature. ``plans``:
     the backward plans of the forward call that saved these tensors (_forward_run; the eager
-    path, whose keyword extras are then all at their defaults), keyed by the upstream gradients."""
+    path, whose keyword extras are then all at their defaults), keyed by the upstream gradients
+    and the saved logits' and index's layouts (the rest of the full key is the forward's)."""
+    if plans is not None and (v_off or v_total is not None or out_dtype is not None or out is not None
+                              or exact is not None):
+        raise ValueError("backward_triton: plans= is the eager path's, whose keyword extras (v_off, v_total, "
+                         "out_dtype, out, exact) stay at their defaults")
     if logits.dtype == torch.float64:
         return reference.logprobs_entropy_backward(
             grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift,
             v_off=v_off, v_total=v_total, out_dtype=out_dtype)
     if plans is not None:
         in_place = False
-        key = (tensor_key(grad_logp), tensor_key(grad_entropy), _settings_key())
+        # the saved logits and index as they arrive here: saved-tensor hooks (save_on_cpu, an
+        # offloader) may hand back another layout than the forward's
+        key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key())
     else:
         plans = _BWD_PLANS
         in_place = out is not None and out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
@@ -317,9 +324,11 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
         glp = grad_logp.reshape(rows, k) if glp_copy else grad_logp
     if constexprs["HAS_GH"]:
         gh = grad_entropy.reshape(rows) if gh_copy else grad_entropy
-        ent = entropy
+        ent = entropy.contiguous()
     tail = dx[..., -1, :] if shift else None  # written with shift only (ZERO_TAIL)
-    go(grid, x, idx, glp, gh, stats, ent, dx, tail, temperature_t, xdx if has_dt else None, *scalars)
+    # the kernel reads the row statistics (and the entropy) as contiguous rows; a saved-tensor
+    # hook may hand them back in another layout (contiguous() returns them as they are otherwise)
+    go(grid, x, idx, glp, gh, stats.contiguous(), ent, dx, tail, temperature_t, xdx if has_dt else None, *scalars)
     return dx, reference.temperature_grad(xdx, temperature_t) if has_dt else xdx
 
 
@@ -403,9 +412,6 @@ logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_conte
 # torch.jit.trace, and only for plain tensors. Everything else, and every torch.ops.fused call,
 # goes through the registered op.
 # ---------------------------------------------------------------------------------------------
-# the eager path's implementations: no empty tensor allocated for an output the node does not
-# return (the log-probs without an index, the entropy where it is not computed) or for d T of a
-# float temperature (the formula drops it)
 _TRITON_CUDA, _TRITON_CPU = "cuda" in TRITON_DEVICES, "cpu" in TRITON_DEVICES
 
 
@@ -415,6 +421,9 @@ def _on_triton(t: torch.Tensor) -> bool:
     return (_TRITON_CUDA and t.is_cuda) or (_TRITON_CPU and t.is_cpu)
 
 
+# the eager path's implementations: no empty tensor allocated for an output the node does not
+# return (the log-probs without an index, the entropy where it is not computed) or for d T of a
+# float temperature (the formula drops it)
 def _eager_forward(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
     """(logp, entropy, stats, backward plans or None): _forward_run without placeholders on a
     Triton device, else the default implementation (no backward plans)."""
