@@ -32,6 +32,13 @@ except ImportError:  # pragma: no cover - exercised only on platforms without tr
 
 # Devices whose tensors go through the Triton kernels.
 TRITON_DEVICES: tuple[str, ...] = (("cuda", "cpu") if INTERPRET else ("cuda",)) if HAS_TRITON else ()
+_TRITON_CUDA, _TRITON_CPU = "cuda" in TRITON_DEVICES, "cpu" in TRITON_DEVICES
+
+
+def on_triton(t: torch.Tensor) -> bool:
+    """Whether t's device takes the Triton implementations (``t.device.type in TRITON_DEVICES``),
+    from the tensor's flags: no torch.device object made per call (the eager fast paths)."""
+    return (_TRITON_CUDA and t.is_cuda) or (_TRITON_CPU and t.is_cpu)
 
 
 def check(cond, message) -> None:

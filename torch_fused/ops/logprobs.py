@@ -23,7 +23,7 @@ import struct
 import torch
 
 from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift,
-                        inline_under_compile, kernel_temperature, new_output, rows_strides, PlanLaunch,
+                        inline_under_compile, kernel_temperature, new_output, on_triton, rows_strides, PlanLaunch,
                         Plans, tensor_key)
 from .. import reference
 from ..settings import values as _settings_values
@@ -412,29 +412,20 @@ logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_conte
 # torch.jit.trace, and only for plain tensors. Everything else, and every torch.ops.fused call,
 # goes through the registered op.
 # ---------------------------------------------------------------------------------------------
-_TRITON_CUDA, _TRITON_CPU = "cuda" in TRITON_DEVICES, "cpu" in TRITON_DEVICES
-
-
-def _on_triton(t: torch.Tensor) -> bool:
-    """Whether t's device takes the Triton implementations (TRITON_DEVICES), from the tensor's
-    flags (no torch.device object made per call)."""
-    return (_TRITON_CUDA and t.is_cuda) or (_TRITON_CPU and t.is_cpu)
-
-
 # the eager path's implementations: no empty tensor allocated for an output the node does not
 # return (the log-probs without an index, the entropy where it is not computed) or for d T of a
 # float temperature (the formula drops it)
 def _eager_forward(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
     """(logp, entropy, stats, backward plans or None): _forward_run without placeholders on a
     Triton device, else the default implementation (no backward plans)."""
-    if _on_triton(logits):
+    if on_triton(logits):
         return _forward_run(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift, False)
     return _forward_default(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift) + (None,)
 
 
 def _eager_backward(logits):
     """The backward implementation for the eager path's saved logits (without backward plans)."""
-    return _backward_triton_eager if _on_triton(logits) else _backward_default
+    return _backward_triton_eager if on_triton(logits) else _backward_default
 
 
 _backward_triton_eager = functools.partial(backward_triton, want_dt=False)

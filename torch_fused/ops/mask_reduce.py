@@ -13,7 +13,7 @@ from typing import List
 import torch
 
 from .._library import (NAMESPACE, TRITON_DEVICES, PlanLaunch, Plans, acc_dtype, call_eager, n_sm, new_output,
-                        tensor_key)
+                        on_triton, tensor_key)
 from ..settings import values as _settings_values
 from .. import reference
 from ..meta import mask_reduce as meta
@@ -169,14 +169,14 @@ mask_reduce.register_autograd(_backward, setup_context=_setup_context)
 
 # Eager fast path (as the log-prob ops': ops/logprobs.py): torch_fused.mask_reduce calls the
 # implementation and this autograd formula without the dispatcher when nothing needs the op.
-def _forward_impl(device: torch.device):
-    return _mask_reduce_triton if device.type in TRITON_DEVICES else _mask_reduce_default
+def _forward_impl(x: torch.Tensor):
+    return _mask_reduce_triton if on_triton(x) else _mask_reduce_default
 
 
 class _EagerMaskReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, mask, scale, out_dtype):
-        y = _forward_impl(x.device)(x, dim, mask, scale, out_dtype)
+        y = _forward_impl(x)(x, dim, mask, scale, out_dtype)
         _setup_context(ctx, (x, dim, mask, scale, out_dtype), y)
         return y
 
@@ -188,5 +188,5 @@ class _EagerMaskReduce(torch.autograd.Function):
 
 def eager_mask_reduce(x, dim, mask, scale, out_dtype):
     """fused::mask_reduce by the eager fast path (the caller checked eager_eligible)."""
-    return call_eager("fused::mask_reduce", (x, mask, scale), _EagerMaskReduce.apply, _forward_impl(x.device),
+    return call_eager("fused::mask_reduce", (x, mask, scale), _EagerMaskReduce.apply, _forward_impl(x),
                       x, dim, mask, scale, out_dtype)
