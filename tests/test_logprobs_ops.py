@@ -728,8 +728,8 @@ def test_saved_tensor_hooks_that_change_the_saved_layout(device):
     upstream = torch.randn(3, 6, generator=g).to(device)
     packs = {
         "contiguous copy of a slice": (lambda t: t.contiguous().clone() if t.dim() == 3 else t, True),
-        "transposed-storage copy (logits and row statistics)": (lambda t: t.transpose(0, 1).contiguous().transpose(0, 1) if t.dim() == 3 else t,
-                                    False),
+        "transposed-storage copy (logits and row statistics)": (
+            lambda t: t.transpose(0, 1).contiguous().transpose(0, 1) if t.dim() == 3 else t, False),
     }
     for what, (pack, sliced) in packs.items():
         for order in ((True, False), (False, True)):

@@ -10,8 +10,8 @@ computed (stubbed launches), only the calls are timed.
 
 Prints microseconds per call, the minimum over the rounds (a CPU host's timing noise is upward),
 rows timed in turn within each round. On a host busy with other work the figures swing by tens of
-us: run it on an idle host, with the default 15 rounds or more. For the GPU picture (launches, the autograd device thread)
-see tools/host_profile.py."""
+us: run it on an idle host, with the default 15 rounds or more. For the GPU picture (launches,
+the autograd device thread) see tools/host_profile.py."""
 import argparse
 import os
 import sys
@@ -50,7 +50,8 @@ class _Shaped(torch.autograd.Function):
         stats = x.new_empty(x.shape[:-1] + (2,), dtype=torch.float32)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, index, stats, None, None)
-        ctx.temperature, ctx.ignore_index, ctx.compute_entropy, ctx.shift = temperature, ignore_index, compute_entropy, shift
+        ctx.temperature, ctx.ignore_index = temperature, ignore_index
+        ctx.compute_entropy, ctx.shift = compute_entropy, shift
         return out
 
     @staticmethod
@@ -104,7 +105,7 @@ def main(argv=None):
               "(more --rounds, or an idle host)")
     print(f"torch {torch.__version__}, bf16 [{rows}, {v}], fwd + .sum() + autograd.grad, launches stubbed; "
           f"us per call, min of {args.rounds} rounds of {args.calls} calls")
-    for i, ((name, _), b) in enumerate(zip(cases, best)):
+    for (name, _), b in zip(cases, best):
         # the shaped node is selective_log_softmax's (the others save or return more)
         extra = f"   (+{b - best[1]:.1f} over the shaped node)" if name == "selective_log_softmax" else ""
         print(f"  {name:45s} {b:7.1f}{extra}")

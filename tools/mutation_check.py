@@ -458,15 +458,15 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "linked-bwd-plan-key-triton", "30 eager backward plan keyed without the gradients",
         "torch_fused/ops/logprobs.py", TRITON,
-        [("        key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key())\n",
-          "        key = (tensor_key(logits), tensor_key(index), _settings_key())  # MUTANT\n")],
+        [("    key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key())\n",
+          "    key = (tensor_key(logits), tensor_key(index), _settings_key())  # MUTANT\n")],
         ["tests/test_logprobs_ops.py"],
     ),
     Mutant(
         "linked-bwd-plan-saved-layout-triton", "31 eager backward plan keyed without the saved logits' layout",
         "torch_fused/ops/logprobs.py", TRITON,
-        [("        key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key())\n",
-          "        key = (tensor_key(grad_logp), tensor_key(grad_entropy), _settings_key())  # MUTANT\n")],
+        [("    key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key())\n",
+          "    key = (tensor_key(grad_logp), tensor_key(grad_entropy), _settings_key())  # MUTANT\n")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 32: the backward kernel handed saved row statistics in the layout a saved-tensor hook gave

@@ -287,17 +287,16 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
         return reference.logprobs_entropy_backward(
             grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift,
             v_off=v_off, v_total=v_total, out_dtype=out_dtype)
-    if plans is not None:
-        in_place = False
-        # the saved logits and index as they arrive here: saved-tensor hooks (save_on_cpu, an
-        # offloader) may hand back another layout than the forward's
-        key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key())
-    else:
+    # the saved logits and index as they arrive here: saved-tensor hooks (an offloader) may hand
+    # back another layout than the forward's. With ``plans`` this is the whole key.
+    key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key())
+    if plans is None:
         plans = _BWD_PLANS
         in_place = out is not None and out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
-        key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), temperature,
-               ignore_index, tensor_key(temperature_t), shift, v_off, v_total, out_dtype, tensor_key(out), in_place,
-               exact, _settings_key())
+        key += (temperature, ignore_index, tensor_key(temperature_t), shift, v_off, v_total, out_dtype,
+                tensor_key(out), in_place, exact)
+    else:
+        in_place = False
     plan = plans.get(key)
     if plan is None:
         p = _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_index, temperature_t, shift,
