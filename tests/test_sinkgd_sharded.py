@@ -163,6 +163,43 @@ def step_values_and_collectives(ctx):
     ctx.done()
 
 
+@check(interpret=True)
+def float64_step_is_float64(ctx):
+    """float64 parameters, sharded, beside float32 ones in the same call: lr=0 leaves the float64
+    ones bitwise unchanged (W was rounded through float32 before), a step matches the unsharded
+    float64 step to float64 accuracy (lr 0.1, not a float32: taken in float64), spectral too,
+    and the float32 matrix of the same call still matches its own unsharded step."""
+    from torch_fused.optim import sinkgd_step
+    from torch_fused.optim.sharded import sinkgd_step_sharded
+    from torch_fused.optim.sinkgd import _warm_start
+
+    g = torch.Generator().manual_seed(12)
+    shapes = [((7, 6), torch.float64), ((9, 5), torch.float32), ((2, 5, 4), torch.float64)]
+    ws = [(torch.randn(s, generator=g) * 3).to(dt) for s, dt in shapes]
+    gs = [torch.randn(s, generator=g).to(dt) for s, dt in shapes]
+    for lr, spectral in ((0.0, False), (0.1, False), (0.1, True)):
+        label = f"lr {lr} spectral {spectral}"
+        ps = [_dist(w.clone(), ctx.mesh, 0 if w.dim() == 2 else 1) for w in ws]
+        dgs = [_dist(x, ctx.mesh, 0 if x.dim() == 2 else 1) for x in gs]
+        ref = [w.clone() for w in ws]
+        vecs = [_warm_start(p) for p in ps] if spectral else None
+        ref_vecs = [_warm_start(w) for w in ref] if spectral else None
+        sinkgd_step_sharded(ps, dgs, lr=lr, weight_decay=0.1, spectral_norm=spectral, spectral_vecs=vecs)
+        sinkgd_step(ref, gs, lr=lr, weight_decay=0.1, spectral_norm=spectral, spectral_vecs=ref_vecs)
+        for k, (w0, want) in enumerate(zip(ws, ref)):
+            with ctx.soft(f"{label} matrix {k}"):
+                got = ps[k].full_tensor()
+                if lr == 0.0 and w0.dtype == torch.float64:
+                    assert torch.equal(got, w0), f"{label}: moved by {(got - w0).abs().max().item():.2e} at lr 0"
+                elif w0.dtype == torch.float64:
+                    err = (got - want).abs().max().item()
+                    assert err < 1e-13, f"{label} matrix {k}: {err:.2e} from the unsharded float64 step"
+                else:
+                    e = _rel(got - w0, want - w0)
+                    assert e < 2e-5, f"{label} matrix {k}: update differs, norm-wise relative error {e:.2e}"
+    ctx.done()
+
+
 @check(interpret=True, worlds=(2,))
 def stochastic_rounding_bits(ctx):
     """bf16 with stochastic_round on a Triton device (the interpreter run on CPU): the sharded
@@ -426,6 +463,10 @@ def test_fully_shard_mlp_training(group):
 
 def test_fully_shard_param_groups(group):
     _assert_check(group, "fully_shard_param_groups")
+
+
+def test_float64_step_is_float64(group):
+    _assert_check(group, "float64_step_is_float64")
 
 
 def test_compiled_step(group):

@@ -43,10 +43,24 @@ def check_settings(n_params, n_grads, n_vecs, sinkhorn_iters, eps, spectral_norm
         check(spectral_iters >= 1, lambda: f"spectral_iters: expected >= 1, got {spectral_iters}")
 
 
-def check_matrix(i, p) -> None:
-    """params[i] is a matrix (or a batch of them) of a supported dtype."""
-    check(p.dim() >= 2, lambda: f"params[{i}]: SinkGD needs a matrix [..., m, n], got shape {tuple(p.shape)}")
-    check(p.dtype in PARAM_DTYPES, lambda: f"params[{i}]: expected a floating dtype, got {p.dtype}")
+def check_matrix(i, p, name: str | None = None) -> None:
+    """params[i] (``name`` where given) is a matrix (or a batch of them) of a supported dtype."""
+    name = f"params[{i}]" if name is None else name
+    check(p.dim() >= 2, lambda: f"{name}: SinkGD needs a matrix [..., m, n], got shape {tuple(p.shape)}")
+    check(p.dtype in PARAM_DTYPES, lambda: f"{name}: expected a floating dtype, got {p.dtype}")
+
+
+def check_param_grad(p, g, p_name: str, g_name: str) -> None:
+    """One matrix and its gradient (the per-parameter checks of check_sinkgd, which _all_valid
+    passes at once), each error naming ``p_name`` or ``g_name``."""
+    check_matrix(None, p, p_name)
+    check(p.layout == torch.strided and g.layout == torch.strided,
+          lambda: f"{p_name}: sparse parameters or gradients are not supported")
+    check(p.is_contiguous(),
+          lambda: f"{p_name}: expected a contiguous parameter, got strides {tuple(p.stride())} for shape {tuple(p.shape)}")
+    check(tuple(g.shape) == tuple(p.shape),
+          lambda: f"{g_name}: shape {tuple(g.shape)} does not match its parameter's {tuple(p.shape)}")
+    check(g.device == p.device, lambda: f"{g_name}: device {g.device} differs from its parameter's {p.device}")
 
 
 def check_sinkgd_scalars(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm, spectral_target,
@@ -65,15 +79,7 @@ def check_sinkgd(params, grads, spectral_vecs, lr, sinkhorn_iters, spectral_norm
     if _all_valid(params, grads) and (not spectral_norm or _vecs_valid(params, spectral_vecs)):
         return  # the common case, checked in one pass; the loop below names what is wrong
     for i, (p, g) in enumerate(zip(params, grads)):
-        check_matrix(i, p)
-        check(p.layout == torch.strided and g.layout == torch.strided,
-              lambda: f"params[{i}]: sparse parameters or gradients are not supported")
-        check(p.is_contiguous(),
-              lambda: f"params[{i}]: expected a contiguous parameter, got strides {tuple(p.stride())}"
-                      f" for shape {tuple(p.shape)}")
-        check(tuple(g.shape) == tuple(p.shape),
-              lambda: f"grads[{i}]: shape {tuple(g.shape)} does not match its parameter's {tuple(p.shape)}")
-        check(g.device == p.device, lambda: f"grads[{i}]: device {g.device} differs from its parameter's {p.device}")
+        check_param_grad(p, g, f"params[{i}]", f"grads[{i}]")
         if spectral_norm:
             v = spectral_vecs[i]
             b = p.numel() // (p.shape[-2] * p.shape[-1]) if p.numel() else 0

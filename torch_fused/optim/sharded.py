@@ -35,7 +35,7 @@ Two implementations of the same step:
   EOFF, SALT), so the random bits are the unsharded step's. A world of 1 is bitwise the fused
   step; larger worlds sum the column partials in another order (fp32 rounding).
 - elsewhere (the CPU, a call with any float64 matrix, or the sinkgd_sharded_fused setting off) PyTorch ops: fp32
-  math on the scale vectors, the gradient read in row chunks of about ``CHUNK_ELEMS`` elements (no fp32 copy of
+  math on the scale vectors (float64 for a float64 matrix), the gradient read in row chunks of about ``CHUNK_ELEMS`` elements (no fp32 copy of
   a whole gradient). Stochastic rounding of bf16 parameters (where the single-device op does
   it: a Triton device) reproduces the update kernel's random bits: Philox (Triton's
   ``tl.randint4x``, 10 rounds) keyed by the seed ``step * 1000003 + matrix index``, one call
@@ -270,6 +270,8 @@ class _Mat:
     def __init__(self, w, g, info: ShardInfo, v, scales: bool = True):
         self.w = w
         self.g = g
+        # the PyTorch-op path's arithmetic: fp32, float64 where W or G is float64
+        self.dt = torch.float64 if torch.float64 in (w.dtype, g.dtype) else torch.float32
         self.info = info
         self.v = v
         self.chunk = max(1, CHUNK_ELEMS // max(1, info.b_loc * info.n))
@@ -277,10 +279,11 @@ class _Mat:
             self.init_scales()
 
     def init_scales(self):
-        """r and c all ones (the PyTorch-op path's; the fused path keeps its own)."""
+        """r and c all ones (the PyTorch-op path's, in its arithmetic's dtype; the fused path
+        keeps its own)."""
         dev = self.w.device
-        self.r = torch.ones(self.info.b_loc, self.info.m_loc, dtype=torch.float32, device=dev)
-        self.c = torch.ones(self.info.b_loc, self.info.n, dtype=torch.float32, device=dev)
+        self.r = torch.ones(self.info.b_loc, self.info.m_loc, dtype=self.dt, device=dev)
+        self.c = torch.ones(self.info.b_loc, self.info.n, dtype=self.dt, device=dev)
 
     def chunks(self):
         for a in range(0, self.info.m_loc, self.chunk):
@@ -294,9 +297,10 @@ def _all_reduce(buf: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 def _reduce_groups(mats, parts):
-    """Sum ``parts[k]`` (fp32 tensors, one per matrix) over the ranks for every row-sharded
-    matrix: ONE all-reduce per process group, of the parts concatenated; others stay as they
-    are. Returns the list of summed parts."""
+    """Sum ``parts[k]`` (fp32 tensors, one per matrix; float64 for a float64 matrix) over the
+    ranks for every row-sharded matrix: ONE all-reduce per process group, of the parts
+    concatenated (float64 if any is); others stay as they are. Returns the list of summed
+    parts, each in its own dtype."""
     out = list(parts)
     by_group: dict = {}
     for k, mat in enumerate(mats):
@@ -308,7 +312,7 @@ def _reduce_groups(mats, parts):
         at = 0
         for k in idx:
             size = parts[k].numel()
-            out[k] = flat[at:at + size].view(parts[k].shape)
+            out[k] = flat[at:at + size].view(parts[k].shape).to(parts[k].dtype)
             at += size
     return out
 
@@ -318,7 +322,7 @@ def _row_pass(mat: _Mat, eps: float) -> torch.Tensor:
     sum_i (r_i G_ij c_j)^2 over the local rows."""
     info = mat.info
     fn = _chunk_fn(_row_values, mat.w.device)
-    part = torch.zeros(info.b_loc, info.n, dtype=torch.float32, device=mat.w.device)
+    part = torch.zeros(info.b_loc, info.n, dtype=mat.dt, device=mat.w.device)
     for a, e in mat.chunks():
         r_new, p = fn(mat.g[:, a:e], mat.c, mat.r[:, a:e], eps)
         mat.r[:, a:e] = r_new
@@ -327,27 +331,28 @@ def _row_pass(mat: _Mat, eps: float) -> torch.Tensor:
 
 
 def _mv(mat: _Mat, x: torch.Tensor) -> torch.Tensor:
-    """G x over the local rows: [b_loc, m_loc] from [b_loc, n] (fp32, chunked)."""
-    out = torch.empty(mat.info.b_loc, mat.info.m_loc, dtype=torch.float32, device=mat.w.device)
+    """G x over the local rows: [b_loc, m_loc] from [b_loc, n] (mat.dt, chunked)."""
+    out = torch.empty(mat.info.b_loc, mat.info.m_loc, dtype=mat.dt, device=mat.w.device)
     for a, e in mat.chunks():
-        out[:, a:e] = torch.einsum("bmn,bn->bm", mat.g[:, a:e].float(), x)
+        out[:, a:e] = torch.einsum("bmn,bn->bm", mat.g[:, a:e].to(mat.dt), x.to(mat.dt))
     return out
 
 
 def _mv_t(mat: _Mat, y: torch.Tensor) -> torch.Tensor:
     """G^T y over the local rows: [b_loc, n] partials from [b_loc, m_loc]."""
-    out = torch.zeros(mat.info.b_loc, mat.info.n, dtype=torch.float32, device=mat.w.device)
+    out = torch.zeros(mat.info.b_loc, mat.info.n, dtype=mat.dt, device=mat.w.device)
     for a, e in mat.chunks():
-        out += torch.einsum("bmn,bm->bn", mat.g[:, a:e].float(), y[:, a:e])
+        out += torch.einsum("bmn,bm->bn", mat.g[:, a:e].to(mat.dt), y[:, a:e].to(mat.dt))
     return out
 
 
 def _update_values(w, g, r, c, coef_x, coef_w, seed, rows, cols):
     """The new values of a chunk of rows w [b, s, n] (in w's dtype): the update kernel's fp32
     operations in its order, then its stochastic rounding where ``seed`` is given (``rows``
-    [b, s] and ``cols`` [n]: the elements' rows and columns in the whole parameter)."""
-    wf = w.float()
-    x = g.float() * r[:, :, None] * c[:, None, :]
+    [b, s] and ``cols`` [n]: the elements' rows and columns in the whole parameter). The math
+    in r's dtype (fp32; float64 for a float64 matrix)."""
+    wf = w.to(r.dtype)
+    x = g.to(r.dtype) * r[:, :, None] * c[:, None, :]
     new = wf - coef_x[:, None, None] * x - coef_w * wf
     if seed is not None:
         new = stochastic_round_bf16(new, seed, rows[:, :, None] * cols.shape[0] + cols)
@@ -355,9 +360,10 @@ def _update_values(w, g, r, c, coef_x, coef_w, seed, rows, cols):
 
 
 def _row_values(g, c, r_old, eps: float):
-    """Row step of a chunk of rows g [b, s, n]: (new r [b, s], column partials [b, n])."""
+    """Row step of a chunk of rows g [b, s, n]: (new r [b, s], column partials [b, n]), in c's
+    dtype (fp32; float64 for a float64 matrix)."""
     target = math.sqrt(g.shape[-1])  # from the shape: one compiled graph for every n
-    y = g.float() * c[:, None, :]  # G_ij c_j: one fp32 temporary
+    y = g.to(c.dtype) * c[:, None, :]  # G_ij c_j: one fp32 temporary
     # scaled by each row's largest |y| before squaring, so that no finite gradient overflows
     a = y.abs().amax(2)
     a = torch.where(a > 0, a, torch.ones_like(a))
@@ -384,8 +390,8 @@ def _chunk_fn(fn, dev: torch.device):
 
 
 def _update(mat: _Mat, coef_x: torch.Tensor, coef_w: torch.Tensor, seed) -> None:
-    """W <- W - coef_x[b] (r_i G_ij c_j) - coef_w W on the local rows, fp32 math, stored in W's
-    dtype (stochastically rounded to bf16 where ``seed`` is given), in the update kernel's
+    """W <- W - coef_x[b] (r_i G_ij c_j) - coef_w W on the local rows, fp32 math (float64 for a
+    float64 matrix), stored in W's dtype (stochastically rounded to bf16 where ``seed`` is given), in the update kernel's
     operation order."""
     info = mat.info
     dev = mat.w.device
@@ -419,12 +425,21 @@ def check_sharded_vecs(params, vecs) -> None:
             raise ValueError(f"spectral_vecs[{i}]: expected {shown}, got {got}")
 
 
-@torch.compiler.disable(recursive=True)
+def sinkgd_step_sharded(params, grads, **kwargs) -> None:
+    """_sinkgd_step_sharded (the arguments and what it does: its docstring), run eagerly under
+    torch.compile (a graph break). torch.compiler.disable is applied here, at the call, not as a
+    decorator: it imports torch._dynamo, which would make ``import torch_fused`` twice as slow
+    for every user."""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(_sinkgd_step_sharded, recursive=True)(params, grads, **kwargs)
+    return _sinkgd_step_sharded(params, grads, **kwargs)
+
+
 @torch.no_grad()
-def sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05, weight_decay=0.0, eps=1e-8,
-                        sinkhorn_iters=5, spectral_norm=False, spectral_target="unit", spectral_iters=1,
-                        base_width=None, width_exponent=1.0, stochastic_round=False, step=None,
-                        salts=None) -> None:
+def _sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05, weight_decay=0.0, eps=1e-8,
+                         sinkhorn_iters=5, spectral_norm=False, spectral_target="unit", spectral_iters=1,
+                         base_width=None, width_exponent=1.0, stochastic_round=False, step=None,
+                         salts=None) -> None:
     """One in-place SinkGD update of DTensor matrices (``Shard(0)`` rows, a ``Shard(0)`` batch
     of matrices, or ``Replicate()``, on a 1-D mesh), equal to the step of the whole matrices
     (``torch_fused.optim.sinkgd_step``'s arguments; the module docstring says how). Every rank
@@ -479,21 +494,26 @@ def sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05,
         lr_d = lr.reshape(()).to(device=dev, dtype=torch.float32)
     else:
         lr_d = torch.tensor(float(lr), dtype=torch.float32, device=dev)
+    lr_wide = None  # a float64 matrix's lr, not rounded through fp32
+    if any(m.dt == torch.float64 for m in mats):
+        lr_wide = (lr.reshape(()).to(device=dev, dtype=torch.float64) if isinstance(lr, torch.Tensor)
+                   else torch.tensor(float(lr), dtype=torch.float64, device=dev))
     if step is None:
         step = torch.zeros((), dtype=torch.float32, device=dev)
     kw = dict(lr_scale=lr_scale, weight_decay=weight_decay, eps=eps, sinkhorn_iters=sinkhorn_iters,
               spectral_norm=spectral_norm, spectral_target=spectral_target, spectral_iters=spectral_iters,
               base_width=base_width, width_exponent=width_exponent)
-    if settings.sinkgd_sharded_fused and dev.type in TRITON_DEVICES and all(torch.float64 not in (m.w.dtype, m.g.dtype) for m in mats):
+    if settings.sinkgd_sharded_fused and dev.type in TRITON_DEVICES and lr_wide is None:
         _fused_step(mats, salts, lr_d, step, stochastic_round, **kw)
     else:
-        _torch_step(mats, salts, lr_d, step, stochastic_round, **kw)
+        _torch_step(mats, salts, lr_d, step, stochastic_round, lr_wide=lr_wide, **kw)
 
 
 def _torch_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_decay, eps, sinkhorn_iters,
-                spectral_norm, spectral_target, spectral_iters, base_width, width_exponent):
+                spectral_norm, spectral_target, spectral_iters, base_width, width_exponent, lr_wide=None):
     """The step in PyTorch ops (CPU, float64, and the sinkgd_sharded_fused setting off): chunked passes over the
-    local rows, the collectives of _reduce_groups."""
+    local rows, the collectives of _reduce_groups. Each matrix's arithmetic in its _Mat.dt (a float64
+    matrix's with ``lr_wide``, the lr in float64)."""
     from .._library import TRITON_DEVICES
 
     dev = mats[0].w.device
@@ -523,7 +543,8 @@ def _torch_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_d
     for k, mat in enumerate(mats):
         info = mat.info
         fac = lr_scale * ((base_width / info.n) ** width_exponent if base_width is not None else 1.0)
-        eta = lr_d * fac  # fp32 (the scalar rounded to fp32), as the kernel's lr * fac
+        # fp32 (the scalar rounded to fp32), as the kernel's lr * fac; float64 for a float64 matrix
+        eta = (lr_d if mat.dt == torch.float32 else lr_wide) * fac
         coef_x = eta.expand(info.b_loc) if scales[k] is None else eta * scales[k]
         coef_w = eta * float(weight_decay)
         seed = None

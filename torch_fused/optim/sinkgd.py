@@ -10,6 +10,7 @@ import warnings
 import torch
 from torch.optim import Optimizer
 
+from ..meta.sinkgd import _all_valid, check_param_grad
 from ..ops.sinkgd import SinkGDCache, sinkgd_step_eager
 from . import sharded
 from .._library import is_dtensor
@@ -46,8 +47,9 @@ def sinkgd_step(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05, weight_
     dev = params[0].device if params else torch.device("cpu")
     if isinstance(lr, torch.Tensor):
         lr = lr.reshape(()).to(dev)
-    else:
-        lr = torch.tensor(float(lr), dtype=torch.float32, device=dev)
+    else:  # float64 where a float64 matrix is stepped (its step is float64 throughout)
+        wide = any(p.dtype == torch.float64 for p in params)
+        lr = torch.tensor(float(lr), dtype=torch.float64 if wide else torch.float32, device=dev)
     if step is None:
         step = torch.zeros((), dtype=torch.float32, device=dev)
     args = (list(params), list(grads), [] if spectral_vecs is None else list(spectral_vecs), lr, float(lr_scale),
@@ -210,6 +212,16 @@ class SinkGD(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _check_group(group)
+        if group["stochastic_round"] and not group["use_fallback"]:
+            from .._library import TRITON_DEVICES
+
+            elsewhere = sorted({str(p.device) for p in group["params"]
+                                if p.dim() >= 2 and p.dtype == torch.bfloat16 and p.device.type not in TRITON_DEVICES})
+            if elsewhere:
+                warnings.warn(
+                    f"SinkGD: stochastic_round=True has no effect on bf16 parameters on {', '.join(elsewhere)}: the "
+                    "step there (the PyTorch reference) rounds to nearest; stochastic rounding runs in the Triton "
+                    "kernels (CUDA)", UserWarning, stacklevel=3)
         # SinkGD's lr is typically 4-20x an AdamW lr (spectral: ~1000x): never apply it to AdamW silently
         if "lr" in group["fallback_kwargs"] or "lr" in group.get("adamw_keys", ()):
             return
@@ -225,8 +237,9 @@ class SinkGD(Optimizer):
             "AdamW lr, ~1000x with spectral_norm). Set AdamW's lr with fallback_kwargs={'lr': ...}, or build the "
             "groups with sinkgd_param_groups(model, lr=adamw_lr)", UserWarning, stacklevel=3)
 
-    def _fallback_step(self, group, params, lr):
-        """AdamW on ``params``: betas (0.9, 0.999), eps 1e-8, weight decay 0, lr the group's;
+    def _fallback_step(self, group, params, adamw_state, lr):
+        """AdamW on ``params`` (``adamw_state``: their gradients, moments and step counts, as
+        _init_group lists them): betas (0.9, 0.999), eps 1e-8, weight decay 0, lr the group's;
         then the group's ``fallback_kwargs``; then, in a ``use_fallback`` group, the AdamW
         settings the group itself was given (``ADAMW_GROUP_KEYS``: its lr, weight_decay, eps,
         betas), read at each step (a scheduler's lr applies). A ``fallback_kwargs`` lr is scaled
@@ -243,17 +256,7 @@ class SinkGD(Optimizer):
             start = group["initial_lr"]
             if not (isinstance(start, (int, float)) and start == 0):
                 f_lr = f_lr * (group["lr"] / start)
-        grads, m1, m2, steps = [], [], [], []
-        for p in params:
-            st = self.state[p]
-            if "exp_avg" not in st:
-                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            grads.append(p.grad)
-            m1.append(st["exp_avg"])
-            m2.append(st["exp_avg_sq"])
-            steps.append(st["step"])
+        grads, m1, m2, steps = adamw_state
         on_cuda = all(p.is_cuda for p in params)
         compiling = torch.compiler.is_compiling()
         fused = on_cuda and not compiling
@@ -264,12 +267,17 @@ class SinkGD(Optimizer):
             capturable=on_cuda and compiling,  # step counts stay on the device: no sync in a graph
             differentiable=False, has_complex=False)
 
-    def _init_group(self, group, mats, grads, vecs, small, steps):
+    def _init_group(self, group, mats, grads, vecs, small, steps, small_grads, exp_avgs, exp_avg_sqs, small_steps):
         """Sorts the group's parameters that have a gradient into mats, grads and vecs (SinkGD;
-        steps: the group's step count) and small (AdamW), creating the state they lack. Under
-        torch.compile this runs eagerly (as torch.optim's own ``_init_group``), so the state
-        tensors are ordinary allocations with static addresses, not outputs of a compiled
-        graph, which inductor's CUDA graphs would keep in their memory pool."""
+        steps: the group's step count) and small (AdamW; small_grads, exp_avgs, exp_avg_sqs,
+        small_steps: their gradients, moments and step counts), creating the state they lack.
+        Under torch.compile this runs eagerly (as torch.optim's own ``_init_group``), so the
+        state tensors are ordinary allocations with static addresses, not outputs of a compiled
+        graph, which inductor's CUDA graphs would keep in their memory pool. The step reads the
+        state only through these lists: a traced read or write of ``self.state`` would be
+        replayed by torch.compile over the entries made here (a lost step count). Every output is
+        a list argument of its own: torch.compile carries the lists' new items back into the
+        trace, not those of a list inside another argument."""
         state, fallback, spectral = self.state, group["use_fallback"], group["spectral_norm"]
         for p in group["params"]:  # host work per parameter per step: kept to a few lookups
             g = p.grad
@@ -282,6 +290,10 @@ class SinkGD(Optimizer):
                     st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                small_grads.append(g)
+                exp_avgs.append(st["exp_avg"])
+                exp_avg_sqs.append(st["exp_avg_sq"])
+                small_steps.append(st["step"])
                 continue
             mats.append(p)
             grads.append(g)
@@ -307,16 +319,24 @@ class SinkGD(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = []
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             mats, grads, vecs, small, steps = [], [], [], [], []
-            self._init_group(group, mats, grads, vecs, small, steps)
-            for p in small:  # checked before any group updates: never a half-applied step
+            adamw_state = ([], [], [], [])  # the AdamW parameters' gradients, moments, step counts
+            self._init_group(group, mats, grads, vecs, small, steps, *adamw_state)
+            # checked before any group updates: never a half-applied step
+            for p in small:
                 if p.grad.is_sparse:
                     raise ValueError(f"params: a parameter of shape {tuple(p.shape)} that goes to SinkGD's AdamW has a "
                                      "sparse gradient, which AdamW does not take (use a dense embedding, or another "
                                      "optimizer for it)")
-            work.append((group, mats, grads, vecs, small, steps))
-        for group, mats, grads, vecs, small, steps in work:
+            plain = [(p, g) for p, g in zip(mats, grads) if not is_dtensor(p)]
+            if plain and not _all_valid(*zip(*plain)):  # one cheap pass; names the culprit only on failure
+                where = {id(p): j for j, p in enumerate(group["params"])}
+                for p, g in plain:
+                    name = f"param_groups[{gi}]['params'][{where[id(p)]}]"
+                    check_param_grad(p, g, name, f"the gradient of {name}")
+            work.append((group, mats, grads, vecs, small, steps, adamw_state))
+        for group, mats, grads, vecs, small, steps, adamw_state in work:
             lr = group["lr"]
             if mats:
                 steps[0].add_(1)
@@ -344,9 +364,9 @@ class SinkGD(Optimizer):
             if small:
                 if any(is_dtensor(p) for p in small):
                     # DTensors run eagerly under torch.compile (uneven shards trip traced AdamW)
-                    _eager(self._fallback_step)(group, small, lr)
+                    _eager(self._fallback_step)(group, small, adamw_state, lr)
                 else:
-                    self._fallback_step(group, small, lr)
+                    self._fallback_step(group, small, adamw_state, lr)
         return loss
 
 
