@@ -113,6 +113,33 @@ def test_aggregate_loss_float_mask_compiled():
     torch.testing.assert_close(f(loss, keep.float()).double(), (s[rows] / n[rows]).mean(), **TOL)
 
 
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_mask_that_requires_grad_gets_no_gradient(mode):
+    """A floating mask made by differentiable code (it requires grad): the helpers differentiate
+    the values only, as mask_reduce does; the mask, which selects, gets no gradient (the kept
+    count is not differentiable), where the backward once raised for want of an autograd formula
+    of the count, and the compiled call failed to compile."""
+    loss, keep = _loss_and_keep(7)
+    w = torch.randn(loss.shape)
+    calls = [lambda v, m: torch_fused.masked_mean(v, m, 1), lambda v, m: torch_fused.masked_mean(v, m)]
+    calls += [lambda v, m, a=a: torch_fused.aggregate_loss(v, m, a) for a in AGG_MODES]
+    for fn in calls:
+        v = loss.detach().double().requires_grad_(True)
+        m = keep.double().requires_grad_(True)
+        f = fn
+        if mode == "compiled":
+            torch._dynamo.reset()
+            f = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        out = f(v, m)
+        (dv,) = torch.autograd.grad((out * w[0, : out.numel()].reshape(out.shape)).sum(), v)
+        v2 = loss.detach().double().requires_grad_(True)
+        ref = fn(v2, keep.double())  # the same call with a mask that does not require grad
+        (rdv,) = torch.autograd.grad((ref * w[0, : ref.numel()].reshape(ref.shape)).sum(), v2)
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(dv, rdv)
+        assert m.grad is None
+
+
 AGG = torch_fused.aggregate_loss
 MEAN = torch_fused.masked_mean
 BAD = [  # (id, function, args, message)

@@ -55,6 +55,13 @@ def mask_count(mask: torch.Tensor, shape: List[int], dim: int) -> torch.Tensor:
 
 
 mask_count.register_fake(meta.mask_count_fake)
+
+
+def _mask_count_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(output)  # a count: no gradient reaches a floating mask through it
+
+
+mask_count.register_autograd(lambda ctx, grad: (None, None, None), setup_context=_mask_count_setup)
 mask_reduce.register_fake(meta.mask_reduce_fake)
 mask_reduce_backward.register_fake(meta.mask_reduce_backward_fake)
 
