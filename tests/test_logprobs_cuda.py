@@ -309,3 +309,111 @@ def test_direct_launch_matches_kernel_grid(case, settings_override):
         got = run()
         for a, b in zip(got, want):
             assert torch.equal(a, b) or torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def _grpo_inputs(gen, n=64, v=1024):
+    x = (torch.randn(n, v, device="cuda", generator=gen) * 3).to(torch.bfloat16).requires_grad_(True)
+    return (x, torch.randint(0, v, (n,), device="cuda", generator=gen),
+            torch.randn(n, device="cuda", generator=gen) * 0.1 - 5, torch.randn(n, device="cuda", generator=gen),
+            (torch.rand(n, device="cuda", generator=gen) > 0.2).float())
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inlined", "opaque"])
+def test_compiled_under_cuda_graphs_matches_eager(inline, settings_override, compile_caches_off):
+    """torch.compile(mode="reduce-overhead"): the GRPO loss's forward and backward run as
+    Inductor's CUDA graphs (recorded, no skip), with the log-prob launches inlined into the graph
+    or as op calls, and give the eager call's loss and d logits at every step, new inputs each
+    step (copied into the graphs' input buffers at each replay)."""
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    from torch_fused.bench.small import grpo_loss
+
+    settings_override(compile_inline_kernels=inline)
+    loss = grpo_loss(torch_fused.logprobs_and_entropy)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(loss, fullgraph=True, mode="reduce-overhead")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    with inductor_config.patch({"triton.cudagraph_trees_history_recording": True}):
+        for i in range(5):  # warm-up, recording, then replays
+            args = _grpo_inputs(gen)
+            ref = loss(*args)
+            (rdx,) = torch.autograd.grad(ref, args[0])
+            out = step(*args)
+            (dx,) = torch.autograd.grad(out, args[0])
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+            assert torch.isfinite(dx).all() and rel_err(dx, rdx) < 1e-3, (i, rel_err(dx, rdx))
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    mgr = cudagraph_trees.get_manager(torch.cuda.current_device(), False)
+    assert mgr is not None and any(isinstance(node, cudagraph_trees.CUDAGraphNode)
+                                   for nodes in mgr.roots.values() for node in nodes)
+
+
+@pytest.mark.parametrize("fn", ["selective", "both, shift", "entropy, tensor temperature"])
+def test_eager_call_captured_in_a_cuda_graph(fn):
+    """The public functions' eager forward+backward captured in a CUDA graph (torch.cuda.graph, as
+    torch.cuda.make_graphed_callables does): nothing in the path synchronizes or allocates outside
+    the graph's pool, and each replay on new logits copied into the captured input gives the
+    eager call's values and d logits bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    v = 3000
+    x = torch.zeros(4, 9, v, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    idx = torch.randint(0, v, (4, 8 if fn == "both, shift" else 9), device="cuda", generator=gen)
+    idx[:, ::3] = -100
+    temp = torch.tensor(0.7, device="cuda", requires_grad=True)
+    w = torch.randn(idx.shape, device="cuda", generator=gen)
+
+    def call(x):
+        if fn == "selective":
+            out = torch_fused.selective_log_softmax(x, idx, temperature=0.9)
+            return (out * w).sum(), (out,), (x,)
+        if fn == "both, shift":
+            lp, ent = torch_fused.logprobs_and_entropy(x, idx, shift=True)
+            return (lp * w).sum() + (ent * w).sum(), (lp, ent), (x,)
+        ent = torch_fused.entropy_from_logits(x, temperature=temp)
+        return (ent * w).sum(), (ent,), (x, temp)
+
+    def fwd_bwd():
+        loss, outs, wrt = call(x)
+        return tuple(o.detach() for o in outs) + torch.autograd.grad(loss, wrt)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fwd_bwd()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fwd_bwd()
+    for _ in range(3):
+        with torch.no_grad():
+            x.copy_(torch.randn(x.shape, device="cuda", generator=gen) * 3)
+        graph.replay()
+        want = fwd_bwd()
+        for a, b in zip(static_out, want):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("path", ["public", "op"])
+def test_device_checks_run_on_a_repeated_call(path):
+    """An index (and on the op, a tensor temperature) on the CPU with CUDA logits raises the
+    checks' error on every call, including after a call of the same shapes with everything on
+    CUDA (whose launch plan a repeated call reuses: the key holds the devices; it once skipped
+    the checks and reached Triton's pointer error). The public functions move a CPU
+    temperature to the logits' device: that call gives the CUDA temperature's result."""
+    x = torch.randn(4, 64, device="cuda")
+    i = torch.randint(0, 64, (4,), device="cuda")
+    t = torch.tensor(0.5, device="cuda")
+    call = torch_fused.selective_log_softmax if path == "public" else torch.ops.fused.selective_log_softmax
+    for _ in range(2):
+        call(x, i, temperature_tensor=t) if path == "op" else call(x, i, temperature=t)
+        with pytest.raises(RuntimeError, match="index: expected device cuda"):
+            call(x, i.cpu())
+        if path == "op":
+            with pytest.raises(RuntimeError, match="temperature: expected device cuda"):
+                call(x, i, temperature_tensor=t.cpu())
+        else:
+            torch.testing.assert_close(call(x, i, temperature=t.cpu()), call(x, i, temperature=t))

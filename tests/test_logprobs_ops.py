@@ -433,6 +433,58 @@ def test_tensor_temperature_without_grad_scales_the_logits_gradient(device, fn):
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("inf"), float("nan")], ids=["negative", "zero", "inf", "nan"])
+def test_bad_tensor_temperature_on_the_kernel_path_gives_nan(device, bad):
+    """A tensor temperature that is not positive and finite, on the Triton path (which cannot
+    read it without a sync): every output and gradient is NaN, as documented (the CPU reference
+    raises ValueError: tests/test_logprobs.py). Zero, negative and NaN once ran as T = 2^-100
+    and inf as T = 2^100, finite wrong values, because the kernel's clamp dropped the NaN."""
+    if device not in torch_fused._library.TRITON_DEVICES:
+        pytest.skip("the CPU reference path raises ValueError here (the interpreter run takes the kernel path)")
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 37, generator=g).to(device).requires_grad_(True)
+    idx = torch.randint(0, 37, (3,), generator=g).to(device)
+    t = torch.tensor(bad, device=device, requires_grad=True)
+    lp, ent = torch_fused.logprobs_and_entropy(x, idx, temperature=t)
+    only = torch_fused.selective_log_softmax(x, idx, temperature=t)
+    dx, dt = torch.autograd.grad(lp.sum() + ent.sum() + only.sum(), (x, t))
+    for name, out in (("logp", lp), ("entropy", ent), ("selective", only), ("d logits", dx), ("d T", dt)):
+        assert torch.isnan(out).all(), f"{name}: {out}"
+
+
+@pytest.mark.parametrize("how", ["torch.func.jvp", "forward_ad", "torch.func.grad"])
+@pytest.mark.parametrize("path", ["public", "op"])
+def test_forward_mode_and_func_grad_raise_clearly(how, path):
+    """The ops have reverse-mode formulas only. Forward mode once gave a zero tangent (jvp) or
+    none (forward_ad on the op) without a word, and torch.func.grad failed inside torch.library:
+    each now raises NotImplementedError naming the op and the way out, on the public function
+    and the op alike."""
+    import torch.autograd.forward_ad as fwAD
+
+    x = torch.randn(3, 11)
+    idx = torch.randint(0, 11, (3,))
+    fns = {"public": [lambda a: torch_fused.selective_log_softmax(a, idx), torch_fused.entropy_from_logits,
+                      lambda a: torch_fused.logprobs_and_entropy(a, idx)[1]],
+           "op": [lambda a: torch.ops.fused.selective_log_softmax(a, idx), torch.ops.fused.entropy_from_logits,
+                  lambda a: torch.ops.fused.logprobs_and_entropy(a, idx)[1]]}[path]
+    for fn, name in zip(fns, ["selective_log_softmax", "entropy_from_logits", "logprobs_and_entropy"]):
+        with pytest.raises(NotImplementedError, match=name + r": forward-mode AD .* not supported"):
+            if how == "torch.func.jvp":
+                torch.func.jvp(fn, (x,), (torch.randn_like(x),))
+            elif how == "forward_ad":
+                with fwAD.dual_level():
+                    fn(fwAD.make_dual(x, torch.randn_like(x)))
+            else:
+                torch.func.grad(lambda a: fn(a).sum())(x)
+    # reverse mode and vmap are unaffected
+    x.requires_grad_(True)
+    (g,) = torch.autograd.grad(fns[0](x).sum(), x)
+    torch.testing.assert_close(g, torch.autograd.grad(torch.log_softmax(x, -1).gather(-1, idx[:, None]).sum(), x)[0])
+    out = torch.func.vmap(fns[1])(x.detach()[:, None])
+    torch.testing.assert_close(out[:, 0], torch.distributions.Categorical(logits=x.detach()).entropy())
+
+
 @pytest.mark.parametrize("bad", [None, 1.5, True, "x"])
 def test_ignore_index_of_the_wrong_type_names_the_argument(bad):
     x = torch.randn(2, 5)

@@ -246,7 +246,8 @@ def linear_logprobs_and_entropy(
         on CUDA it gives NaN at its position and a NaN row of d hidden, with d weight and d bias
         those of the id ignored. Differentiable in ``hidden``, ``weight`` and ``bias``: exact gradients
         (nothing filtered), d logits rounded once to the weight's dtype as a materialized path
-        rounds them, every GEMM accumulating in fp32.
+        rounds them (on CUDA; the CPU path runs its GEMMs in fp32 and keeps fp32 d logits),
+        every GEMM accumulating in fp32.
     """
     if _is_dtensor(weight) or _is_dtensor(hidden):
         return _parallel().linear_logprobs_and_entropy(

@@ -14,6 +14,7 @@ import sys
 import threading
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 NAMESPACE = "fused"
 
@@ -74,18 +75,35 @@ def is_dtensor(t) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
+def no_forward_mode(name: str) -> None:
+    """Raises NotImplementedError where ``name`` (a public op) would be differentiated in forward
+    mode (a torch.autograd.forward_ad level, torch.func.jvp) or by torch.func.grad: the ops
+    have reverse-mode formulas only, and these transforms would otherwise drop the tangent
+    silently (forward mode) or fail inside torch.library (torch.func.grad)."""
+    interp = torch._C._functorch.peek_interpreter_stack()
+    kind = None if interp is None else interp.key()
+    tt = torch._C._functorch.TransformType
+    if _forward_ad._current_level >= 0 or kind in (tt.Jvp, tt.Grad):
+        raise NotImplementedError(
+            f"{name}: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) and torch.func.grad are not "
+            "supported (the op has a reverse-mode autograd formula only): differentiate with torch.autograd.grad "
+            "or .backward(); torch.func.vmap works")
+
+
 def eager_eligible(*tensors) -> bool:
     """Whether a public function may take its eager fast path (the op's implementations and
     autograd formula without the dispatcher; ops/logprobs.py, "Eager fast path") for these
     arguments (tensors or None): not while Dynamo traces, under a dispatch or torch-function
-    mode, in a functorch transform or jit tracing, and only for plain tensors."""
+    mode, in a functorch transform, jit tracing or a forward-mode AD level, and only for plain
+    tensors."""
     if torch.compiler.is_compiling():
         return False
     for t in tensors:
         if t is not None and type(t) is not torch.Tensor:
             return False
     return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-                or torch._C._functorch.peek_interpreter_stack() is not None or torch._C._get_tracing_state())
+                or torch._C._functorch.peek_interpreter_stack() is not None or torch._C._get_tracing_state()
+                or _forward_ad._current_level >= 0)
 
 
 def call_eager(name: str, needs_grad, function, implementation, *args):

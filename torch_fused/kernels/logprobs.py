@@ -142,13 +142,15 @@ def _row_statistics(p_row, V, c, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexp
 @triton.jit
 def _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR: tl.constexpr):
     """(c, 1/T): from the launch arguments, or (T_FROM_PTR) from a device scalar T, which may
-    require grad. A non-positive T read from memory gives NaN (it cannot be checked without a
-    sync)."""
+    require grad. A T read from memory that is not positive and finite (<= 0, inf, NaN) gives
+    NaN (it cannot be checked without a sync)."""
     if T_FROM_PTR:
         t = tl.load(p_temp)
-        t = tl.where(t > 0.0, t, float("nan"))
-        # _library.kernel_temperature, in T's own dtype (a float64 1e-300 is positive) (NaN stays NaN)
-        t = tl.minimum(tl.maximum(t, T_MIN_C), T_MAX_C).to(tl.float32)
+        ok = (t > 0.0) & (t < float("inf"))  # False for NaN
+        # _library.kernel_temperature, in T's own dtype (a float64 1e-300 is positive); the NaN
+        # goes in after the clamp, whose minimum and maximum return the non-NaN operand
+        t = tl.minimum(tl.maximum(t, T_MIN_C), T_MAX_C)
+        t = tl.where(ok, t, float("nan")).to(tl.float32)
         return LOG2E_C / t, 1.0 / t
     else:
         # fp32, as Triton's own launcher passes a Python float; Inductor's generated launches pass

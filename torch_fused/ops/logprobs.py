@@ -22,7 +22,7 @@ import struct
 
 import torch
 
-from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift,
+from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift, no_forward_mode,
                         inline_under_compile, kernel_temperature, new_output, on_triton, rows_strides, PlanLaunch,
                         Plans, tensor_key)
 from .. import reference
@@ -140,8 +140,11 @@ def _forward_run(logits, index, temperature, ignore_index, compute_entropy, temp
         meta.check_logits_index(logits, index, temperature, temperature_t, shift)
         return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy,
                                                   temperature_t, shift) + (None,)
+    # the devices of the logits, index and tensor temperature too (tensor_key leaves them out):
+    # a plan hit skips the checks, which name an index or temperature on another device
     key = (tensor_key(logits), tensor_key(index), temperature, ignore_index, compute_entropy,
-           tensor_key(temperature_t), shift, _settings_key())
+           tensor_key(temperature_t), shift, _settings_key(), logits.get_device(),
+           None if index is None else index.get_device(), None if temperature_t is None else temperature_t.get_device())
     plan = _FWD_PLANS.get(key)
     if plan is None:
         p = _forward_plan(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
@@ -514,16 +517,19 @@ _core = torch.ops.fused._logprobs_entropy_forward
 
 def _selective_log_softmax(logits, index, temperature=1.0, ignore_index=-100, *, shift=False,
                            temperature_tensor=None):
+    no_forward_mode("selective_log_softmax")
     out = _core(logits, index, temperature, ignore_index, False, temperature_tensor, shift)
     return public_outputs(index, False, out)
 
 
 def _entropy_from_logits(logits, temperature=1.0, *, shift=False, temperature_tensor=None):
+    no_forward_mode("entropy_from_logits")
     return public_outputs(None, True, _core(logits, None, temperature, -100, True, temperature_tensor, shift))
 
 
 def _logprobs_and_entropy(logits, index, temperature=1.0, ignore_index=-100, *, shift=False,
                           temperature_tensor=None):
+    no_forward_mode("logprobs_and_entropy")
     return public_outputs(index, True, _core(logits, index, temperature, ignore_index, True, temperature_tensor, shift))
 
 
