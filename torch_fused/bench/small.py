@@ -25,7 +25,11 @@ the host's noise alone can put either side ahead. Rows:
   ``torch.compile(fullgraph=True)``, against the same formula in plain PyTorch compiled the same way,
   and once more compiled with Inductor's ``static_launch_user_defined_triton_kernels`` (the
   log-prob kernels, which the graph launches itself, then go through Inductor's static launcher
-  as its own kernels do; torch's default leaves it off).
+  as its own kernels do; torch's default leaves it off);
+- the same loss compiled with ``mode="reduce-overhead"`` (Inductor's CUDA graphs), ours beside the
+  plain formula's, and the eager ``selective_log_softmax`` forward+backward captured in one CUDA
+  graph (``torch.cuda.graph``) beside torch's formula captured the same way: a call is then one
+  graph replay, so these rows compare the device work that the host-bound rows above hide.
 
 The ``ratio`` column is ours over torch's formula (below 1: we are faster). The memory floor of
 the larger shapes (fraction of floor) is in the logprobs suite; this suite is about the calls
@@ -107,6 +111,20 @@ def grpo_loss(logprobs_and_entropy):
         return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
     return loss
+
+
+def cuda_graph(fn):
+    """A CUDA graph of one call of ``fn`` (warmed up on a side stream, then captured): its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _empty_op():
@@ -248,6 +266,25 @@ def run(report, copy_gbps, quick=False):
                 torch.autograd.grad(ours_static(xg, idx, old, adv, mask), xg)
             add(g_, "torch_fused, compiled, static launch of user kernels",
                 lambda: torch.autograd.grad(ours_static(xg, idx, old, adv, mask), xg)[0], 3 * nbytes, base)
+        # the same step under Inductor's CUDA graphs (mode="reduce-overhead"): a replay per call
+        # instead of the launches, so both are timed by their device work. The inputs keep their
+        # addresses (mark_static_address: no copy into the graph's input buffers per call).
+        xs = x.detach().clone().requires_grad_(True)
+        static_in = (xs, idx, old.clone(), adv.clone(), mask.clone())
+        for t in static_in:
+            torch._dynamo.mark_static_address(t)
+        g_ = "GRPO loss fwd+bwd, compiled, CUDA graphs"
+        base_cg = T + ", compiled, CUDA graphs"
+        for impl, loss in ((base_cg, grpo_loss(plain_both)), ("torch_fused, compiled, CUDA graphs",
+                                                              grpo_loss(torch_fused.logprobs_and_entropy))):
+            f = torch.compile(loss, fullgraph=True, mode="reduce-overhead")
+            add(g_, impl, lambda f=f: torch.autograd.grad(f(*static_in), xs)[0], 3 * nbytes,
+                None if impl == base_cg else base_cg)
+        # eager forward+backward captured in one CUDA graph (torch.cuda.graph), replayed per call
+        g_ = "selective_log_softmax fwd+bwd, CUDA graph"
+        add(g_, T + ", CUDA graph", cuda_graph(fb(lambda t: plain_selective(t, idx))), 3 * nbytes)
+        add(g_, "torch_fused, CUDA graph", cuda_graph(fb(lambda t: torch_fused.selective_log_softmax(t, idx))),
+            3 * nbytes, T + ", CUDA graph")
         # every row of this shape timed in the same rounds: a ratio compares calls timed side by side
         runs = wall_us_runs([e[2] for e in entries])
         by_impl = {(group, impl): r for (group, impl, *_), r in zip(entries, runs)}
@@ -259,7 +296,7 @@ def run(report, copy_gbps, quick=False):
                 note = f"ratio to torch {mid:.2f} ({lo:.2f}-{hi:.2f})"
             report.rows.append(Row(group, shape, impl, us / 1e3, floor, note=note).finish(copy_gbps))
             print(f"{group:36s} {shape:18s} {impl:28s} {us:9.1f} us  {note}", flush=True)
-        del x, xg, idx
+        del x, xg, xs, static_in, idx
         torch.cuda.empty_cache()
     report.extra["calls_per_timing"] = CALLS
 
