@@ -68,8 +68,11 @@ def main(argv=None):
     args = parse_args(argv)
 
     import torch
-    from datasets import Dataset, load_dataset
-    from trl import GRPOConfig, GRPOTrainer
+    try:
+        from datasets import Dataset, load_dataset
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:
+        raise SystemExit(f"{e}: this example needs TRL and its dependencies: pip install -e '.[trl]'") from e
 
     from torch_fused.integrations import trl as tf_trl
 

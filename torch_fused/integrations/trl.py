@@ -373,7 +373,11 @@ _STATE = None  # None, or {"options", "adapters": [(adapter, original, label)], 
 
 
 def _trl_version() -> str:
-    import trl
+    try:
+        import trl
+    except ImportError as e:
+        raise ImportError("torch_fused.integrations.trl needs TRL: pip install 'trl' (in a checkout of torch-fused: "
+                          "pip install -e '.[trl]')") from e
 
     version = getattr(trl, "__version__", None)
     if version is None:  # pragma: no cover - every TRL release sets __version__
