@@ -477,6 +477,61 @@ MUTANTS: list[Mutant] = [
         [("go(grid, x, idx, glp, gh, stats.contiguous(), ent,", "go(grid, x, idx, glp, gh, stats, ent,")],
         ["tests/test_logprobs_ops.py"],
     ),
+    # 33: SinkGD's AdamW step reading its state inside the (traced) step, not from the lists
+    #     _init_group fills: a compiled step loses a mixed group's state
+    Mutant(
+        "adamw-state-in-trace", "33 AdamW state read inside the compiled step", "torch_fused/optim/sinkgd.py", CPU,
+        [("        grads, m1, m2, steps = adamw_state\n",
+          "        grads, m1, m2, steps = [], [], [], []  # MUTANT\n"
+          "        for p in params:\n"
+          "            st = self.state[p]\n"
+          "            grads.append(p.grad)\n"
+          "            m1.append(st['exp_avg'])\n"
+          "            m2.append(st['exp_avg_sq'])\n"
+          "            steps.append(st['step'])\n")],
+        SINKGD_TESTS,
+    ),
+    # 34: a float lr taken in float32 for a float64 step
+    Mutant(
+        "float64-lr-rounded", "34 float lr rounded to float32 for a float64 step", "torch_fused/optim/sinkgd.py", CPU,
+        [("torch.float64 if wide else torch.float32, device=dev)", "torch.float32, device=dev)  # MUTANT")],
+        SINKGD_TESTS,
+    ),
+    # 35: the sharded PyTorch-op path's update in fp32 whatever W's dtype
+    Mutant(
+        "sharded-float64-update", "35 sharded float64 update rounded through fp32", "torch_fused/optim/sharded.py", CPU,
+        [("    wf = w.to(r.dtype)\n", "    wf = w.float()  # MUTANT\n")],
+        SHARDED_TESTS,
+    ),
+    # 36: matrices checked only in their group's own step (a later group's bad matrix raises
+    #     after the earlier groups moved)
+    Mutant(
+        "bad-matrix-late-check", "36 matrix checks only in the group's own step", "torch_fused/optim/sinkgd.py", CPU,
+        [("            if plain and not _all_valid(*zip(*plain)):", "            if False:  # MUTANT")],
+        SINKGD_TESTS,
+    ),
+    # 37: the mask count without an autograd formula (a mask that requires grad fails backward)
+    Mutant(
+        "mask-count-no-autograd", "37 mask count without an autograd formula", "torch_fused/ops/mask_reduce.py", CPU,
+        [("mask_count.register_autograd(lambda ctx, grad: (None, None, None), setup_context=_mask_count_setup)\n",
+          "pass  # MUTANT\n")],
+        MASK_TESTS,
+    ),
+    # 38: a tensor temperature's NaN (T <= 0, inf, NaN) set before the clamp, which drops it
+    Mutant(
+        "bad-temperature-clamped-triton", "38 bad tensor temperature clamped to a finite T",
+        "torch_fused/kernels/logprobs.py", TRITON,
+        [("        t = tl.minimum(tl.maximum(t, T_MIN_C), T_MAX_C)\n        t = tl.where(ok, t, float(\"nan\")).to(tl.float32)\n",
+          "        t = tl.where(ok, t, float(\"nan\"))\n        t = tl.minimum(tl.maximum(t, T_MIN_C), T_MAX_C).to(tl.float32)  # MUTANT\n")],
+        ["tests/test_logprobs_ops.py"],
+    ),
+    # 39: forward mode let through (the eager path and the ops): zero tangents without a word
+    Mutant(
+        "forward-mode-silent", "39 forward-mode AD not refused", "torch_fused/_library.py", CPU,
+        [("    if _forward_ad._current_level >= 0 or kind in (tt.Jvp, tt.Grad):\n",
+          "    if False:  # MUTANT\n")],
+        ["tests/test_logprobs_ops.py"],
+    ),
 ]
 
 
