@@ -425,21 +425,12 @@ def check_sharded_vecs(params, vecs) -> None:
             raise ValueError(f"spectral_vecs[{i}]: expected {shown}, got {got}")
 
 
-def sinkgd_step_sharded(params, grads, **kwargs) -> None:
-    """_sinkgd_step_sharded (the arguments and what it does: its docstring), run eagerly under
-    torch.compile (a graph break). torch.compiler.disable is applied here, at the call, not as a
-    decorator: it imports torch._dynamo, which would make ``import torch_fused`` twice as slow
-    for every user."""
-    if torch.compiler.is_compiling():
-        return torch.compiler.disable(_sinkgd_step_sharded, recursive=True)(params, grads, **kwargs)
-    return _sinkgd_step_sharded(params, grads, **kwargs)
-
-
+@torch.compiler.disable(recursive=True)
 @torch.no_grad()
-def _sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05, weight_decay=0.0, eps=1e-8,
-                         sinkhorn_iters=5, spectral_norm=False, spectral_target="unit", spectral_iters=1,
-                         base_width=None, width_exponent=1.0, stochastic_round=False, step=None,
-                         salts=None) -> None:
+def sinkgd_step_sharded(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05, weight_decay=0.0, eps=1e-8,
+                        sinkhorn_iters=5, spectral_norm=False, spectral_target="unit", spectral_iters=1,
+                        base_width=None, width_exponent=1.0, stochastic_round=False, step=None,
+                        salts=None) -> None:
     """One in-place SinkGD update of DTensor matrices (``Shard(0)`` rows, a ``Shard(0)`` batch
     of matrices, or ``Replicate()``, on a 1-D mesh), equal to the step of the whole matrices
     (``torch_fused.optim.sinkgd_step``'s arguments; the module docstring says how). Every rank
