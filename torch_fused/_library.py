@@ -75,19 +75,26 @@ def is_dtensor(t) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
-def no_forward_mode(name: str) -> None:
+def no_forward_mode(name: str, *tensors) -> None:
     """Raises NotImplementedError where ``name`` (a public op) would be differentiated in forward
-    mode (a torch.autograd.forward_ad level, torch.func.jvp) or by torch.func.grad: the ops
-    have reverse-mode formulas only, and these transforms would otherwise drop the tangent
-    silently (forward mode) or fail inside torch.library (torch.func.grad)."""
+    mode or by a functorch transform of reverse mode, through one of ``tensors`` (its
+    differentiable inputs, or None): a tensor with a forward-AD tangent, or one wrapped at the
+    level of a torch.func.jvp / grad / vjp transform on top of the stack. The ops have
+    reverse-mode autograd formulas only: forward mode would drop the tangent silently and
+    torch.func.grad failed inside torch.library. Inputs that are constants of the transform
+    (not wrapped at its level, no tangent) pass."""
     interp = torch._C._functorch.peek_interpreter_stack()
     kind = None if interp is None else interp.key()
-    tt = torch._C._functorch.TransformType
-    if _forward_ad._current_level >= 0 or kind in (tt.Jvp, tt.Grad):
+    # (a transform lifts every input to its level: what tells a differentiated one from a
+    # constant is its requires_grad (grad, vjp) or its tangent (jvp, forward_ad))
+    hit = kind == torch._C._functorch.TransformType.Grad and any(t is not None and t.requires_grad for t in tensors)
+    if not hit and (kind == torch._C._functorch.TransformType.Jvp or _forward_ad._current_level >= 0):
+        hit = any(t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    if hit:
         raise NotImplementedError(
-            f"{name}: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) and torch.func.grad are not "
-            "supported (the op has a reverse-mode autograd formula only): differentiate with torch.autograd.grad "
-            "or .backward(); torch.func.vmap works")
+            f"{name}: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) and functorch's reverse mode "
+            "(torch.func.grad, vjp, jacrev) are not supported through the op's inputs (it has a reverse-mode "
+            "autograd formula only): differentiate with torch.autograd.grad or .backward(); torch.func.vmap works")
 
 
 def eager_eligible(*tensors) -> bool:

@@ -410,8 +410,8 @@ logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_conte
 # functions (torch_fused.selective_log_softmax, ...) call the same implementations and the same
 # autograd formula through one torch.autograd.Function instead, when nothing else needs to see
 # the op: not while torch.compile traces, not under a dispatch or torch-function mode (fake
-# tensors, make_fx, FlopCounterMode, torch.device(...)), not inside a functorch transform or
-# torch.jit.trace, and only for plain tensors. Everything else, and every torch.ops.fused call,
+# tensors, make_fx, FlopCounterMode, torch.device(...)), not inside a functorch transform,
+# torch.jit.trace or a forward-AD level, and only for plain tensors. Everything else, and every torch.ops.fused call,
 # goes through the registered op.
 # ---------------------------------------------------------------------------------------------
 # the eager path's implementations: no empty tensor allocated for an output the node does not
@@ -517,19 +517,19 @@ _core = torch.ops.fused._logprobs_entropy_forward
 
 def _selective_log_softmax(logits, index, temperature=1.0, ignore_index=-100, *, shift=False,
                            temperature_tensor=None):
-    no_forward_mode("selective_log_softmax")
+    no_forward_mode("selective_log_softmax", logits, temperature_tensor)
     out = _core(logits, index, temperature, ignore_index, False, temperature_tensor, shift)
     return public_outputs(index, False, out)
 
 
 def _entropy_from_logits(logits, temperature=1.0, *, shift=False, temperature_tensor=None):
-    no_forward_mode("entropy_from_logits")
+    no_forward_mode("entropy_from_logits", logits, temperature_tensor)
     return public_outputs(None, True, _core(logits, None, temperature, -100, True, temperature_tensor, shift))
 
 
 def _logprobs_and_entropy(logits, index, temperature=1.0, ignore_index=-100, *, shift=False,
                           temperature_tensor=None):
-    no_forward_mode("logprobs_and_entropy")
+    no_forward_mode("logprobs_and_entropy", logits, temperature_tensor)
     return public_outputs(index, True, _core(logits, index, temperature, ignore_index, True, temperature_tensor, shift))
 
 

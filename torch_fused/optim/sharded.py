@@ -363,7 +363,7 @@ def _row_values(g, c, r_old, eps: float):
     """Row step of a chunk of rows g [b, s, n]: (new r [b, s], column partials [b, n]), in c's
     dtype (fp32; float64 for a float64 matrix)."""
     target = math.sqrt(g.shape[-1])  # from the shape: one compiled graph for every n
-    y = g.to(c.dtype) * c[:, None, :]  # G_ij c_j: one fp32 temporary
+    y = g.to(c.dtype) * c[:, None, :]  # G_ij c_j: one temporary in c's dtype
     # scaled by each row's largest |y| before squaring, so that no finite gradient overflows
     a = y.abs().amax(2)
     a = torch.where(a > 0, a, torch.ones_like(a))
