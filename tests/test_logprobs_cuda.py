@@ -379,19 +379,13 @@ def test_eager_call_captured_in_a_cuda_graph(fn):
         loss, outs, wrt = call(x)
         return tuple(o.detach() for o in outs) + torch.autograd.grad(loss, wrt)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fwd_bwd()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = fwd_bwd()
+    from torch_fused.bench.small import cuda_graph
+
+    replay, static_out = cuda_graph(fwd_bwd)
     for _ in range(3):
         with torch.no_grad():
             x.copy_(torch.randn(x.shape, device="cuda", generator=gen) * 3)
-        graph.replay()
+        replay()
         want = fwd_bwd()
         for a, b in zip(static_out, want):
             assert torch.equal(a, b)

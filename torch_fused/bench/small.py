@@ -114,7 +114,8 @@ def grpo_loss(logprobs_and_entropy):
 
 
 def cuda_graph(fn):
-    """A CUDA graph of one call of ``fn`` (warmed up on a side stream, then captured): its replay."""
+    """A CUDA graph of one call of ``fn`` (warmed up on a side stream, then captured): (its replay,
+    the captured call's result, which each replay overwrites)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -123,8 +124,8 @@ def cuda_graph(fn):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        out = fn()
+    return graph.replay, out
 
 
 def _empty_op():
@@ -282,8 +283,8 @@ def run(report, copy_gbps, quick=False):
                 None if impl == base_cg else base_cg)
         # eager forward+backward captured in one CUDA graph (torch.cuda.graph), replayed per call
         g_ = "selective_log_softmax fwd+bwd, CUDA graph"
-        add(g_, T + ", CUDA graph", cuda_graph(fb(lambda t: plain_selective(t, idx))), 3 * nbytes)
-        add(g_, "torch_fused, CUDA graph", cuda_graph(fb(lambda t: torch_fused.selective_log_softmax(t, idx))),
+        add(g_, T + ", CUDA graph", cuda_graph(fb(lambda t: plain_selective(t, idx)))[0], 3 * nbytes)
+        add(g_, "torch_fused, CUDA graph", cuda_graph(fb(lambda t: torch_fused.selective_log_softmax(t, idx)))[0],
             3 * nbytes, T + ", CUDA graph")
         # every row of this shape timed in the same rounds: a ratio compares calls timed side by side
         runs = wall_us_runs([e[2] for e in entries])
