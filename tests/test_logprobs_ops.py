@@ -393,6 +393,40 @@ def test_extreme_temperatures_give_the_limits(device, as_tensor):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_temperature_gradient_is_zero_where_the_temperature_is_clamped(device):
+    """Outside [T_MIN, T_MAX] a tensor temperature acts as the nearer end, a constant: its
+    gradient is 0 there (it was -(1/T_MIN) sum x dx, up to 1e31 times too large), and the usual
+    one at the ends themselves; checked in the temperature's own dtype (a float64 1e-300 is a
+    positive temperature, not 0)."""
+    from torch_fused._library import T_MAX, T_MIN
+
+    g = torch.Generator().manual_seed(6)
+    v = 37
+    x = torch.randn(2, 3, v, generator=g).to(device).requires_grad_(True)
+    idx = torch.randint(0, v, (2, 3), generator=g).to(device)
+
+    def d_t(value, dtype):
+        t = torch.tensor(value, device=device, dtype=dtype, requires_grad=True)
+        lp, ent = torch_fused.logprobs_and_entropy(x, idx, temperature=t)
+        return torch.autograd.grad((lp * 0.3).sum() + ent.sum(), t)[0]
+
+    for value, dtype in ((1e-300, torch.float64), (1e300, torch.float64), (1e-39, torch.float32),
+                         (3e38, torch.float32), (2.0 * T_MAX, torch.float32), (T_MIN / 2, torch.float32)):
+        dt = d_t(value, dtype)
+        assert dt.dtype == dtype and dt.item() == 0.0, (value, dtype, dt)
+    # at the ends the ops still depend on T: a gradient as from the float64 formula. At T_MAX
+    # the entropy's gradient is about -2 sum x^2 ln... / T^3: tiny but not zero; at 1.0 a plain one
+    for value in (1.0, 0.5):
+        dt = d_t(value, torch.float64).item()
+        tr = torch.tensor(value, dtype=torch.float64, requires_grad=True)
+        z = x.detach().cpu().double() / tr
+        lp = torch.log_softmax(z, -1)
+        ent = -(lp.exp() * lp).sum(-1)
+        want = torch.autograd.grad((lp.gather(-1, idx.cpu()[..., None])[..., 0] * 0.3).sum() + ent.sum(), tr)[0]
+        assert dt != 0.0 and abs(dt - want.item()) <= 1e-4 * abs(want.item()) + 1e-5, (value, dt, want.item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_temperature_gradient_ignores_a_constant_logit_offset(device):
     """d T depends on the logits only through their differences within a row: rows shifted by a
     constant 1e4 (all-equal rows included) give the same d T (the unshifted sum of x dx lost it)."""

@@ -531,6 +531,19 @@ MUTANTS: list[Mutant] = [
         [("    if hit:\n        raise NotImplementedError(", "    if False:  # MUTANT\n        raise NotImplementedError(")],
         ["tests/test_logprobs_ops.py"],
     ),
+    # 40, 41: d T of a clamped tensor temperature as if T were the bound (up to 1e31 times too large)
+    Mutant(
+        "clamped-temperature-grad-triton", "40 d T nonzero where T is clamped (kernel path)", "torch_fused/reference.py",
+        TRITON,
+        [("    return torch.where(outside, torch.zeros_like(dt), dt)\n", "    return dt  # MUTANT\n")],
+        ["tests/test_logprobs_ops.py"],
+    ),
+    Mutant(
+        "clamped-temperature-grad-reference", "41 d T nonzero where T is clamped (reference)", "torch_fused/reference.py",
+        CPU,
+        [("(torch.zeros_like(xdx) if _clamped(temperature_t) else -xdx / temperature)", "(-xdx / temperature)  # MUTANT")],
+        ["tests/test_logprobs_ops.py"],
+    ),
 ]
 
 

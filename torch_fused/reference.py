@@ -59,10 +59,20 @@ def _temperature_value(temperature: float, temperature_t: torch.Tensor | None) -
 
 def temperature_grad(xdx_rows: torch.Tensor, temperature_t: torch.Tensor | None) -> torch.Tensor:
     """d T = -(1/T) * sum over rows of sum_j x_j d x_j (the kernels' per-row partials, summed in
-    a fixed order); an empty tensor when the temperature is a float."""
+    a fixed order); an empty tensor when the temperature is a float. A positive finite T outside
+    [T_MIN, T_MAX] acts as the nearer end, a constant there: d T = 0 (as torch.clamp's gradient)."""
     if temperature_t is None:
         return xdx_rows.new_empty(0)
-    return -(xdx_rows.sum() / temperature_t.float().clamp(T_MIN, T_MAX))
+    t = temperature_t  # compared in its own dtype, as the kernels do (a float64 1e-300 is positive)
+    dt = -(xdx_rows.sum() / t.float().clamp(T_MIN, T_MAX))
+    outside = (t > 0) & (t < math.inf) & ((t < T_MIN) | (t > T_MAX))
+    return torch.where(outside, torch.zeros_like(dt), dt)
+
+
+def _clamped(temperature_t: torch.Tensor | None) -> bool:
+    """Whether a (checked, positive finite) tensor temperature lies outside [T_MIN, T_MAX]: the
+    ops act at the nearer end there, and do not depend on it (d T = 0)."""
+    return temperature_t is not None and not (T_MIN <= float(temperature_t) <= T_MAX)
 
 
 def logprobs_entropy_forward(
@@ -207,7 +217,7 @@ def logprobs_entropy_backward(
     if temperature_t is None:
         dtemp = torch.empty(0, dtype=acc_dtype(logits.dtype), device=logits.device)
     else:
-        dtemp = (-xdx / temperature).to(acc_dtype(logits.dtype))
+        dtemp = (torch.zeros_like(xdx) if _clamped(temperature_t) else -xdx / temperature).to(acc_dtype(logits.dtype))
     if shift:
         full[..., :-1, :] = out.view(logits.shape)
     return full, dtemp
