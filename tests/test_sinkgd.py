@@ -52,9 +52,10 @@ def ref_sinkgd(w, g, lr, *, iters=5, lr_scale=0.05, wd=0.0, eps=1e-8, spectral=F
             u = u / u.norm(dim=1, keepdim=True).clamp_min(eps)
             wv = torch.einsum("bmn,bm->bn", x, u)
             sigma = wv.norm(dim=1)
-            v = wv / sigma[:, None].clamp_min(eps)
+            restart = torch.cos(0.5 + 2.399963 * torch.arange(n, dtype=torch.float32)).double()
+            v = torch.where(sigma[:, None] > 0, wv / sigma[:, None], restart)
         tgt = 1.0 if target == "unit" else math.sqrt(m / n)
-        x = x * (tgt / sigma.clamp_min(eps))[:, None, None]
+        x = x * torch.where(sigma > 0, tgt / sigma.clamp_min(eps), 0.0)[:, None, None]
     eta = lr * lr_scale * ((base_width / n) ** width_exponent if base_width else 1.0)
     w64 = w.double().reshape(x.shape)
     return (w64 - eta * (x + wd * w64)).reshape(w.shape), v
@@ -687,7 +688,43 @@ def test_spectral_step_paths_match_reference(device, max_fused_n, dtype, target,
                                   spectral_iters=spectral_iters, v=v)
         _assert_update_close(out, ref_w, w, dtype, f"{tuple(w.shape)}: ")
         torch.testing.assert_close(out_v.cpu().double(), ref_v, rtol=1e-4, atol=1e-5)
-    assert torch.equal(got_v[-1].cpu(), torch.zeros_like(vs[-1]))  # zero gradient: w = 0, v = 0 / eps
+    # zero gradient: w = 0, and v restarts from the dense restart vector (v = w / |w| would be 0)
+    restart = torch.cos(0.5 + 2.399963 * torch.arange(vs[-1].shape[-1], dtype=torch.float32))
+    torch.testing.assert_close(got_v[-1].cpu(), restart.expand_as(vs[-1]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spectral_iters", [1, 2])
+def test_a_zero_gradient_step_does_not_break_the_spectral_estimate(device, spectral_iters):
+    """A spectral step on an all-zero gradient (a batch whose mask keeps no token) left v = 0 for
+    good: every later step of that matrix then had w = 0 and the scale target / eps, an update
+    about 1e8 times the normalized one. Now v restarts and the next real step equals the step
+    from a fresh warm start; a v that is already 0 (an old checkpoint) gives a finite step."""
+    gen = torch.Generator().manual_seed(5)
+    w0 = torch.randn(2, 8, 6, generator=gen).to(device)
+    g = torch.randn(2, 8, 6, generator=gen).to(device)
+    kw = dict(lr=1.0, sinkhorn_iters=1, spectral_norm=True, spectral_target="muon", spectral_iters=spectral_iters)
+    warm = torch.cos(0.5 + 2.399963 * torch.arange(6, dtype=torch.float32))
+    fresh_w, fresh_v = w0.clone(), (warm / warm.norm()).expand(2, 6).clone().to(device)
+    sinkgd_step([fresh_w], [g], spectral_vecs=[fresh_v], **kw)
+    after_w, after_v = w0.clone(), (warm / warm.norm()).expand(2, 6).clone().to(device)
+    sinkgd_step([after_w], [torch.zeros_like(g)], spectral_vecs=[after_v], **kw)
+    assert torch.equal(after_w, w0)  # no update from a zero gradient
+    assert bool((after_v.norm(dim=1) > 0).all()), after_v
+    sinkgd_step([after_w], [g], spectral_vecs=[after_v], **kw)
+    torch.testing.assert_close(after_w, fresh_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(after_v, fresh_v, rtol=1e-4, atol=1e-5)
+    # a warm-start vector that is 0 already: its first power iteration restarts it and leaves X
+    # out, so one iteration leaves W as it was, and two equal one from the fresh warm start
+    zero_w, zero_v = w0.clone(), torch.zeros(2, 6, device=device)
+    sinkgd_step([zero_w], [g], spectral_vecs=[zero_v], **kw)
+    if spectral_iters == 1:
+        assert torch.equal(zero_w, w0)
+    else:
+        one_w, one_v = w0.clone(), (warm / warm.norm()).expand(2, 6).clone().to(device)
+        sinkgd_step([one_w], [g], spectral_vecs=[one_v], **{**kw, "spectral_iters": 1})
+        torch.testing.assert_close(zero_w, one_w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(zero_v, one_v, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -200,6 +200,41 @@ def float64_step_is_float64(ctx):
     ctx.done()
 
 
+@check(interpret=True)
+def zero_gradient_keeps_the_spectral_estimate(ctx):
+    """A spectral step on all-zero gradients, then a real one, sharded: the zero step leaves W
+    as it was and restarts v (it was 0 for good, and later steps multiplied X by target / eps);
+    both steps match the unsharded ones, v included."""
+    from torch_fused.optim import sinkgd_step
+    from torch_fused.optim.sharded import sinkgd_step_sharded
+    from torch_fused.optim.sinkgd import _warm_start
+
+    g = torch.Generator().manual_seed(13)
+    shapes = [(7, 6), (2, 5, 4)]
+    ws = [torch.randn(s, generator=g) for s in shapes]
+    gs = [torch.randn(s, generator=g) for s in shapes]
+    ps = [_dist(w.clone(), ctx.mesh, 0 if w.dim() == 2 else 1) for w in ws]
+    ref = [w.clone() for w in ws]
+    vecs = [_warm_start(p) for p in ps]
+    ref_vecs = [_warm_start(w) for w in ref]
+    kw = dict(lr=0.5, sinkhorn_iters=1, spectral_norm=True, spectral_target="muon")
+    for label, grads in (("zero step", [torch.zeros_like(x) for x in gs]), ("real step", gs)):
+        sinkgd_step_sharded(ps, [_dist(x, ctx.mesh, 0 if x.dim() == 2 else 1) for x in grads], spectral_vecs=vecs, **kw)
+        sinkgd_step(ref, grads, spectral_vecs=ref_vecs, **kw)
+        for k, w0 in enumerate(ws):
+            with ctx.soft(f"{label} matrix {k}"):
+                got = ps[k].full_tensor()
+                v = vecs[k].full_tensor() if hasattr(vecs[k], "full_tensor") else vecs[k]
+                assert bool((v.norm(dim=-1) > 0).all()), f"{label}: a zero warm-start vector"
+                if label == "zero step":
+                    assert torch.equal(got, w0), f"{label}: W moved"
+                else:
+                    e = _rel(got - w0, ref[k] - w0)
+                    assert e < 2e-5, f"{label} matrix {k}: update differs, norm-wise relative error {e:.2e}"
+                    assert _rel(v.reshape(ref_vecs[k].shape), ref_vecs[k]) < 2e-5, f"{label}: v differs"
+    ctx.done()
+
+
 @check(interpret=True, worlds=(2,))
 def stochastic_rounding_bits(ctx):
     """bf16 with stochastic_round on a Triton device (the interpreter run on CPU): the sharded
@@ -451,6 +486,10 @@ _assert_check = CHECKS.assert_check
 
 def test_step_values_and_collectives(group):
     _assert_check(group, "step_values_and_collectives")
+
+
+def test_zero_gradient_keeps_the_spectral_estimate(group):
+    _assert_check(group, "zero_gradient_keeps_the_spectral_estimate")
 
 
 def test_stochastic_rounding_bits(group):

@@ -370,18 +370,39 @@ def _xmv(g: torch.Tensor, r: torch.Tensor, c: torch.Tensor, vec: torch.Tensor, t
     return out
 
 
+def spectral_restart(n: int, device=None) -> torch.Tensor:
+    """The power iteration's restart vector [n], float32: cos(0.5 + 2.399963 j), dense and the same
+    on every run (the optimizer's warm start is it normalized). It replaces v where w = X^T u is 0
+    (a zero gradient, or v in X's null space): v = w / |w| would be 0 there, and a zero v gives
+    w = 0 at every later step, and with it the scale target / eps."""
+    return torch.cos(0.5 + 2.399963 * torch.arange(n, dtype=torch.float32, device=device))
+
+
+def spectral_vector_and_scale(w: torch.Tensor, sigma: torch.Tensor, target: float, eps: float):
+    """(v, scale) of one power iteration's w [B, n] and sigma = |w| [B]: v = w / sigma, the restart
+    vector where sigma = 0; scale = target / max(sigma, eps), 0 where sigma = 0 (there X v = 0
+    gives no estimate: the step leaves out X rather than multiply it by target / eps). The
+    kernels (_sinkgd_power_norm_kernel) and the sharded PyTorch-op step form the same."""
+    live = sigma > 0
+    v = torch.where(live[:, None], w / torch.where(live, sigma, 1)[:, None],
+                    spectral_restart(w.shape[1], w.device).to(w.dtype))
+    scale = torch.where(live, target / sigma.clamp_min(eps), torch.zeros_like(sigma))
+    return v, scale
+
+
 def sinkgd_spectral_scale(g, r, c, v, iters: int, target: float, eps: float) -> torch.Tensor:
     """Power iteration on X = diag(r) G diag(c), warm-started from v [B, n] (updated in place):
-    repeat iters: u = X v / max(|X v|, eps); w = X^T u; sigma = |w|; v = w / max(sigma, eps).
-    Returns target / max(sigma, eps) per matrix, [B], in r's dtype."""
-    sigma = torch.zeros(g.shape[0], dtype=r.dtype, device=g.device)
+    repeat iters: u = X v / max(|X v|, eps); w = X^T u; sigma = |w|; v = w / sigma (the restart
+    vector where sigma = 0). Returns target / max(sigma, eps) per matrix (0 where sigma = 0), [B],
+    in r's dtype (spectral_vector_and_scale)."""
+    scale = torch.zeros(g.shape[0], dtype=r.dtype, device=g.device)
     for _ in range(iters):
         u = _xmv(g, r, c, v.to(r.dtype), False)
         u = u / u.norm(dim=1, keepdim=True).clamp_min(eps)
         w = _xmv(g, r, c, u, True)
-        sigma = w.norm(dim=1)
-        v.copy_(w / sigma[:, None].clamp_min(eps))
-    return target / sigma.clamp_min(eps)
+        new_v, scale = spectral_vector_and_scale(w, w.norm(dim=1), target, eps)
+        v.copy_(new_v)
+    return scale
 
 
 def sinkgd_update_(w, g, r, c, coef_x, coef_w) -> None:

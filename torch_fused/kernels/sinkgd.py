@@ -606,10 +606,11 @@ def _sinkgd_power_cols_kernel(p_meta, p_first, n_mats, p_c, p_part, p_upart, p_w
 @triton.jit
 def _sinkgd_power_norm_kernel(p_meta, p_first, n_mats, p_wpart, p_spec, eps,
                               MUON: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr):
-    """sigma = |w| from the |w|^2 partials of one batch entry (fixed order), v <- w / max(sigma,
-    eps) for BLOCK columns, and (the entry's first block) the spectral scale target /
-    max(sigma, eps) into spec[COEF_OFF + b]; target = 1, or sqrt(m / n) with MUON (m: the whole
-    matrix's, MG)."""
+    """sigma = |w| from the |w|^2 partials of one batch entry (fixed order), v <- w / sigma for
+    BLOCK columns, and (the entry's first block) the spectral scale target / max(sigma, eps) into
+    spec[COEF_OFF + b]; target = 1, or sqrt(m / n) with MUON (m: the whole matrix's, MG). Where
+    sigma = 0 (X v = 0: a zero gradient), v <- the restart vector cos(0.5 + 2.399963 j) and the
+    scale is 0, as reference.spectral_vector_and_scale."""
     mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + MG)
     n = tl.load(row + N)
@@ -620,14 +621,17 @@ def _sinkgd_power_norm_kernel(p_meta, p_first, n_mats, p_wpart, p_spec, eps,
     for k in range(0, blocks, PARTS):
         ks = k + o_k
         acc += tl.load(p_w + ks, mask=ks < blocks, other=0.0)
-    sigma = tl.maximum(tl.sqrt(tl.sum(acc)), eps)
+    s = tl.sqrt(tl.sum(acc))
+    live = s > 0.0
     p_v = tl.load(row + V_PTR).to(tl.pointer_type(tl.float32)) + b * n + o
-    tl.store(p_v, tl.load(p_v, mask=msk, other=0.0) / sigma, mask=msk)
+    restart = tl.cos(0.5 + 2.399963 * o.to(tl.float32))
+    tl.store(p_v, tl.where(live, tl.load(p_v, mask=msk, other=0.0) / tl.where(live, s, 1.0), restart), mask=msk)
     if MUON:
         target = tl.sqrt(m.to(tl.float32) / n.to(tl.float32))
     else:
         target = 1.0
-    tl.store(p_spec + tl.load(row + COEF_OFF) + b, target / sigma, mask=blk == 0)
+    scale = tl.where(live, target / tl.maximum(s, eps), 0.0)
+    tl.store(p_spec + tl.load(row + COEF_OFF) + b, scale, mask=blk == 0)
 
 
 @triton.jit

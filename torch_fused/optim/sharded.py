@@ -13,7 +13,8 @@ X = diag(r) G diag(c). With the rows of a matrix split over the ranks (``Shard(0
   fp32 buffer), after which every rank holds the same c;
 - spectral step (optional), per power iteration: u = X v over the local rows, |u|^2 and
   X^T u summed over the ranks in ONE all-reduce (every matrix's [B, n] partials and [B]
-  scalars), w = (X^T u) / max(|u|, eps), sigma = |w|, v = w / max(sigma, eps). The warm-start
+  scalars), w = (X^T u) / max(|u|, eps), sigma = |w|, v = w / sigma (the restart vector where
+  sigma = 0: reference.spectral_vector_and_scale). The warm-start
   vector v [B, n] is the same on every rank (a plain tensor in the optimizer's state);
 - update: W <- W - eta (X + weight_decay W) on the local rows, fp32 math, stored in W's dtype.
 
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.sinkgd import SinkGDCache, launch_sharded
+from ..reference import spectral_vector_and_scale
 from ..settings import current as settings
 from .._library import SCALE_MAX, SQRT_FP32_MAX, SR_SEED_STRIDE, is_dtensor
 
@@ -516,7 +518,6 @@ def _torch_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_d
             mat.c = (mat.c * math.sqrt(mat.info.m) / col.sqrt().clamp_min(eps)).clamp_max(SCALE_MAX)
     scales = [None] * len(mats)
     if spectral_norm:
-        sigma = [None] * len(mats)
         for _ in range(spectral_iters):
             parts = []
             for mat in mats:
@@ -526,11 +527,9 @@ def _torch_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_d
             parts = _reduce_groups(mats, parts)
             for k, (mat, part) in enumerate(zip(mats, parts)):
                 w = part[:, :-1] / part[:, -1:].sqrt().clamp_min(eps)
-                sigma[k] = w.norm(dim=1)
-                mat.v.copy_(w / sigma[k][:, None].clamp_min(eps))
-        for k, mat in enumerate(mats):
-            target = 1.0 if spectral_target == "unit" else math.sqrt(mat.info.m / mat.info.n)
-            scales[k] = target / sigma[k].clamp_min(eps)
+                target = 1.0 if spectral_target == "unit" else math.sqrt(mat.info.m / mat.info.n)
+                v, scales[k] = spectral_vector_and_scale(w, w.norm(dim=1), target, eps)
+                mat.v.copy_(v)
     for k, mat in enumerate(mats):
         info = mat.info
         fac = lr_scale * ((base_width / info.n) ** width_exponent if base_width is not None else 1.0)
