@@ -544,6 +544,22 @@ MUTANTS: list[Mutant] = [
         [("(torch.zeros_like(xdx) if _clamped(temperature_t) else -xdx / temperature)", "(-xdx / temperature)  # MUTANT")],
         ["tests/test_logprobs_ops.py"],
     ),
+    # 42, 43: the spectral step's v = w / max(sigma, eps) again: a zero gradient zeroes v for good
+    Mutant(
+        "spectral-zero-v-triton", "42 a zero gradient zeroes the warm-start vector (kernels)",
+        "torch_fused/kernels/sinkgd.py", TRITON,
+        [("    tl.store(p_v, tl.where(live, tl.load(p_v, mask=msk, other=0.0) / tl.where(live, s, 1.0), restart), mask=msk)\n",
+          "    tl.store(p_v, tl.load(p_v, mask=msk, other=0.0) / tl.maximum(s, eps), mask=msk)  # MUTANT\n")],
+        ["tests/test_sinkgd.py"],
+    ),
+    Mutant(
+        "spectral-zero-v-reference", "43 a zero gradient zeroes the warm-start vector (reference, sharded)",
+        "torch_fused/reference.py", CPU,
+        [("    v = torch.where(live[:, None], w / torch.where(live, sigma, 1)[:, None],\n"
+          "                    spectral_restart(w.shape[1], w.device).to(w.dtype))\n",
+          "    v = w / sigma[:, None].clamp_min(eps)  # MUTANT\n")],
+        ["tests/test_sinkgd.py", "tests/test_sinkgd_sharded.py"],
+    ),
 ]
 
 
