@@ -870,24 +870,43 @@ def test_step_count_stays_with_the_group_when_a_matrix_has_no_gradient():
     assert "step" not in opt.state[p2]
 
 
-def test_fallback_kwargs_lr_follows_an_lr_scheduler():
+class _ByHand:
+    """An lr 'schedule' set by hand on the param groups (no scheduler object)."""
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def step(self):
+        for group in self.opt.param_groups:
+            group["lr"] = group["lr"] * 0.1
+
+
+@pytest.mark.parametrize("schedule", ["StepLR", "ReduceLROnPlateau", "by hand"])
+def test_fallback_kwargs_lr_follows_an_lr_scheduler(schedule):
     """An lr scheduler scales every lr of the optimizer: a fallback_kwargs lr (biases, here) by
-    the same factor as the group's lr, against torch.optim.AdamW under the same schedule."""
+    the same factor as the group's lr, against torch.optim.AdamW under the same schedule; also
+    ReduceLROnPlateau, which records no initial_lr (the biases kept the full lr there), and an
+    lr set by hand."""
     torch.manual_seed(1)
     lin = torch.nn.Linear(4, 3)
     bias_ref = torch.nn.Parameter(lin.bias.detach().clone())
     opt = SinkGD(lin.parameters(), lr=0.4, fallback_kwargs=dict(lr=0.01))
     ref = torch.optim.AdamW([bias_ref], lr=0.01, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
-    ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=1, gamma=0.1)
-    for _ in range(3):
+    if schedule == "StepLR":
+        sched, ref_sched = (torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.1) for o in (opt, ref))
+    elif schedule == "ReduceLROnPlateau":  # a metric that never improves: x0.1 after every step
+        sched, ref_sched = (torch.optim.lr_scheduler.ReduceLROnPlateau(o, factor=0.1, patience=0) for o in (opt, ref))
+    else:
+        sched, ref_sched = _ByHand(opt), _ByHand(ref)
+    for _ in range(4):
         g = torch.randn(3)
         lin.weight.grad, lin.bias.grad, bias_ref.grad = torch.randn(3, 4), g.clone(), g.clone()
         opt.step()
         ref.step()
-        sched.step()
-        ref_sched.step()
+        for sch in (sched, ref_sched):
+            sch.step(1.0) if schedule == "ReduceLROnPlateau" else sch.step()
         torch.testing.assert_close(lin.bias, bias_ref, rtol=1e-6, atol=1e-7)
+    assert ref.param_groups[0]["lr"] < 1e-4  # the schedule did cut the lr
 
 
 @pytest.mark.parametrize("kw,msg", [

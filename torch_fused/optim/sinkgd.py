@@ -212,6 +212,10 @@ class SinkGD(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _check_group(group)
+        if "lr" in group["fallback_kwargs"] and "lr" not in group.get("adamw_keys", ()):
+            # the group's lr that a fallback_kwargs lr is relative to, where no scheduler records
+            # its initial_lr (ReduceLROnPlateau, an lr set by hand): see _fallback_step
+            group["fallback_lr_base"] = float(group["lr"])
         if group["stochastic_round"] and not group["use_fallback"]:
             from .._library import TRITON_DEVICES
 
@@ -242,19 +246,22 @@ class SinkGD(Optimizer):
         _init_group lists them): betas (0.9, 0.999), eps 1e-8, weight decay 0, lr the group's;
         then the group's ``fallback_kwargs``; then, in a ``use_fallback`` group, the AdamW
         settings the group itself was given (``ADAMW_GROUP_KEYS``: its lr, weight_decay, eps,
-        betas), read at each step (a scheduler's lr applies). A ``fallback_kwargs`` lr is scaled
-        by an lr scheduler's factor on the group (its lr / its ``initial_lr``)."""
+        betas), read at each step (a scheduler's lr applies). A ``fallback_kwargs`` lr follows the
+        group's lr: it is scaled by the group's lr over the lr an lr scheduler started from (its
+        ``initial_lr``), or, where none recorded one (ReduceLROnPlateau, an lr set by hand), over
+        the group's lr when it was added."""
         kw = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
         kw.update(group["fallback_kwargs"])
         own = group.get("adamw_keys", ())
         for key in own:
             kw[key] = group[key]
         f_lr = kw.pop("lr", lr)
-        if "lr" not in own and "lr" in group["fallback_kwargs"] and "initial_lr" in group:
-            # an lr scheduler drives the group's lr: fallback_kwargs' lr follows it by the same
-            # factor (group lr / the lr the scheduler started from)
-            start = group["initial_lr"]
-            if not (isinstance(start, (int, float)) and start == 0):
+        if "lr" not in own and "lr" in group["fallback_kwargs"]:
+            # fallback_kwargs' lr follows the group's lr by the same factor: group lr / the lr a
+            # scheduler started from, else / the group's lr when added (None: a state_dict saved
+            # before that was recorded, without a scheduler: the lr as given)
+            start = group.get("initial_lr", group.get("fallback_lr_base"))
+            if start is not None and not (isinstance(start, (int, float)) and start == 0):
                 f_lr = f_lr * (group["lr"] / start)
         grads, m1, m2, steps = adamw_state
         on_cuda = all(p.is_cuda for p in params)
