@@ -909,12 +909,30 @@ def test_fallback_kwargs_lr_follows_an_lr_scheduler(schedule):
     assert ref.param_groups[0]["lr"] < 1e-4  # the schedule did cut the lr
 
 
+def test_a_use_fallback_groups_own_adamw_settings_are_checked():
+    with pytest.raises(ValueError, match=r"param group betas: expected two floats in \[0, 1\)"):
+        SinkGD([{"params": [torch.nn.Parameter(torch.randn(3))], "use_fallback": True, "betas": (0.9, 1.0)}])
+    with pytest.raises(ValueError, match=r"param group betas: expected two floats in \[0, 1\)"):
+        SinkGD([{"params": [torch.nn.Parameter(torch.randn(3))], "use_fallback": True, "betas": 0.9}])
+    SinkGD([{"params": [torch.nn.Parameter(torch.randn(3))], "use_fallback": True, "betas": (0.8, 0.95)}])
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(fallback_kwargs=dict(amsgrad=True)), r"fallback_kwargs: SinkGD's AdamW takes .*; got amsgrad"),
     (dict(lr=torch.tensor(-0.1)), r"lr: expected >= 0, got a tensor holding -0.1"),
     (dict(weight_decay=-0.1), r"weight_decay: expected >= 0, got -0.1"),
     (dict(base_width=0.0), r"base_width: expected None or > 0, got 0.0"),
     (dict(sinkhorn_iters=2.5), r"sinkhorn_iters: expected an int >= 0, got 2.5"),
+    (dict(lr_scale=float("nan")), r"lr_scale: expected a finite float >= 0, got nan"),
+    (dict(lr_scale=-1.0), r"lr_scale: expected a finite float >= 0, got -1.0"),
+    (dict(width_exponent="1"), r"width_exponent: expected a finite float, got '1'"),
+    (dict(spectral_norm=True, spectral_iters=0), r"spectral_iters: expected an int >= 1 with spectral_norm=True, got 0"),
+    (dict(spectral_iters=2.5), r"spectral_iters: expected an int >= 0, got 2.5"),
+    (dict(fallback_kwargs=dict(betas=(0.9,))), r"fallback_kwargs betas: expected two floats in \[0, 1\)"),
+    (dict(fallback_kwargs=dict(betas=(1.5, 0.9))), r"fallback_kwargs betas: expected two floats in \[0, 1\)"),
+    (dict(fallback_kwargs=dict(lr=-1.0)), r"fallback_kwargs lr: expected >= 0 for SinkGD's AdamW, got -1.0"),
+    (dict(fallback_kwargs=dict(eps=-1.0)), r"fallback_kwargs eps: expected >= 0 for SinkGD's AdamW, got -1.0"),
+    (dict(fallback_kwargs=dict(weight_decay=float("nan"))), r"fallback_kwargs weight_decay: expected >= 0"),
 ])
 def test_bad_hyperparameters_raise_naming_them(kw, msg):
     with pytest.raises(ValueError, match=msg):

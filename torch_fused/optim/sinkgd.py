@@ -5,6 +5,7 @@ SinkGD update of a list of matrices, with keyword arguments."""
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 
 import torch
@@ -106,6 +107,41 @@ def _check_group(group) -> None:
         raise ValueError(f"spectral_target: expected 'unit' or 'muon', got {group['spectral_target']!r}")
     if not group["eps"] > 0:
         raise ValueError(f"eps: expected > 0, got {group['eps']}")
+    scale = _finite_float(group["lr_scale"])
+    if scale is None or scale < 0:
+        raise ValueError(f"lr_scale: expected a finite float >= 0, got {group['lr_scale']!r}")
+    if _finite_float(group["width_exponent"]) is None:
+        raise ValueError(f"width_exponent: expected a finite float, got {group['width_exponent']!r}")
+    it, least = group["spectral_iters"], 1 if group["spectral_norm"] else 0
+    if isinstance(it, bool) or not isinstance(it, int) or it < least:
+        raise ValueError(f"spectral_iters: expected an int >= {least}"
+                         f"{' with spectral_norm=True' if least else ''}, got {it!r}")
+    _check_adamw_settings(group["fallback_kwargs"] or {}, "fallback_kwargs")
+    own = group.get("adamw_keys", ())
+    if own:  # a use_fallback group's own AdamW settings
+        _check_adamw_settings({k: group[k] for k in own}, "param group")
+
+
+def _finite_float(value):
+    """``value`` as a finite float (a Python or NumPy number, not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _check_adamw_settings(kw, where: str) -> None:
+    """The values of AdamW settings (lr, weight_decay, eps, betas) as torch.optim.AdamW takes
+    them, each error naming the setting and where it was given."""
+    for key in ("lr", "weight_decay"):
+        if key in kw and not isinstance(kw[key], torch.Tensor) and not kw[key] >= 0:
+            raise ValueError(f"{where} {key}: expected >= 0 for SinkGD's AdamW, got {kw[key]}")
+    if "eps" in kw and not kw["eps"] >= 0:
+        raise ValueError(f"{where} eps: expected >= 0 for SinkGD's AdamW, got {kw['eps']}")
+    if "betas" in kw:
+        b = kw["betas"]
+        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(0.0 <= float(x) < 1.0 for x in b)):
+            raise ValueError(f"{where} betas: expected two floats in [0, 1) for SinkGD's AdamW, got {b!r}")
 # the keys of a use_fallback group that set its AdamW (SinkGD.add_param_group)
 ADAMW_GROUP_KEYS = ("lr", "weight_decay", "eps", "betas")
 
