@@ -498,10 +498,25 @@ def test_forward_mode_and_func_grad_raise_clearly(how, path):
 
     x = torch.randn(3, 11)
     idx = torch.randint(0, 11, (3,))
+    head_w, head_h = torch.randn(11, 4), torch.randn(3, 4)
     fns = {"public": [lambda a: torch_fused.selective_log_softmax(a, idx), torch_fused.entropy_from_logits,
                       lambda a: torch_fused.logprobs_and_entropy(a, idx)[1]],
            "op": [lambda a: torch.ops.fused.selective_log_softmax(a, idx), torch.ops.fused.entropy_from_logits,
                   lambda a: torch.ops.fused.logprobs_and_entropy(a, idx)[1]]}[path]
+    head = {"public": torch_fused.linear_logprobs_and_entropy, "op": torch.ops.fused.linear_logprobs_and_entropy}[path]
+    # the fused head through each differentiable input: hidden, weight, bias (it gave a zero tangent)
+    heads = [lambda a: head(a[:, :4], head_w, idx)[0], lambda a: head(head_h, a, idx)[1],
+             lambda a: head(head_h, head_w, idx, bias=a[0])[0]]
+    head_x = [torch.randn(3, 11), torch.randn(11, 4), torch.randn(3, 11)]
+    for fn, hx in zip(heads, head_x):
+        with pytest.raises(NotImplementedError, match=r"linear_logprobs_and_entropy: forward-mode AD .* not supported"):
+            if how == "torch.func.jvp":
+                torch.func.jvp(fn, (hx,), (torch.randn_like(hx),))
+            elif how == "forward_ad":
+                with fwAD.dual_level():
+                    fn(fwAD.make_dual(hx, torch.randn_like(hx)))
+            else:
+                torch.func.grad(lambda a: fn(a).sum())(hx)
     for fn, name in zip(fns, ["selective_log_softmax", "entropy_from_logits", "logprobs_and_entropy"]):
         with pytest.raises(NotImplementedError, match=name + r": forward-mode AD .* not supported through the op"):
             if how == "torch.func.jvp":
@@ -513,7 +528,7 @@ def test_forward_mode_and_func_grad_raise_clearly(how, path):
                 torch.func.grad(lambda a: fn(a).sum())(x)
     # logits that are a constant of the transform pass: d/dw of (w * f(x)).sum() is f(x)
     w = torch.randn(3)
-    for fn in fns[:2]:
+    for fn in fns[:2] + [lambda a: head(head_h, head_w, idx)[1]]:
         want = fn(x)
         if how == "torch.func.grad":
             got = torch.func.grad(lambda a: (a * fn(x)).sum())(w)
@@ -697,7 +712,8 @@ def test_shift_of_the_wrong_type_names_the_argument(bad):
     i = torch.zeros(2, 2, dtype=torch.long)
     for call in (lambda: torch_fused.selective_log_softmax(x, i, shift=bad),
                  lambda: torch_fused.entropy_from_logits(x, shift=bad),
-                 lambda: torch_fused.logprobs_and_entropy(x, i, shift=bad)):
+                 lambda: torch_fused.logprobs_and_entropy(x, i, shift=bad),
+                 lambda: torch_fused.linear_logprobs_and_entropy(torch.randn(2, 3, 4), torch.randn(5, 4), i, shift=bad)):
         with pytest.raises(TypeError, match=r"shift: expected a bool, got " + repr(bad)):
             call()
 

@@ -251,7 +251,8 @@ def linear_logprobs_and_entropy(
     """
     if _is_dtensor(weight) or _is_dtensor(hidden):
         return _parallel().linear_logprobs_and_entropy(
-            hidden, weight, index, bias=bias, temperature=temperature, ignore_index=_ignore_index(ignore_index), shift=shift,
+            hidden, weight, index, bias=bias, temperature=temperature, ignore_index=_ignore_index(ignore_index),
+            shift=_shift(shift),
             logit_scale=logit_scale, softcap=softcap, mesh_dim=mesh_dim)
     _no_mesh_dim(mesh_dim)
     if temperature is None:
@@ -261,8 +262,8 @@ def linear_logprobs_and_entropy(
                          "to it); got a tensor. Pass float(t), or make the logits and call logprobs_and_entropy, "
                          "whose temperature may be a differentiable tensor")
     return torch.ops.fused.linear_logprobs_and_entropy(
-        hidden, weight, index, bias=bias, temperature=temperature, ignore_index=_ignore_index(ignore_index), shift=shift,
-        logit_scale=logit_scale, softcap=softcap)
+        hidden, weight, index, bias=bias, temperature=temperature, ignore_index=_ignore_index(ignore_index),
+        shift=_shift(shift), logit_scale=logit_scale, softcap=softcap)
 
 
 def __dir__():

@@ -46,7 +46,7 @@ from typing import Callable
 
 import torch
 
-from .._library import (INTERPRET, LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, exact_shift,
+from .._library import (INTERPRET, LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, exact_shift, no_forward_mode,
                         kernel_temperature, new_output)
 from .. import reference
 from ..meta import linear_logprobs as meta
@@ -574,6 +574,7 @@ LIB.define(f"linear_logprobs_and_entropy(Tensor hidden, Tensor weight, Tensor in
 
 
 def _linear_logprobs_and_entropy(hidden, weight, index, *, bias=None, **options):
+    no_forward_mode("linear_logprobs_and_entropy", hidden, weight, bias)
     logp, ent, _ = torch.ops.fused._linear_logprobs_entropy_forward(
         hidden, weight, index, bias, *meta.HeadOptions(**options).values())
     return logp, ent
