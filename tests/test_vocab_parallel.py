@@ -545,6 +545,79 @@ def compiled_fullgraph(ctx):
     ctx.done()
 
 
+@check(interpret=False, worlds=(2,))
+def compiled_dynamic_shapes(ctx):
+    """torch.compile(fullgraph=True, dynamic=True) of the DTensor paths (the README's compile
+    form): two sequence lengths through one graph, equal to eager. The global-shape checks run
+    in Dynamo's trace there (a torch._check message over tensors could not be traced, and the
+    head's float checks used math.isfinite on a symbolic float). Then the compiled head on CPU
+    with an id outside the vocabulary (no IndexError: the check would be data-dependent): NaN at
+    its position and in its d hidden row, d weight that of the id ignored (it was all NaN)."""
+    import torch_fused
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(12)
+    w_full = torch.randn(23, 8, generator=g)
+
+    # the logits and the head in separate graphs: in one graph with dynamic=True, Dynamo failed
+    # inside its trace of the second autograd.Function (torch 2.14: "lift_tracked_freevar_to_input
+    # should not be called on root SubgraphTracer"); each alone traces
+    def logits_loss(x, idx):
+        lp, ent = torch_fused.logprobs_and_entropy(x, idx, shift=True, temperature=0.8)
+        return (lp.to_local() * 0.3).sum() + ent.to_local().sum()
+
+    def head_loss(w, h, idx):
+        lp2, ent2 = torch_fused.linear_logprobs_and_entropy(h, w, idx, shift=True)
+        return lp2.to_local().sum() - ent2.to_local().sum()
+
+    def loss(x, w, h, idx, compiled):
+        return compiled[0](x, idx) + compiled[1](w, h, idx)
+
+    def head(w, h, idx):
+        lp2, ent2 = torch_fused.linear_logprobs_and_entropy(h, w, idx, shift=True)
+        return lp2.to_local(), ent2.to_local()
+
+    torch._dynamo.reset()
+    eager = (logits_loss, head_loss)
+    compiled = tuple(torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True) for f in eager)
+    for length in (5, 7):
+        full = torch.randn(2, length + 1, 23, generator=g)
+        hid = torch.randn(2, length + 1, 8, generator=g)
+        idx = torch.randint(0, 23, (2, length), generator=g)
+        outs = []
+        for fns in (eager, compiled):
+            x = distribute_tensor(full, ctx.mesh, [Shard(-1)]).requires_grad_(True)
+            w = distribute_tensor(w_full, ctx.mesh, [Shard(0)]).requires_grad_(True)
+            h = hid.clone().requires_grad_(True)
+            value = loss(x, w, h, idx, fns)
+            value.backward()
+            outs.append((value, x.grad.to_local(), w.grad.to_local(), h.grad))
+        with ctx.soft(f"L={length}: compiled (dynamic) vs eager"):
+            for a, b in zip(*outs):
+                torch.testing.assert_close(b, a)
+    compiled_head = torch.compile(head, backend="aot_eager", fullgraph=True, dynamic=True)
+    bad = idx.clone()
+    bad[0, 1] = 26
+    ignored = idx.clone()
+    ignored[0, 1] = -100
+    got = []
+    for fn, ids in ((compiled_head, bad), (head, ignored)):
+        w = distribute_tensor(w_full, ctx.mesh, [Shard(0)]).requires_grad_(True)
+        h = hid.clone().requires_grad_(True)
+        lp, ent = fn(w, h, ids)
+        (lp.nan_to_num(0.0).sum() + ent.sum()).backward()
+        got.append((lp, w.grad.to_local(), h.grad))
+    with ctx.soft("compiled head, id outside the vocabulary"):
+        (lp, dw, dh), (lp_ign, dw_ign, dh_ign) = got
+        assert bool(lp[0, 1].isnan()) and not bool(lp.isnan().sum() > 1), lp
+        torch.testing.assert_close(dw, dw_ign)
+        assert bool(dh[0, 1].isnan().all()), dh[0, 1]
+        keep = torch.ones(dh.shape[:2], dtype=torch.bool)
+        keep[0, 1] = False
+        torch.testing.assert_close(dh[keep], dh_ign[keep])
+    ctx.done()
+
+
 # ---------------------------------------------------------------------------------------------
 # The group
 # ---------------------------------------------------------------------------------------------
@@ -590,6 +663,10 @@ def test_unsupported_placements_fail_clearly(group):
 
 def test_compiled_fullgraph(group):
     _assert_check(group, "compiled_fullgraph")
+
+
+def test_compiled_dynamic_shapes(group):
+    _assert_check(group, "compiled_dynamic_shapes")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -53,6 +53,14 @@ def check(cond, message) -> None:
         return
     if cond is False:  # a Python bool: raise here, as torch._check would (Dynamo re-raises it)
         raise RuntimeError(message())
+    if torch.compiler.is_dynamo_compiling():
+        # traced by Dynamo itself (the DTensor paths' checks of global shapes; the single-device
+        # ops check inside their fake implementations, which Dynamo does not trace): a message
+        # closure over tensors cannot go into torch._check there. The condition is decided on
+        # the symbolic shapes instead (a guard on it: inputs that break it recompile, and raise)
+        if not cond:
+            raise RuntimeError(message())
+        return
     torch._check(cond, message)
 
 
@@ -63,6 +71,10 @@ def check_value(cond, message) -> None:
         return
     if cond is False:
         raise ValueError(message())
+    if torch.compiler.is_dynamo_compiling():  # as in check
+        if not cond:
+            raise ValueError(message())
+        return
     torch._check_value(cond, message)
 
 

@@ -71,10 +71,10 @@ def check_linear(hidden, weight, index, bias, opts: HeadOptions) -> None:
               lambda: f"bias: expected shape ({weight.shape[0]},) (one per vocabulary row), got {tuple(bias.shape)}")
         check(bias.dtype == hidden.dtype and bias.device == hidden.device,
               lambda: f"bias: expected {hidden.dtype} on {hidden.device}, got {bias.dtype} on {bias.device}")
-    check_value(logit_scale > 0 and math.isfinite(logit_scale),
+    check_value(0 < logit_scale < math.inf,
                 lambda: f"logit_scale: expected a positive finite number, got {logit_scale}")
     if softcap is not None:
-        check_value(softcap > 0 and math.isfinite(softcap),
+        check_value(0 < softcap < math.inf,
                     lambda: f"softcap: expected None or a positive finite number, got {softcap}")
     # index and temperature: the log-prob ops' checks, with the hidden states in the logits' place
     # (their leading dims are the logits' rows)

@@ -17,7 +17,7 @@ from .._library import FLOAT_DTYPES, INDEX_DTYPES, acc_dtype, check, check_value
 def check_temperature(temperature: float) -> None:
     # ValueError, as for a tensor temperature whose value is checked where it is read
     check_value(
-        temperature > 0 and math.isfinite(temperature),
+        0 < temperature < math.inf,
         lambda: f"temperature: expected a positive finite number, got {temperature}",
     )
 

@@ -424,10 +424,12 @@ def backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats,
     glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
     gh = grad_entropy.reshape(n) if grad_entropy is not None else None
     bad_rows = None
-    if glp is not None and path.triton:
+    if glp is not None:
         # an id outside the vocabulary (NaN forward; no check on the device: it would sync) makes its
         # row's d hidden NaN, as the logits ops' d logits row: the d logits use the row as if the
-        # id were ignore_index, so d weight and d bias, which sum over every row, stay finite
+        # id were ignore_index, so d weight and d bias, which sum over every row, stay finite. On
+        # the CPU the forward raises IndexError first, except in a vocabulary-parallel call that
+        # torch.compile traces (parallel._checks_index), which then gives these same NaNs
         bad = (idx2 != ignore_index) & ((idx2 < 0) | (idx2 >= v_total))
         glp = glp.masked_fill(bad, 0.0)
         idx2 = idx2.masked_fill(bad, ignore_index)
