@@ -372,6 +372,38 @@ def test_state_dict_round_trip_gives_identical_next_step():
         assert torch.equal(p1, p2)
 
 
+def test_load_state_dict_hooks_see_and_set_the_warm_start_vectors():
+    """A load pre-hook's returned state_dict is what loads, the warm-start vectors included (they
+    were taken from the state_dict before the hooks ran), and post-hooks see them float32."""
+    lin = torch.nn.Linear(4, 5).to(torch.bfloat16)
+    opt = SinkGD(lin.parameters(), lr=0.3, spectral_norm=True, fallback_kwargs={"lr": 1e-3})
+    lin.weight.grad, lin.bias.grad = torch.randn(5, 4).bfloat16(), torch.randn(5).bfloat16()
+    opt.step()
+    sd = opt.state_dict()
+    new_v = torch.full((1, 4), 0.5)
+
+    def replace_vectors(_, state_dict):
+        state_dict = copy.deepcopy(state_dict)
+        for st in state_dict["state"].values():
+            if "spectral_v" in st:
+                st["spectral_v"] = new_v.clone()
+            st.pop("exp_avg", None)
+        return state_dict
+
+    seen = []
+    new = SinkGD(lin.parameters(), lr=0.3, spectral_norm=True, fallback_kwargs={"lr": 1e-3})
+    new.register_load_state_dict_pre_hook(replace_vectors)
+    new.register_load_state_dict_post_hook(lambda o: seen.append(o.state[lin.weight]["spectral_v"].dtype))
+    new.load_state_dict(sd)
+    assert torch.equal(new.state[lin.weight]["spectral_v"], new_v)
+    assert "exp_avg" not in new.state[lin.bias]
+    assert seen == [torch.float32]
+    # and without hooks the saved vector comes back as it was, float32 beside bf16 weights
+    plain = SinkGD(lin.parameters(), lr=0.3, spectral_norm=True, fallback_kwargs={"lr": 1e-3})
+    plain.load_state_dict(sd)
+    assert torch.equal(plain.state[lin.weight]["spectral_v"], opt.state[lin.weight]["spectral_v"])
+
+
 def test_params_without_grad_are_skipped_and_bad_params_raise():
     a = torch.nn.Parameter(torch.randn(4, 4))
     b = torch.nn.Parameter(torch.randn(4, 4))

@@ -223,21 +223,36 @@ class SinkGD(Optimizer):
 
     def load_state_dict(self, state_dict):
         # Optimizer.load_state_dict casts floating state to the parameter's dtype; the
-        # warm-start vectors stay float32 (the power iteration's precision)
-        saved = {k: st["spectral_v"] for k, st in state_dict["state"].items()
-                 if isinstance(st, dict) and "spectral_v" in st}
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        super().load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in zip(ids, params):
-            if i in saved:
-                self.state[p]["spectral_v"] = saved[i].to(device=p.device, dtype=torch.float32).clone()
-            st = self.state.get(p)
-            if st and isinstance(st.get("step"), torch.Tensor) and st["step"].device != p.device:
-                # step counts on the parameter's device, as they were made (Optimizer leaves them
-                # where the checkpoint was loaded, e.g. the CPU): the seed is read on the device,
-                # inside CUDA graphs too, and fused AdamW takes its counts there
-                st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+        # warm-start vectors stay float32 (the power iteration's precision). They are taken from
+        # the state_dict as the load pre-hooks leave it (a hook registered last, for this load
+        # only) and put back before the post-hooks run (one registered first).
+        final = {}
+
+        def take(_, sd):
+            final["sd"] = sd
+
+        def restore(_):
+            sd = final["sd"]
+            saved = {k: st["spectral_v"] for k, st in sd["state"].items() if isinstance(st, dict) and "spectral_v" in st}
+            ids = [i for g in sd["param_groups"] for i in g["params"]]
+            params = [p for g in self.param_groups for p in g["params"]]
+            for i, p in zip(ids, params):
+                if i in saved:
+                    self.state[p]["spectral_v"] = saved[i].to(device=p.device, dtype=torch.float32).clone()
+                st = self.state.get(p)
+                if st and isinstance(st.get("step"), torch.Tensor) and st["step"].device != p.device:
+                    # step counts on the parameter's device, as they were made (Optimizer leaves them
+                    # where the checkpoint was loaded, e.g. the CPU): the seed is read on the device,
+                    # inside CUDA graphs too, and fused AdamW takes its counts there
+                    st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+
+        handles = (self.register_load_state_dict_pre_hook(take),
+                   self.register_load_state_dict_post_hook(restore, prepend=True))
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            for h in handles:
+                h.remove()
 
     def add_param_group(self, param_group):
         # an AdamW group (use_fallback=True) takes the AdamW settings it names itself; recorded
