@@ -23,6 +23,20 @@ def test_mask_reduce_cost_counts_stored_elements():
     assert c["materialized_mask_bytes"] == 240
 
 
+@pytest.mark.parametrize("args,msg", [
+    ((torch.randn(3, 4), 7), r"dim: expected a dim of x"),
+    ((torch.randn(3, 4), 1.0), r"dim: expected an int, got float"),
+    ((torch.ones(3, 4, dtype=torch.int32), 1), r"x: expected dtype float16, bfloat16, float32 or float64"),
+    ((torch.randn(1, 1, 1, 1, 2), 1), r"x: expected 1 to 4 dims"),
+    ((torch.randn(3, 4), 1, torch.ones(3, 5, dtype=torch.bool)), r"mask: shape \(3, 5\) does not broadcast"),
+])
+def test_mask_reduce_cost_checks_its_arguments_as_mask_reduce(args, msg):
+    """mask_reduce_cost returned numbers for arguments mask_reduce refuses; now the same errors."""
+    for fn in (torch_fused.mask_reduce, torch_fused.mask_reduce_cost):
+        with pytest.raises(RuntimeError, match=msg):
+            fn(*args)
+
+
 def _expected(loss, keep):
     """float64 per-row sums S_b and counts N_b over the kept tokens (keep: a bool [B, L])."""
     k = keep.double()

@@ -79,9 +79,11 @@ def mask_reduce_cost(x: torch.Tensor, dim: int, mask: torch.Tensor | None = None
         floor_bytes: x read once + stored mask and scale bytes + y written (the benchmark floor);
         bytes: the same with only the kept x elements read (what the kernel moves at best);
         materialized_mask_bytes: what a copy of the broadcast mask alone would take.
+
+    Its arguments are checked as mask_reduce's (the same errors).
     """
+    d = check_mask_reduce(x, dim, mask, scale, None)
     shape = tuple(x.shape)
-    d = dim % x.dim()
     out_elems = 1
     for i, s in enumerate(shape):
         if i != d:
