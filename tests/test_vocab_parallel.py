@@ -559,37 +559,31 @@ def compiled_dynamic_shapes(ctx):
     g = torch.Generator().manual_seed(12)
     w_full = torch.randn(23, 8, generator=g)
 
-    # the logits and the head in separate graphs: in one graph with dynamic=True, Dynamo failed
-    # inside its trace of the second autograd.Function (torch 2.14: "lift_tracked_freevar_to_input
-    # should not be called on root SubgraphTracer"); each alone traces
-    def logits_loss(x, idx):
+    # three vocabulary-parallel calls in one graph (a second one failed inside Dynamo with
+    # dynamic=True: module-level floats read in the first autograd.Function's trace)
+    def loss(x, w, h, idx):
         lp, ent = torch_fused.logprobs_and_entropy(x, idx, shift=True, temperature=0.8)
-        return (lp.to_local() * 0.3).sum() + ent.to_local().sum()
-
-    def head_loss(w, h, idx):
+        ref = torch_fused.selective_log_softmax(x * 0.5, idx, shift=True)
         lp2, ent2 = torch_fused.linear_logprobs_and_entropy(h, w, idx, shift=True)
-        return lp2.to_local().sum() - ent2.to_local().sum()
-
-    def loss(x, w, h, idx, compiled):
-        return compiled[0](x, idx) + compiled[1](w, h, idx)
+        return ((lp.to_local() * 0.3).sum() + ent.to_local().sum() + (ref.to_local() * 0.2).sum()
+                + lp2.to_local().sum() - ent2.to_local().sum())
 
     def head(w, h, idx):
         lp2, ent2 = torch_fused.linear_logprobs_and_entropy(h, w, idx, shift=True)
         return lp2.to_local(), ent2.to_local()
 
     torch._dynamo.reset()
-    eager = (logits_loss, head_loss)
-    compiled = tuple(torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True) for f in eager)
+    step = torch.compile(loss, backend="aot_eager", fullgraph=True, dynamic=True)
     for length in (5, 7):
         full = torch.randn(2, length + 1, 23, generator=g)
         hid = torch.randn(2, length + 1, 8, generator=g)
         idx = torch.randint(0, 23, (2, length), generator=g)
         outs = []
-        for fns in (eager, compiled):
+        for fn in (loss, step):
             x = distribute_tensor(full, ctx.mesh, [Shard(-1)]).requires_grad_(True)
             w = distribute_tensor(w_full, ctx.mesh, [Shard(0)]).requires_grad_(True)
             h = hid.clone().requires_grad_(True)
-            value = loss(x, w, h, idx, fns)
+            value = fn(x, w, h, idx)
             value.backward()
             outs.append((value, x.grad.to_local(), w.grad.to_local(), h.grad))
         with ctx.soft(f"L={length}: compiled (dynamic) vs eager"):

@@ -204,7 +204,8 @@ T_MAX = 2.0**100
 
 def kernel_temperature(t: float) -> float:
     """The temperature the kernels and the reference use for a checked float ``t``."""
-    return min(max(t, T_MIN), T_MAX)
+    # the bounds as literals (T_MIN, T_MAX): see traced_constants
+    return min(max(t, 2.0**-100), 2.0**100)
 
 
 # The GPU kernels shift a row's logits as fma(x, c, -round(m c)) (c = log2(e) / T, m the row
@@ -218,11 +219,25 @@ FMA_SHIFT_MAX_C = 1024.0
 def exact_shift(c: float | None) -> bool:
     """Whether the logits kernels shift exactly (EXACT_SHIFT) for the scale c (None: a tensor
     temperature, read on the device); always in the interpreter."""
-    return INTERPRET or c is None or c > FMA_SHIFT_MAX_C
+    return INTERPRET or c is None or c > 1024.0  # FMA_SHIFT_MAX_C as a literal: see traced_constants
 
 
 LOG2E = 1.4426950408889634  # log2(e): the kernels work in base 2
 LN2 = 0.6931471805599453  # ln(2): back to nats
+
+
+def traced_constants() -> tuple[float, float]:
+    """(LOG2E, LN2) as literals, for code that Dynamo traces itself (the vocabulary-parallel
+    paths; the ops' implementations are not traced by it). With dynamic=True Dynamo turns a float
+    read from a module global into a symbolic float of the graph; one first read inside an
+    autograd.Function's forward cannot be used in a second one (torch 2.14: "lift_tracked_freevar_
+    to_input should not be called on root SubgraphTracer"), so two vocabulary-parallel calls in
+    one dynamic graph failed. A function's literals stay constants. kernel_temperature and
+    exact_shift write theirs inline for the same reason."""
+    return 1.4426950408889634, 0.6931471805599453
+
+
+assert traced_constants() == (LOG2E, LN2) and FMA_SHIFT_MAX_C == 1024.0 and (T_MIN, T_MAX) == (2.0**-100, 2.0**100)
 
 
 def cdiv(a: int, b: int) -> int:

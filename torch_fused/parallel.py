@@ -45,7 +45,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import reference
-from ._library import LN2, LOG2E, TRITON_DEVICES, acc_dtype, check, kernel_temperature
+from ._library import TRITON_DEVICES, acc_dtype, check, kernel_temperature, traced_constants
 from .meta import linear_logprobs as meta_ll
 from .meta.linear_logprobs import HeadOptions
 from .meta import logprobs as meta_lp
@@ -296,6 +296,7 @@ def merge_partials(parts: torch.Tensor, index2: torch.Tensor | None, ignore_inde
     no tensor is made from host values here (a host-to-device copy would synchronize the stream
     and leave every launch after it exposed)."""
     ninf = float("-inf")
+    ln2 = traced_constants()[1]
     m_r, l2s_r = parts[..., 0], parts[..., 1]
     empty = l2s_r == ninf  # s_r = 0: no columns, or only -inf logits (a NaN stays NaN)
     big = m_r.masked_fill(empty, ninf).amax(0)
@@ -306,13 +307,13 @@ def merge_partials(parts: torch.Tensor, index2: torch.Tensor | None, ignore_inde
     stats = torch.stack([big, l2s], 1)
     ent = None
     if has_ent:
-        ent = (torch.exp2(rel) * (parts[..., 2] - rel * LN2)).masked_fill_(empty, 0.0).sum(0)
+        ent = (torch.exp2(rel) * (parts[..., 2] - rel * ln2)).masked_fill_(empty, 0.0).sum(0)
         ent = ent.masked_fill_(l2s == ninf, float("nan"))
     logp = None
     if index2 is not None:
         lp_r = parts[..., 2 + int(has_ent):]  # [W, n, K]
         owner = torch.div(index2, step, rounding_mode="floor").clamp_(0, parts.shape[0] - 1).long()
-        val = lp_r.gather(0, owner[None]).squeeze(0) + rel.t().gather(1, owner) * LN2
+        val = lp_r.gather(0, owner[None]).squeeze(0) + rel.t().gather(1, owner) * ln2
         # the owner's slice of the row is all -inf: so is the id's logit (-inf, or NaN for a row of only -inf)
         val = torch.where(empty.t().gather(1, owner), ninf - l2s[:, None], val)
         val = val.masked_fill_((index2 < 0) | (index2 >= v), float("nan"))
@@ -378,7 +379,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             reference.check_index_range(index, layout.v, ignore_index)  # as the single-device CPU path
         parts = logits_partials(x, index, layout.v_off, temperature, want_ent, shift)
         world = _all_gather(parts, layout) if parts.numel() else parts.new_empty(layout.world, *parts.shape)
-        c = LOG2E / kernel_temperature(temperature)
+        c = traced_constants()[0] / kernel_temperature(temperature)
         logp, ent, stats = _finish(world, index, lead, ignore_index, layout, c, _exact_shift(x, dt, c), want_ent, dt)
         ctx.set_materialize_grads(False)
         ctx.args = (layout, temperature, ignore_index, want_ent, shift)
@@ -407,7 +408,7 @@ class _VocabParallelLinear(torch.autograd.Function):
             reference.check_index_range(index, layout.v, opts.ignore_index)
         parts = linear_partials(hidden, weight, index, bias, opts, layout.v_off)
         world = _all_gather(parts, layout) if parts.numel() else parts.new_empty(layout.world, *parts.shape)
-        c = LOG2E / LL.effective_temperature(opts)
+        c = traced_constants()[0] / LL.effective_temperature(opts)
         logp, ent, stats = _finish(world, index, lead, opts.ignore_index, layout, c, _exact_shift(hidden, dt, c), True,
                                    dt)
         ctx.set_materialize_grads(False)

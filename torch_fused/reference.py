@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ._library import LN2, LOG2E, SCALE_MAX, T_MAX, T_MIN, acc_dtype, kernel_temperature
+from ._library import LN2, LOG2E, SCALE_MAX, T_MAX, T_MIN, acc_dtype, kernel_temperature, traced_constants
 from .settings import current as _settings
 
 
@@ -195,10 +195,11 @@ def logprobs_entropy_backward(
     if grad_entropy is not None:
         gh = grad_entropy.reshape(rows).double()
         h = entropy.reshape(rows).double()
-    c = LOG2E / temperature
+    log2e, ln2 = traced_constants()  # literals: Dynamo traces this in the vocabulary-parallel backward
+    c = log2e / temperature
     inv_t = 1.0 / temperature
     for a, b in _chunks(rows, v):
-        lp = ((x2[a:b].double() - st[a:b, :1]) * c - st[a:b, 1:]) * LN2
+        lp = ((x2[a:b].double() - st[a:b, :1]) * c - st[a:b, 1:]) * ln2
         p = torch.exp(lp)
         coef = gsum[a:b, None].expand_as(p)
         if grad_entropy is not None:

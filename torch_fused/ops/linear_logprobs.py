@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 
 from .._library import (INTERPRET, LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, exact_shift, no_forward_mode,
-                        kernel_temperature, new_output)
+                        kernel_temperature, new_output, traced_constants)
 from .. import reference
 from ..meta import linear_logprobs as meta
 from ..meta.logprobs import row_shape
@@ -319,7 +319,7 @@ def _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total
     b = torch.zeros_like(a)
     if gh is not None:
         a = a + gh.float() * ent2.float()
-        b = gh.float() * LN2
+        b = gh.float() * traced_constants()[1]  # LN2 (a literal: the vocabulary-parallel backward is traced by Dynamo)
     coef[2], coef[3] = a * it, b * it
     return coef, g
 
@@ -439,7 +439,7 @@ def backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats,
     if fused:  # d logits straight from the GEMM tiles: one w.dtype chunk buffer
         ids = idx2.reshape(n, -1).contiguous()
         coef, g_ids = _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total)
-        c = LOG2E / t_eff
+        c = traced_constants()[0] / t_eff  # LOG2E, as above
     # Triton path, bf16 / fp16: d logits written over their own fp32 logits chunk
     in_place = path.triton and softcap is None and w.dtype in (torch.bfloat16, torch.float16)
     step = _chunk_cols(dev, n, w.element_size() if fused else 4 if in_place else 4 + w.element_size(),

@@ -24,7 +24,7 @@ import torch
 
 from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift, no_forward_mode,
                         inline_under_compile, kernel_temperature, new_output, on_triton, rows_strides, PlanLaunch,
-                        Plans, tensor_key)
+                        Plans, tensor_key, traced_constants)
 from .. import reference
 from ..settings import values as _settings_values
 from ..meta import logprobs as meta
@@ -252,13 +252,14 @@ def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_i
         gh_s = 1 if gh_copy else gh.stride(0)
     block_v, warps = K.pick_block(v, x.element_size(), "bwd")
     t = kernel_temperature(temperature)
+    log2e = traced_constants()[0]  # LOG2E as a literal: the vocabulary-parallel backward is traced by Dynamo
     segs, seg_len = (1, v) if has_dt or in_place else K.backward_segments(v, block_v)
     scalars = (v, k, rows, inner, s_outer, s_inner, v_off, v if v_total is None else v_total,
                d_inner, d_outer, d_stride, z_inner, z_outer, z_stride,
-               LOG2E / t, 1.0 / t, ignore_index, segs, seg_len, glp_sr, glp_sk, gh_s)
+               log2e / t, 1.0 / t, ignore_index, segs, seg_len, glp_sr, glp_sk, gh_s)
     constexprs = dict(
         HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1,
-        EXACT_SHIFT=exact if exact is not None else exact_shift(None if has_dt else LOG2E / t),
+        EXACT_SHIFT=exact if exact is not None else exact_shift(None if has_dt else log2e / t),
         T_FROM_PTR=has_dt, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0, IN_PLACE=in_place,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
         num_warps=warps,
