@@ -560,6 +560,27 @@ MUTANTS: list[Mutant] = [
           "    v = w / sigma[:, None].clamp_min(eps)  # MUTANT\n")],
         ["tests/test_sinkgd.py", "tests/test_sinkgd_sharded.py"],
     ),
+    # 44-46: the vocabulary-parallel paths under torch.compile(dynamic=True), and the compiled
+    # CPU head's out-of-range id
+    Mutant(
+        "dynamo-check-closure", "44 torch._check with a message closure inside Dynamo's trace", "torch_fused/_library.py",
+        CPU,
+        [("    if torch.compiler.is_dynamo_compiling():\n        # traced by Dynamo itself",
+          "    if False:  # MUTANT\n        # traced by Dynamo itself")],
+        ["tests/test_vocab_parallel.py"],
+    ),
+    Mutant(
+        "traced-global-float", "45 a module-level float in the traced vocabulary-parallel backward",
+        "torch_fused/reference.py", CPU,
+        [("    log2e, ln2 = traced_constants()  #", "    log2e, ln2 = LOG2E, LN2  # MUTANT")],
+        ["tests/test_vocab_parallel.py"],
+    ),
+    Mutant(
+        "head-bad-id-triton-only", "46 the head's out-of-range id contained on the Triton path only",
+        "torch_fused/ops/linear_logprobs.py", CPU,
+        [("    if glp is not None:\n        # an id outside the vocabulary", "    if glp is not None and path.triton:  # MUTANT\n        # an id outside the vocabulary")],
+        ["tests/test_vocab_parallel.py"],
+    ),
 ]
 
 
