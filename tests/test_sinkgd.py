@@ -941,6 +941,44 @@ def test_fallback_kwargs_lr_follows_an_lr_scheduler(schedule):
     assert ref.param_groups[0]["lr"] < 1e-4  # the schedule did cut the lr
 
 
+def test_fallback_lr_base_of_a_checkpoint_saved_without_it():
+    """A state_dict saved before the group's lr at construction was recorded: the loaded group
+    takes the constructed group's record, so a hand-set lr still scales a fallback_kwargs lr;
+    a group given fallback_kwargs=None takes none."""
+    lin = torch.nn.Linear(4, 3)
+    opt = SinkGD(lin.parameters(), lr=0.4, fallback_kwargs=dict(lr=0.01))
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        del g["fallback_lr_base"]
+    new = SinkGD(lin.parameters(), lr=0.4, fallback_kwargs=dict(lr=0.01))
+    new.load_state_dict(sd)
+    assert new.param_groups[0]["fallback_lr_base"] == 0.4
+    new.param_groups[0]["lr"] = 0.04  # x0.1 by hand: the biases' AdamW lr too
+    bias_ref = torch.nn.Parameter(lin.bias.detach().clone())
+    ref = torch.optim.AdamW([bias_ref], lr=0.001, weight_decay=0.0)
+    g = torch.randn(3)
+    lin.weight.grad, lin.bias.grad, bias_ref.grad = torch.randn(3, 4), g.clone(), g.clone()
+    new.step()
+    ref.step()
+    torch.testing.assert_close(lin.bias, bias_ref, rtol=1e-6, atol=1e-7)
+    opt2 = SinkGD([{"params": [torch.nn.Parameter(torch.randn(3))], "fallback_kwargs": None, "lr": 0.01}])
+    assert opt2.param_groups[0]["fallback_kwargs"] == {}
+
+
+def test_hyperparameters_as_numpy_numbers_and_tensors_are_taken():
+    """Config and sweep tools pass NumPy numbers: integers for the iteration counts, floats for
+    lr_scale (and a 0-dim tensor lr_scale), as the step takes them."""
+    np = pytest.importorskip("numpy")
+    w = torch.nn.Parameter(torch.randn(4, 6))
+    for kw in (dict(sinkhorn_iters=np.int64(3), spectral_norm=True, spectral_iters=np.int32(2)),
+               dict(lr_scale=np.float32(0.05), width_exponent=np.float64(0.5), base_width=4),
+               dict(lr_scale=torch.tensor(0.05))):
+        opt = SinkGD([w], lr=0.1, **kw)
+        w.grad = torch.randn(4, 6)
+        opt.step()
+        assert bool(torch.isfinite(w).all())
+
+
 def test_a_use_fallback_groups_own_adamw_settings_are_checked():
     with pytest.raises(ValueError, match=r"param group betas: expected two floats in \[0, 1\)"):
         SinkGD([{"params": [torch.nn.Parameter(torch.randn(3))], "use_fallback": True, "betas": (0.9, 1.0)}])

@@ -32,8 +32,8 @@ power iteration one more pass over G and two small launches:
   AXIS=0 row partials of G (c v), AXIS=1 u and the column partials.
 - ``_sinkgd_power_cols_kernel``: w_j = c_j sum(partials of j) / max(|u|, eps) = (X^T u)_j with
   u normalized, written into v, and per-block partials of |w|^2.
-- ``_sinkgd_power_norm_kernel``: sigma = |w|, v <- w / max(sigma, eps), and the scale
-  target / max(sigma, eps) that the update kernel applies (HAS_SPEC).
+- ``_sinkgd_power_norm_kernel``: sigma = |w|, v <- w / sigma, and the scale target / max(sigma,
+  eps) that the update kernel applies (HAS_SPEC); where sigma = 0, the restart vector and 0.
 
 Sharded rows (optim/sharded.py: each rank holds some rows of a matrix): the column sums need an
 all-reduce between the row pass and the column scale. ``_sinkgd_colsum_kernel`` finishes a

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import warnings
 
 import torch
@@ -93,9 +94,9 @@ def _check_group(group) -> None:
             raise ValueError(f"lr: expected >= 0, got a tensor holding {float(lr)}")
     elif not lr >= 0:
         raise ValueError(f"lr: expected >= 0, got {lr}")
-    it = group["sinkhorn_iters"]
-    if isinstance(it, bool) or not isinstance(it, int) or it < 0:
-        raise ValueError(f"sinkhorn_iters: expected an int >= 0, got {it!r}")
+    it = _count(group["sinkhorn_iters"])
+    if it is None or it < 0:
+        raise ValueError(f"sinkhorn_iters: expected an int >= 0, got {group['sinkhorn_iters']!r}")
     if not group["weight_decay"] >= 0:
         raise ValueError(f"weight_decay: expected >= 0, got {group['weight_decay']}")
     if group["base_width"] is not None and not group["base_width"] > 0:
@@ -112,10 +113,10 @@ def _check_group(group) -> None:
         raise ValueError(f"lr_scale: expected a finite float >= 0, got {group['lr_scale']!r}")
     if _finite_float(group["width_exponent"]) is None:
         raise ValueError(f"width_exponent: expected a finite float, got {group['width_exponent']!r}")
-    it, least = group["spectral_iters"], 1 if group["spectral_norm"] else 0
-    if isinstance(it, bool) or not isinstance(it, int) or it < least:
+    it, least = _count(group["spectral_iters"]), 1 if group["spectral_norm"] else 0
+    if it is None or it < least:
         raise ValueError(f"spectral_iters: expected an int >= {least}"
-                         f"{' with spectral_norm=True' if least else ''}, got {it!r}")
+                         f"{' with spectral_norm=True' if least else ''}, got {group['spectral_iters']!r}")
     _check_adamw_settings(group["fallback_kwargs"] or {}, "fallback_kwargs")
     own = group.get("adamw_keys", ())
     if own:  # a use_fallback group's own AdamW settings
@@ -124,10 +125,19 @@ def _check_group(group) -> None:
 
 def _finite_float(value):
     """``value`` as a finite float (a Python or NumPy number, not a bool), else None."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        value = float(value)  # read once, here (the step takes it as a float too)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+def _count(value):
+    """``value`` as an int (a Python or NumPy integer, not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return operator.index(value)
 
 
 def _check_adamw_settings(kw, where: str) -> None:
@@ -184,9 +194,11 @@ class SinkGD(Optimizer):
     normalized gradient, has entries of RMS 1. AdamW moves an entry by about its lr where the
     gradient's sign is steady, so the same ``lr`` here gives steps about 20 times smaller. Start
     from ``eta`` between about 0.2x and 1x the AdamW lr (``lr`` 4 to 20 times it at the default
-    ``lr_scale``) and tune: docs/SINKGD.md, "Choosing lr". The AdamW groups use ``lr`` (or
-    ``fallback_kwargs["lr"]``, which an lr scheduler scales by the factor it applies to the
-    group's lr) as is. ``fallback_kwargs`` takes ``lr``, ``weight_decay``, ``eps`` and ``betas``.
+    ``lr_scale``) and tune: docs/SINKGD.md, "Choosing lr". The AdamW parameters of a group use its
+    ``lr``, or ``fallback_kwargs["lr"]`` scaled as the group's lr moves away from the value it had
+    when the group was added (an lr scheduler's factor, a hand-set lr: set the lr you train with
+    before constructing, or give it to the constructor). ``fallback_kwargs`` takes ``lr``,
+    ``weight_decay``, ``eps`` and ``betas``.
 
     ``lr`` may be a float or a 0-dim tensor; under ``torch.compile`` pass a tensor (and change it
     in place with ``fill_``) so a schedule never recompiles the step. A parameter without a
@@ -227,12 +239,16 @@ class SinkGD(Optimizer):
         # the state_dict as the load pre-hooks leave it (a hook registered last, for this load
         # only) and put back before the post-hooks run (one registered first).
         final = {}
+        bases = [g.get("fallback_lr_base") for g in self.param_groups]  # the constructed groups'
 
         def take(_, sd):
             final["sd"] = sd
 
         def restore(_):
             sd = final["sd"]
+            for group, base in zip(self.param_groups, bases):
+                if base is not None and "fallback_lr_base" not in group:  # saved before it was recorded
+                    group["fallback_lr_base"] = base
             saved = {k: st["spectral_v"] for k, st in sd["state"].items() if isinstance(st, dict) and "spectral_v" in st}
             ids = [i for g in sd["param_groups"] for i in g["params"]]
             params = [p for g in self.param_groups for p in g["params"]]
@@ -260,6 +276,8 @@ class SinkGD(Optimizer):
         if isinstance(param_group, dict) and param_group.get("use_fallback"):
             param_group = dict(param_group)
             param_group.setdefault("adamw_keys", tuple(k for k in ADAMW_GROUP_KEYS if k in param_group))
+        if isinstance(param_group, dict) and "fallback_kwargs" in param_group and param_group["fallback_kwargs"] is None:
+            param_group = {**param_group, "fallback_kwargs": {}}  # None: no AdamW settings, as the constructor's
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _check_group(group)
@@ -298,9 +316,11 @@ class SinkGD(Optimizer):
         then the group's ``fallback_kwargs``; then, in a ``use_fallback`` group, the AdamW
         settings the group itself was given (``ADAMW_GROUP_KEYS``: its lr, weight_decay, eps,
         betas), read at each step (a scheduler's lr applies). A ``fallback_kwargs`` lr follows the
-        group's lr: it is scaled by the group's lr over the lr an lr scheduler started from (its
-        ``initial_lr``), or, where none recorded one (ReduceLROnPlateau, an lr set by hand), over
-        the group's lr when it was added."""
+        group's lr: it is scaled by the group's lr over its lr when the group was added
+        (``fallback_lr_base``), so an lr scheduler's factor (ReduceLROnPlateau included) and a
+        hand-set lr apply to it alike; a group loaded from a state_dict saved without that record
+        takes the constructed group's (load_state_dict), else the ``initial_lr`` a scheduler
+        recorded."""
         kw = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
         kw.update(group["fallback_kwargs"])
         own = group.get("adamw_keys", ())
@@ -308,10 +328,9 @@ class SinkGD(Optimizer):
             kw[key] = group[key]
         f_lr = kw.pop("lr", lr)
         if "lr" not in own and "lr" in group["fallback_kwargs"]:
-            # fallback_kwargs' lr follows the group's lr by the same factor: group lr / the lr a
-            # scheduler started from, else / the group's lr when added (None: a state_dict saved
-            # before that was recorded, without a scheduler: the lr as given)
-            start = group.get("initial_lr", group.get("fallback_lr_base"))
+            # fallback_kwargs' lr follows the group's lr by the same factor: group lr / its lr
+            # when added (else / the lr a scheduler started from; neither: the lr as given)
+            start = group.get("fallback_lr_base", group.get("initial_lr"))
             if start is not None and not (isinstance(start, (int, float)) and start == 0):
                 f_lr = f_lr * (group["lr"] / start)
         grads, m1, m2, steps = adamw_state
