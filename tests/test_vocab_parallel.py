@@ -585,7 +585,9 @@ def compiled_dynamic_shapes(ctx):
             h = hid.clone().requires_grad_(True)
             value = fn(x, w, h, idx)
             value.backward()
-            outs.append((value, x.grad.to_local(), w.grad.to_local(), h.grad))
+            # whole gradients: torch 2.11 places the compiled d logits Replicate() here (Shard(-1)
+            # eagerly; the static-shape check asserts the placements)
+            outs.append((value, x.grad.full_tensor(), w.grad.full_tensor(), h.grad))
         with ctx.soft(f"L={length}: compiled (dynamic) vs eager"):
             for a, b in zip(*outs):
                 torch.testing.assert_close(b, a)
@@ -600,7 +602,7 @@ def compiled_dynamic_shapes(ctx):
         h = hid.clone().requires_grad_(True)
         lp, ent = fn(w, h, ids)
         (lp.nan_to_num(0.0).sum() + ent.sum()).backward()
-        got.append((lp, w.grad.to_local(), h.grad))
+        got.append((lp, w.grad.full_tensor(), h.grad))
     with ctx.soft("compiled head, id outside the vocabulary"):
         (lp, dw, dh), (lp_ign, dw_ign, dh_ign) = got
         assert bool(lp[0, 1].isnan()) and not bool(lp.isnan().sum() > 1), lp

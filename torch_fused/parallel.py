@@ -129,7 +129,9 @@ def vocab_layout(t: DTensor, what: str, shard_dim: int, mesh_dim=None) -> VocabL
     dim = _mesh_dim(mesh, mesh_dim, what, shown, placements)
     want = shard_dim % ndim
     p = placements[dim]
-    if type(p) is not Shard or p.dim % ndim != want:  # (_StridedShard, Partial, Replicate, other dims)
+    # is_shard(), not type(p) is Shard: inside Dynamo's trace (torch 2.11) an intermediate
+    # DTensor's placement may be the C++ base class; _StridedShard is not is_shard()
+    if not p.is_shard() or getattr(p, "split_factor", 1) != 1 or p.dim % ndim != want:  # (Partial, Replicate, other dims)
         where = "on a 1-D mesh" if mesh.ndim == 1 else f"on mesh dim {dim}"
         raise ValueError(f"{what}: expected placement {shown} {where}, got {_fmt(placements)}")
     for i, q in enumerate(placements):
