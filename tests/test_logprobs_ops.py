@@ -510,24 +510,22 @@ def test_forward_mode_and_func_grad_raise_clearly(how, path):
     heads = [lambda a: head(a[:, :4], head_w, idx)[0], lambda a: head(head_h, a, idx)[1],
              lambda a: head(head_h, head_w, idx, bias=a[0])[0]]
     head_x = [torch.randn(3, 11), torch.randn(11, 4), torch.randn(3, 11)]
+
+    def differentiate(fn, a):  # fn differentiated at a the way ``how`` names
+        if how == "torch.func.jvp":
+            torch.func.jvp(fn, (a,), (torch.randn_like(a),))
+        elif how == "forward_ad":
+            with fwAD.dual_level():
+                fn(fwAD.make_dual(a, torch.randn_like(a)))
+        else:
+            torch.func.grad(lambda b: fn(b).sum())(a)
+
     for fn, hx in zip(heads, head_x):
         with pytest.raises(NotImplementedError, match=r"linear_logprobs_and_entropy: forward-mode AD .* not supported"):
-            if how == "torch.func.jvp":
-                torch.func.jvp(fn, (hx,), (torch.randn_like(hx),))
-            elif how == "forward_ad":
-                with fwAD.dual_level():
-                    fn(fwAD.make_dual(hx, torch.randn_like(hx)))
-            else:
-                torch.func.grad(lambda a: fn(a).sum())(hx)
+            differentiate(fn, hx)
     for fn, name in zip(fns, ["selective_log_softmax", "entropy_from_logits", "logprobs_and_entropy"]):
         with pytest.raises(NotImplementedError, match=name + r": forward-mode AD .* not supported through the op"):
-            if how == "torch.func.jvp":
-                torch.func.jvp(fn, (x,), (torch.randn_like(x),))
-            elif how == "forward_ad":
-                with fwAD.dual_level():
-                    fn(fwAD.make_dual(x, torch.randn_like(x)))
-            else:
-                torch.func.grad(lambda a: fn(a).sum())(x)
+            differentiate(fn, x)
     # logits that are a constant of the transform pass: d/dw of (w * f(x)).sum() is f(x)
     w = torch.randn(3)
     for fn in fns[:2] + [lambda a: head(head_h, head_w, idx)[1]]:

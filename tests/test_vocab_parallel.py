@@ -506,13 +506,26 @@ def unsupported_placements_fail_clearly(ctx):
     ctx.done()
 
 
+def _loss_and_grads(ctx, fn, full, w_full, hid, idx):
+    """(value, d logits, d weight, d hidden) of fn(logits, weight, hidden, idx), the logits and
+    the weight distributed Shard(-1) / Shard(0) on ctx's mesh."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x = distribute_tensor(full, ctx.mesh, [Shard(-1)]).requires_grad_(True)
+    w = distribute_tensor(w_full, ctx.mesh, [Shard(0)]).requires_grad_(True)
+    h = hid.clone().requires_grad_(True)
+    value = fn(x, w, h, idx)
+    value.backward()
+    return value, x.grad, w.grad, h.grad
+
+
 @check(interpret=False, worlds=(2,))
 def compiled_fullgraph(ctx):
     """torch.compile(fullgraph=True) traces the DTensor path (Dynamo's autograd.Function support and
     the functional collectives): the same values and gradient placements as eager. At world size 2
     only: tracing takes ~14 s, and the traced code does not depend on the world size."""
     import torch_fused
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Shard
 
     g = torch.Generator().manual_seed(11)
     full = torch.randn(2, 6, 23, generator=g)
@@ -527,14 +540,7 @@ def compiled_fullgraph(ctx):
 
     torch._dynamo.reset()
     step = torch.compile(loss, backend="aot_eager", fullgraph=True)
-    outs = []
-    for fn in (loss, step):
-        x = distribute_tensor(full, ctx.mesh, [Shard(-1)]).requires_grad_(True)
-        w = distribute_tensor(w_full, ctx.mesh, [Shard(0)]).requires_grad_(True)
-        h = hid.clone().requires_grad_(True)
-        value = fn(x, w, h, idx)
-        value.backward()
-        outs.append((value, x.grad, w.grad, h.grad))
+    outs = [_loss_and_grads(ctx, fn, full, w_full, hid, idx) for fn in (loss, step)]
     with ctx.soft("compiled vs eager"):
         (v0, dx0, dw0, dh0), (v1, dx1, dw1, dh1) = outs
         assert dx1.placements == (Shard(2),) and dw1.placements == (Shard(0),), (dx1.placements, dw1.placements)
@@ -580,14 +586,10 @@ def compiled_dynamic_shapes(ctx):
         idx = torch.randint(0, 23, (2, length), generator=g)
         outs = []
         for fn in (loss, step):
-            x = distribute_tensor(full, ctx.mesh, [Shard(-1)]).requires_grad_(True)
-            w = distribute_tensor(w_full, ctx.mesh, [Shard(0)]).requires_grad_(True)
-            h = hid.clone().requires_grad_(True)
-            value = fn(x, w, h, idx)
-            value.backward()
+            value, dx, dw, dh = _loss_and_grads(ctx, fn, full, w_full, hid, idx)
             # whole gradients: torch 2.11 places the compiled d logits Replicate() here (Shard(-1)
             # eagerly; the static-shape check asserts the placements)
-            outs.append((value, x.grad.full_tensor(), w.grad.full_tensor(), h.grad))
+            outs.append((value, dx.full_tensor(), dw.full_tensor(), dh))
         with ctx.soft(f"L={length}: compiled (dynamic) vs eager"):
             for a, b in zip(*outs):
                 torch.testing.assert_close(b, a)

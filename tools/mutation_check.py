@@ -535,13 +535,16 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "clamped-temperature-grad-triton", "40 d T nonzero where T is clamped (kernel path)", "torch_fused/reference.py",
         TRITON,
-        [("    return torch.where(outside, torch.zeros_like(dt), dt)\n", "    return dt  # MUTANT\n")],
+        [("    return torch.where(temperature_clamped(temperature_t), torch.zeros_like(dt), dt)\n",
+          "    return dt  # MUTANT\n")],
         ["tests/test_logprobs_ops.py"],
     ),
     Mutant(
         "clamped-temperature-grad-reference", "41 d T nonzero where T is clamped (reference)", "torch_fused/reference.py",
         CPU,
-        [("(torch.zeros_like(xdx) if _clamped(temperature_t) else -xdx / temperature)", "(-xdx / temperature)  # MUTANT")],
+        [("        dtemp = torch.where(temperature_clamped(temperature_t), torch.zeros_like(xdx),\n"
+          "                            -xdx / temperature)",
+          "        dtemp = (-xdx / temperature)  # MUTANT")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 42, 43: the spectral step's v = w / max(sigma, eps) again: a zero gradient zeroes v for good

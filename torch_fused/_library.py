@@ -231,8 +231,8 @@ def traced_constants() -> tuple[float, float]:
     paths; the ops' implementations are not traced by it). With dynamic=True Dynamo turns a float
     read from a module global into a symbolic float of the graph; one first read inside an
     autograd.Function's forward cannot be used in a second one (torch 2.14: "lift_tracked_freevar_
-    to_input should not be called on root SubgraphTracer"), so two vocabulary-parallel calls in
-    one dynamic graph failed. A function's literals stay constants. kernel_temperature and
+    to_input should not be called on root SubgraphTracer"), which would stop two vocabulary-
+    parallel calls in one dynamic graph. A function's literals stay constants. kernel_temperature and
     exact_shift write theirs inline for the same reason."""
     return 1.4426950408889634, 0.6931471805599453
 

@@ -63,16 +63,16 @@ def temperature_grad(xdx_rows: torch.Tensor, temperature_t: torch.Tensor | None)
     [T_MIN, T_MAX] acts as the nearer end, a constant there: d T = 0 (as torch.clamp's gradient)."""
     if temperature_t is None:
         return xdx_rows.new_empty(0)
-    t = temperature_t  # compared in its own dtype, as the kernels do (a float64 1e-300 is positive)
-    dt = -(xdx_rows.sum() / t.float().clamp(T_MIN, T_MAX))
-    outside = (t > 0) & (t < math.inf) & ((t < T_MIN) | (t > T_MAX))
-    return torch.where(outside, torch.zeros_like(dt), dt)
+    dt = -(xdx_rows.sum() / temperature_t.float().clamp(T_MIN, T_MAX))
+    return torch.where(temperature_clamped(temperature_t), torch.zeros_like(dt), dt)
 
 
-def _clamped(temperature_t: torch.Tensor | None) -> bool:
-    """Whether a (checked, positive finite) tensor temperature lies outside [T_MIN, T_MAX]: the
-    ops act at the nearer end there, and do not depend on it (d T = 0)."""
-    return temperature_t is not None and not (T_MIN <= float(temperature_t) <= T_MAX)
+def temperature_clamped(temperature_t: torch.Tensor) -> torch.Tensor:
+    """Whether a tensor temperature is positive and finite but outside [T_MIN, T_MAX] (a bool
+    tensor): the ops act at the nearer end there and do not depend on it (d T = 0). Compared in
+    its own dtype, as the kernels do (a float64 1e-300 is positive)."""
+    t = temperature_t
+    return (t > 0) & (t < math.inf) & ((t < T_MIN) | (t > T_MAX))
 
 
 def logprobs_entropy_forward(
@@ -218,7 +218,8 @@ def logprobs_entropy_backward(
     if temperature_t is None:
         dtemp = torch.empty(0, dtype=acc_dtype(logits.dtype), device=logits.device)
     else:
-        dtemp = (torch.zeros_like(xdx) if _clamped(temperature_t) else -xdx / temperature).to(acc_dtype(logits.dtype))
+        dtemp = torch.where(temperature_clamped(temperature_t), torch.zeros_like(xdx),
+                            -xdx / temperature).to(acc_dtype(logits.dtype))
     if shift:
         full[..., :-1, :] = out.view(logits.shape)
     return full, dtemp

@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from ..meta.sinkgd import _all_valid, check_param_grad
 from ..ops.sinkgd import SinkGDCache, sinkgd_step_eager
 from . import sharded
+from .. import reference
 from .._library import is_dtensor
 
 
@@ -166,7 +167,7 @@ def _warm_start(p: torch.Tensor) -> torch.Tensor:
     (no random generator: the same on every run and traceable by torch.compile)."""
     n = p.shape[-1]
     b = math.prod(p.shape[:-2])  # (an empty matrix has m * n = 0)
-    v = torch.cos(0.5 + 2.399963 * torch.arange(n, dtype=torch.float32, device=p.device))
+    v = reference.spectral_restart(n, p.device)
     v = v / v.norm()
     v = v.expand(b, n).clone()
     if is_dtensor(p) and sharded.warm_start_is_sharded(p):
