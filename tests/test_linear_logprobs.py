@@ -357,3 +357,31 @@ def test_out_of_range_id_stays_in_its_row(device, k, gemm_path):
     torch.testing.assert_close(db, db0)
     torch.testing.assert_close(dh[torch.arange(n) != 2], dh0[torch.arange(n) != 2])
     torch.testing.assert_close(ent, ent0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slice_backward_op_is_the_head_backward_on_a_vocabulary_slice(device):
+    """fused::_linear_logprobs_slice_backward (the vocabulary-parallel head's local backward, one
+    opaque op under torch.compile): the slices' d hidden rows sum to the whole head's d hidden, and
+    each slice's d weight / d bias are the whole one's rows; opcheck on it."""
+    gen = torch.Generator().manual_seed(8)
+    v, hd = 37, 8
+    h = torch.randn(2, 4, hd, generator=gen).to(device)
+    w = torch.randn(v, hd, generator=gen).to(device)
+    b = torch.randn(v, generator=gen).to(device)
+    idx = torch.randint(0, v, (2, 3), generator=gen).to(device)
+    opts = HeadOptions(shift=True, temperature=0.8)
+    lp, ent, stats = torch.ops.fused._linear_logprobs_entropy_forward(h, w, idx, b, *opts.values())
+    gl, ge = torch.randn(lp.shape, generator=gen).to(device), torch.randn(ent.shape, generator=gen).to(device)
+    dh, dw, db = torch.ops.fused._linear_logprobs_entropy_backward(gl, ge, h, w, idx, b, stats, ent, *opts.values())
+    dh_rows = torch.zeros(6, hd, device=device)
+    for lo, hi in ((0, 15), (15, 37)):
+        args = (gl, ge, h, w[lo:hi], idx, b[lo:hi], stats, ent, *opts.values())
+        kw = dict(v_off=lo, v_total=v)
+        part_h, part_w, part_b = torch.ops.fused._linear_logprobs_slice_backward(*args, **kw)
+        assert part_h.shape == (6, hd) and part_h.dtype == torch.float32
+        dh_rows += part_h
+        torch.testing.assert_close(part_w, dw[lo:hi], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(part_b, db[lo:hi], rtol=1e-5, atol=1e-6)
+        torch.library.opcheck(torch.ops.fused._linear_logprobs_slice_backward, args, kw)
+    torch.testing.assert_close(dh_rows.view(2, 3, hd), dh[:, :-1], rtol=1e-5, atol=1e-6)

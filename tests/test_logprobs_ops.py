@@ -256,7 +256,7 @@ class TestSchemas(expecttest.TestCase):
         )
         self.assertExpectedInline(
             str(OPS._logprobs_entropy_backward.default._schema),
-            """fused::_logprobs_entropy_backward(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor? index, Tensor stats, Tensor entropy, float temperature, SymInt ignore_index, Tensor? temperature_t=None, bool shift=False) -> (Tensor, Tensor)""",
+            """fused::_logprobs_entropy_backward(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor? index, Tensor stats, Tensor entropy, float temperature, SymInt ignore_index, Tensor? temperature_t=None, bool shift=False, bool temperature_grad=True) -> (Tensor, Tensor)""",
         )
 
 
@@ -961,3 +961,90 @@ def test_launch_hooks_are_seen_on_the_installed_triton():
     finally:
         chain.remove(hook)
     assert not _library._launch_hooks_set()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float64_temperature_gradient_is_computed_in_float64(device, dtype):
+    """d T of a float64 tensor temperature is computed and returned in float64 whatever the logits'
+    dtype: at T = 1e-20 the true gradient is about 7e40 (fp32 gave inf), at T = 1e30 about 3e-60
+    (fp32 gave 0). Compared with the float64 formula on the same (rounded) logits."""
+    g = torch.Generator().manual_seed(11)
+    x0 = torch.randn(3, 7, generator=g).to(dtype)
+    idx = x0.float().argmin(-1)  # the least likely id: its log-prob moves as (x_min - x_max) / T
+    for value in (1e-20, 1e30):
+        x = x0.to(device).requires_grad_(True)
+        t = torch.tensor(value, dtype=torch.float64, device=device, requires_grad=True)
+        (dt,) = torch.autograd.grad(torch_fused.selective_log_softmax(x, idx.to(device), temperature=t).sum(), t)
+        tr = torch.tensor(value, dtype=torch.float64, requires_grad=True)
+        want = torch.autograd.grad(torch.log_softmax(x0.double() / tr, -1).gather(-1, idx[:, None]).sum(), tr)[0]
+        assert dt.dtype == torch.float64 and math.isfinite(dt.item()) and dt.item() != 0.0, (value, dt)
+        assert abs(dt.item() - want.item()) <= 1e-5 * abs(want.item()), (value, dt.item(), want.item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", ["selective_log_softmax", "entropy_from_logits", "logprobs_and_entropy"])
+def test_shift_backward_with_an_empty_leading_dim(device, fn):
+    """shift=True with a size-0 dim among three or more leading dims: an empty gradient of the
+    logits' shape (the kernel path's layout of d logits' rows failed to unpack there)."""
+    call = getattr(torch_fused, fn)
+    for shape in ((2, 0, 4, 20), (0, 3, 5, 20), (2, 3, 0, 1, 20)):
+        x = torch.randn(shape, device=device, requires_grad=True)
+        idx = torch.zeros(shape[:-2] + (shape[-2] - 1,), dtype=torch.long, device=device)
+        out = call(x, shift=True) if fn == "entropy_from_logits" else call(x, idx, shift=True)
+        out = out if isinstance(out, tuple) else (out,)
+        sum(o.sum() for o in out).backward()
+        assert x.grad.shape == x.shape
+
+
+def test_tensor_temperature_without_grad_takes_the_segmented_backward(settings_override):
+    """A tensor temperature that requires no grad computes no d T partials: the backward op asked
+    for no d T returns an empty one and the same d logits, and on the Triton path its plan has
+    HAS_DT off and splits rows into segments as a float temperature's does (with d T: one program
+    per row, HAS_DT on)."""
+    from torch_fused.ops import logprobs as lp_ops
+
+    settings_override(logprobs_bwd_segment=48)
+    g = torch.Generator().manual_seed(3)
+    v = 200
+    x = torch.randn(2, 3, v, generator=g)
+    idx = torch.randint(0, v, (2, 3), generator=g)
+    t = torch.tensor(0.8)
+    stats = OPS._logprobs_entropy_forward(x, idx, 1.0, -100, False, t, False)[2]
+    gl = torch.randn(2, 3, generator=g)
+    results = {}
+    for want in (False, True):
+        lp_ops._BWD_PLANS.clear()
+        results[want] = OPS._logprobs_entropy_backward(gl, None, x, idx, stats, torch.empty(0), 1.0, -100, t, False,
+                                                       want)
+        assert results[want][1].shape == (() if want else (0,)), (want, results[want][1].shape)
+        if torch_fused._library.on_triton(x):
+            ((plan, _),) = lp_ops._BWD_PLANS.values()
+            constexprs, segs = plan[5], plan[4][17]
+            assert constexprs["HAS_DT"] is want and constexprs["T_FROM_PTR"], constexprs
+            assert segs == (1 if want else 5), segs  # 200 columns in segments of 48
+    torch.testing.assert_close(results[False][0], results[True][0], rtol=0, atol=0)
+    xr = x.double().requires_grad_(True)
+    want_dx = torch.autograd.grad((torch.log_softmax(xr / 0.8, -1).gather(-1, idx[..., None])[..., 0] * gl).sum(),
+                                  xr)[0]
+    torch.testing.assert_close(results[False][0].double(), want_dx, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shift", [False, True])
+def test_slice_backward_op_is_the_backward_on_a_vocabulary_slice(device, shift):
+    """fused::_logprobs_entropy_slice_backward (the vocabulary-parallel local backward, one opaque op
+    under torch.compile): with the whole rows' stats and entropy, a slice's d logits are the whole
+    backward's columns; opcheck on it."""
+    g = torch.Generator().manual_seed(9)
+    v = 37
+    x = torch.randn(2, 4, v, generator=g).to(device)
+    idx = torch.randint(0, v, (2, 3 if shift else 4, 2), generator=g).to(device)
+    lp, ent, stats = OPS._logprobs_entropy_forward(x, idx, 0.7, -100, True, None, shift)
+    gl, ge = torch.randn(lp.shape, generator=g).to(device), torch.randn(ent.shape, generator=g).to(device)
+    dx, _ = OPS._logprobs_entropy_backward(gl, ge, x, idx, stats, ent, 0.7, -100, None, shift)
+    for lo, hi in ((0, 10), (10, 37)):
+        args = (gl, ge, x[..., lo:hi].contiguous(), idx, stats, ent, 0.7, -100, shift, lo, v)
+        part = OPS._logprobs_entropy_slice_backward(*args)
+        torch.testing.assert_close(part, dx[..., lo:hi], rtol=1e-5, atol=1e-6)
+        torch.library.opcheck(OPS._logprobs_entropy_slice_backward, args)

@@ -506,6 +506,12 @@ def unsupported_placements_fail_clearly(ctx):
     ctx.done()
 
 
+def _compile_target(ctx):
+    """(device, torch.compile backend) of a compiled check: the gloo ranks' CPU with aot_eager, or
+    what the one-rank NCCL test sets on its ctx (CUDA, inductor)."""
+    return getattr(ctx, "device", "cpu"), getattr(ctx, "backend", "aot_eager")
+
+
 def _loss_and_grads(ctx, fn, full, w_full, hid, idx):
     """(value, d logits, d weight, d hidden) of fn(logits, weight, hidden, idx), the logits and
     the weight distributed Shard(-1) / Shard(0) on ctx's mesh."""
@@ -519,19 +525,22 @@ def _loss_and_grads(ctx, fn, full, w_full, hid, idx):
     return value, x.grad, w.grad, h.grad
 
 
-@check(interpret=False, worlds=(2,))
+@check(worlds=(2,))
 def compiled_fullgraph(ctx):
     """torch.compile(fullgraph=True) traces the DTensor path (Dynamo's autograd.Function support and
     the functional collectives): the same values and gradient placements as eager. At world size 2
-    only: tracing takes ~14 s, and the traced code does not depend on the world size."""
+    only: tracing takes ~14 s, and the traced code does not depend on the world size. In the
+    interpreter run too: there the local backward runs the Triton kernels' host code, as on CUDA,
+    which Dynamo must see only as the registered slice-backward ops."""
     import torch_fused
     from torch.distributed.tensor import Shard
 
+    dev, backend = _compile_target(ctx)
     g = torch.Generator().manual_seed(11)
-    full = torch.randn(2, 6, 23, generator=g)
-    idx = torch.randint(0, 23, (2, 5), generator=g)
-    w_full = torch.randn(23, 8, generator=g)
-    hid = torch.randn(2, 6, 8, generator=g)
+    full = torch.randn(2, 6, 23, generator=g).to(dev)
+    idx = torch.randint(0, 23, (2, 5), generator=g).to(dev)
+    w_full = torch.randn(23, 8, generator=g).to(dev)
+    hid = torch.randn(2, 6, 8, generator=g).to(dev)
 
     def loss(x, w, h, idx):
         lp, ent = torch_fused.logprobs_and_entropy(x, idx, shift=True, temperature=0.8)
@@ -539,7 +548,7 @@ def compiled_fullgraph(ctx):
         return (lp.to_local() * 0.3).sum() + ent.to_local().sum() + lp2.to_local().sum() - ent2.to_local().sum()
 
     torch._dynamo.reset()
-    step = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    step = torch.compile(loss, backend=backend, fullgraph=True)
     outs = [_loss_and_grads(ctx, fn, full, w_full, hid, idx) for fn in (loss, step)]
     with ctx.soft("compiled vs eager"):
         (v0, dx0, dw0, dh0), (v1, dx1, dw1, dh1) = outs
@@ -562,8 +571,9 @@ def compiled_dynamic_shapes(ctx):
     import torch_fused
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    dev, backend = _compile_target(ctx)
     g = torch.Generator().manual_seed(12)
-    w_full = torch.randn(23, 8, generator=g)
+    w_full = torch.randn(23, 8, generator=g).to(dev)
 
     # three vocabulary-parallel calls in one graph (a second one failed inside Dynamo with
     # dynamic=True: module-level floats read in the first autograd.Function's trace)
@@ -579,11 +589,11 @@ def compiled_dynamic_shapes(ctx):
         return lp2.to_local(), ent2.to_local()
 
     torch._dynamo.reset()
-    step = torch.compile(loss, backend="aot_eager", fullgraph=True, dynamic=True)
+    step = torch.compile(loss, backend=backend, fullgraph=True, dynamic=True)
     for length in (5, 7):
-        full = torch.randn(2, length + 1, 23, generator=g)
-        hid = torch.randn(2, length + 1, 8, generator=g)
-        idx = torch.randint(0, 23, (2, length), generator=g)
+        full = torch.randn(2, length + 1, 23, generator=g).to(dev)
+        hid = torch.randn(2, length + 1, 8, generator=g).to(dev)
+        idx = torch.randint(0, 23, (2, length), generator=g).to(dev)
         outs = []
         for fn in (loss, step):
             value, dx, dw, dh = _loss_and_grads(ctx, fn, full, w_full, hid, idx)
@@ -593,7 +603,7 @@ def compiled_dynamic_shapes(ctx):
         with ctx.soft(f"L={length}: compiled (dynamic) vs eager"):
             for a, b in zip(*outs):
                 torch.testing.assert_close(b, a)
-    compiled_head = torch.compile(head, backend="aot_eager", fullgraph=True, dynamic=True)
+    compiled_head = torch.compile(head, backend=backend, fullgraph=True, dynamic=True)
     bad = idx.clone()
     bad[0, 1] = 26
     ignored = idx.clone()
@@ -610,7 +620,7 @@ def compiled_dynamic_shapes(ctx):
         assert bool(lp[0, 1].isnan()) and not bool(lp.isnan().sum() > 1), lp
         torch.testing.assert_close(dw, dw_ign)
         assert bool(dh[0, 1].isnan().all()), dh[0, 1]
-        keep = torch.ones(dh.shape[:2], dtype=torch.bool)
+        keep = torch.ones(dh.shape[:2], dtype=torch.bool, device=dh.device)
         keep[0, 1] = False
         torch.testing.assert_close(dh[keep], dh_ign[keep])
     ctx.done()
@@ -665,6 +675,28 @@ def test_compiled_fullgraph(group):
 
 def test_compiled_dynamic_shapes(group):
     _assert_check(group, "compiled_dynamic_shapes")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["compiled_fullgraph", "compiled_dynamic_shapes"])
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_compiled_checks_on_one_nccl_rank(name, backend, tmp_path):
+    """The compiled checks on CUDA: a one-rank NCCL process group in this process runs the same
+    checks as the gloo ranks (static and dynamic shapes, several vocabulary-parallel calls in one
+    graph), compiled equal to eager. The local backward of a vocabulary slice is one registered
+    op each for the logits and the head (Dynamo stopped in the Triton launch code before)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from _distributed import Ctx
+
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ctx = Ctx(0, 1, init_device_mesh("cuda", (1,)))
+        ctx.device, ctx.backend = "cuda", backend
+        CHECKS.checks[name][0](ctx)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("device", DEVICES)

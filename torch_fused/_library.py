@@ -173,7 +173,7 @@ def rows_strides(x: torch.Tensor) -> tuple[int, int, int] | None:
     Returns ``(inner_size, outer_stride, inner_stride)`` such that row ``r`` of the flattened
     leading dims starts at element offset ``(r // inner_size) * outer_stride +
     (r % inner_size) * inner_stride``, or ``None`` when the leading dims don't collapse to two
-    (the caller then copies). Adjacent dims merge when they are contiguous with each other;
+    (the caller then copies); ``(1, 0, 0)`` for a tensor with no rows. Adjacent dims merge when they are contiguous with each other;
     size-1 dims are dropped. So ``x[:, :-1]`` of a ``[B, L+1, V]`` tensor and transposed
     leading dims are described without a copy.
     """
@@ -191,6 +191,8 @@ def rows_strides(x: torch.Tensor) -> tuple[int, int, int] | None:
         return merged[0][0], 0, merged[0][1]
     if len(merged) == 2:
         return merged[1][0], merged[0][1], merged[1][1]
+    if any(size == 0 for size, _ in merged):  # no rows: any description serves (nothing is read or written)
+        return 1, 0, 0
     return None
 
 
@@ -246,11 +248,27 @@ def cdiv(a: int, b: int) -> int:
 
 
 from .settings import current as _settings, values as _settings_values  # noqa: E402
+from .settings import restored as _settings_restored, snapshot as _settings_snapshot  # noqa: E402
+
+
+def under_forward_settings(setup_context, backward):
+    """(setup_context, backward) of an autograd formula whose backward runs under the settings in
+    effect at its forward call (settings.snapshot): on CUDA the autograd engine runs a backward
+    on its own worker thread, which sees none of the caller's overrides."""
+    def setup(ctx, inputs, output):
+        ctx.settings = _settings_snapshot()
+        setup_context(ctx, inputs, output)
+
+    def run_backward(ctx, *grads):
+        with _settings_restored(ctx.settings):
+            return backward(ctx, *grads)
+
+    return setup, run_backward
 
 
 def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype, device=device)
-    if _settings_values["poison"]:  # settings.poison: the test suite's NaN fill of fresh outputs
+    if _settings_values()["poison"]:  # settings.poison: the test suite's NaN fill of fresh outputs
         out.fill_(float("nan") if dtype.is_floating_point else -(2**30))
     return out
 
@@ -355,7 +373,7 @@ class PlanLaunch:
         self.tensor_slots = None
 
     def __call__(self, grid: int, *args) -> None:
-        if _INLINE.active or INTERPRET or not _settings_values["direct_launch"] or _launch_hooks_set():
+        if _INLINE.active or INTERPRET or not _settings_values()["direct_launch"] or _launch_hooks_set():
             launch(self.kernel)[(grid,)](*args, **self.constexprs)
             return
         device = torch._C._cuda_getDevice()  # CUDA is initialized: the arguments are CUDA tensors

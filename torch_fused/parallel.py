@@ -329,10 +329,9 @@ def logits_backward(g_logp, g_ent, x, index, stats, ent, temperature: float, ign
     the log-prob backward op's implementation for the device, no collective."""
     if x.shape[-1] == 0 or (g_logp is None and g_ent is None):
         return torch.zeros_like(x, memory_format=torch.contiguous_format)
-    bwd = lp_ops.backward_triton if _triton_path(x) else reference.logprobs_entropy_backward
-    dx, _ = bwd(g_logp, g_ent, x, index if g_logp is not None else None, stats, ent, temperature, ignore_index,
-                None, shift, v_off=v_off, v_total=v_total)
-    return dx
+    return torch.ops.fused._logprobs_entropy_slice_backward(
+        g_logp, g_ent, x, index if g_logp is not None else None, stats, ent, temperature, ignore_index, shift,
+        v_off, v_total)
 
 
 def linear_partials(hidden, weight, index, bias, opts: HeadOptions, v_off: int):
@@ -356,8 +355,9 @@ def linear_backward(g_logp, g_ent, hidden, weight, index, bias, stats, ent, opts
     the fused head's backward chunks with the whole rows' stats; d hidden still to be summed
     over the ranks. Without hidden_grad (weight_grad) that gradient is an empty tensor and its
     GEMMs are skipped (a frozen head)."""
-    return LL.backward_chunks(g_logp, g_ent, hidden, weight, index, bias, stats, ent, opts, LL.path_for(hidden),
-                              v_off=v_off, v_total=v_total, hidden_grad=hidden_grad, weight_grad=weight_grad)
+    return torch.ops.fused._linear_logprobs_slice_backward(
+        g_logp, g_ent, hidden, weight, index, bias, stats, ent, *opts.values(), v_off=v_off, v_total=v_total,
+        hidden_grad=hidden_grad, weight_grad=weight_grad)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,13 +57,25 @@ def _temperature_value(temperature: float, temperature_t: torch.Tensor | None) -
     return kernel_temperature(t)
 
 
-def temperature_grad(xdx_rows: torch.Tensor, temperature_t: torch.Tensor | None) -> torch.Tensor:
+def temperature_grad_dtype(logits: torch.Tensor, temperature_t: torch.Tensor | None) -> torch.dtype:
+    """The dtype d T is computed and returned in: float64 where the logits or the tensor temperature
+    are float64 (a float64 T far from 1 has a gradient past fp32's range: T = 1e-20 gives about
+    1e40), else float32."""
+    if logits.dtype == torch.float64 or (temperature_t is not None and temperature_t.dtype == torch.float64):
+        return torch.float64
+    return torch.float32
+
+
+def temperature_grad(xdx_rows: torch.Tensor, temperature_t: torch.Tensor | None,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
     """d T = -(1/T) * sum over rows of sum_j x_j d x_j (the kernels' per-row partials, summed in
-    a fixed order); an empty tensor when the temperature is a float. A positive finite T outside
+    a fixed order, in ``dtype``: temperature_grad_dtype); an empty tensor when the temperature is a float. A positive finite T outside
     [T_MIN, T_MAX] acts as the nearer end, a constant there: d T = 0 (as torch.clamp's gradient)."""
     if temperature_t is None:
         return xdx_rows.new_empty(0)
-    dt = -(xdx_rows.sum() / temperature_t.float().clamp(T_MIN, T_MAX))
+    if dtype is None:
+        dtype = torch.float64 if temperature_t.dtype == torch.float64 else torch.float32
+    dt = -(xdx_rows.to(dtype).sum() / temperature_t.to(dtype).clamp(T_MIN, T_MAX))
     return torch.where(temperature_clamped(temperature_t), torch.zeros_like(dt), dt)
 
 
@@ -150,13 +162,15 @@ def logprobs_entropy_backward(
     ignore_index: int,
     temperature_t: torch.Tensor | None = None,
     shift: bool = False,
+    temperature_grad: bool = True,
     *,
     v_off: int = 0,
     v_total: int | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d logits, d T) of sum(grad_logp * logp) + sum(grad_entropy * entropy); d T only for a
-    tensor temperature (else an empty tensor): d T = -(1/T) sum x * d logits, as z = x / T.
+    tensor temperature with ``temperature_grad`` (else an empty tensor): d T = -(1/T) sum x * d logits,
+    as z = x / T, in temperature_grad_dtype (float64 where T or the logits are float64).
     With ``shift``, d logits is [..., L+1, V] with exactly zero rows L. Keyword-only, for the
     fused lm_head: the logits may be columns v_off .. v_off + V - 1 of a vocabulary of
     ``v_total`` (stats and entropy of the whole rows; G counts every id, the scatter only those
@@ -178,6 +192,7 @@ def logprobs_entropy_backward(
     out = torch.empty((rows, v), dtype=out_dtype, device=logits.device) if shift else full.view(rows, v)
     v_total = v if v_total is None else v_total
     temperature = _temperature_value(temperature, temperature_t)
+    want_dt = temperature_t is not None and temperature_grad
     xdx = torch.zeros((), dtype=torch.float64, device=logits.device)
     st = stats.reshape(rows, 2).double()
     idx2 = _index_2d(index, lead)
@@ -212,14 +227,15 @@ def logprobs_entropy_backward(
             dz.scatter_add_(1, torch.where(inb, ib, torch.zeros_like(ib)), torch.where(inb, g2[a:b], torch.zeros_like(g2[a:b])))
         dx = dz * inv_t
         out[a:b] = dx.to(out_dtype)
-        if temperature_t is not None:  # -inf logits have dx = 0: keep their 0 * inf out
+        if want_dt:  # -inf logits have dx = 0: keep their 0 * inf out
             # sum x dx = sum (x - m) dx (a row's dx sums to zero): no error from a constant offset
             xdx += torch.where(dx != 0, (x2[a:b].double() - st[a:b, :1]) * dx, torch.zeros_like(dx)).sum()
-    if temperature_t is None:
-        dtemp = torch.empty(0, dtype=acc_dtype(logits.dtype), device=logits.device)
+    dt_dtype = temperature_grad_dtype(logits, temperature_t)
+    if not want_dt:
+        dtemp = torch.empty(0, dtype=dt_dtype, device=logits.device)
     else:
         dtemp = torch.where(temperature_clamped(temperature_t), torch.zeros_like(xdx),
-                            -xdx / temperature).to(acc_dtype(logits.dtype))
+                            -xdx / temperature).to(dt_dtype)
     if shift:
         full[..., :-1, :] = out.view(logits.shape)
     return full, dtemp

@@ -3,7 +3,11 @@
 Read a setting as ``torch_fused.settings.current.<name>``; change settings for a block with
 ``with torch_fused.settings.override(name=value, ...):`` (tests and benchmarks do this; nothing
 assigns another module's globals). Where a setting has an environment variable, the variable is
-read once, when this module is imported, and gives the starting value.
+read once, when this module is imported, and gives the starting value. An override holds in its
+own thread or asyncio task only (a context variable: other threads keep the process defaults and
+their own overrides), and the autograd formulas run a backward under the settings of its forward
+call, whichever thread runs it. The one process-wide effect is ``compile_inline_kernels``'s entry
+in ``torch.compiler.config.cache_key_tag`` (a torch setting), written while the override holds.
 
 | name | default | environment variable | what it sets |
 |---|---|---|---|
@@ -36,12 +40,13 @@ code never reassigns); None keeps them.
 from __future__ import annotations
 
 import contextlib
-import copy
+import contextvars
 import os
+from types import MappingProxyType
 
 import torch
 
-__all__ = ["current", "override", "DEFAULTS"]
+__all__ = ["current", "override", "DEFAULTS", "values", "snapshot", "restored"]
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -92,30 +97,81 @@ DEFAULTS = dict(
 )
 
 
-class _Settings:
-    """The current values; attribute access by name. Unknown names raise AttributeError."""
+class _FrozenDict(dict):
+    """A dict-valued setting as stored: a copy that refuses changes (still a dict for the code that
+    reads it), so that neither the dict given to override nor one read back through ``current``
+    can change a setting."""
 
-    def __init__(self, values: dict):
-        object.__setattr__(self, "_values", copy.deepcopy(values))
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("a torch_fused setting is read-only: change it with torch_fused.settings.override(...)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+
+    def __reduce__(self):  # pickles (and deep-copies) as a plain dict
+        return dict, (dict(self),)
+
+
+def _frozen(value):
+    return _FrozenDict(value) if isinstance(value, dict) else value
+
+
+# The process defaults, and the values in effect in this thread / asyncio task: a context
+# variable, so that an override in one thread or task is never seen by another, and each block
+# restores exactly the values it found.
+_DEFAULT_VALUES = MappingProxyType({k: _frozen(v) for k, v in DEFAULTS.items()})
+_VALUES: contextvars.ContextVar = contextvars.ContextVar("torch_fused_settings", default=_DEFAULT_VALUES)
+
+
+def values():
+    """The settings in effect here (a read-only mapping of name -> value): the process defaults
+    with this thread's or task's overrides on top. The per-call paths of small ops index it
+    directly (an attribute of ``current`` costs more)."""
+    return _VALUES.get()
+
+
+class _Settings:
+    """The current values (this thread's or task's); attribute access by name. Unknown names raise
+    AttributeError. A dict-valued setting reads as a read-only dict: change it with override."""
+
+    __slots__ = ()
 
     def __getattr__(self, name):
         try:
-            return self._values[name]
+            return _VALUES.get()[name]
         except KeyError:
             raise AttributeError(f"torch_fused.settings has no setting {name!r}; the settings: "
-                                 f"{', '.join(sorted(self._values))}") from None
+                                 f"{', '.join(sorted(DEFAULTS))}") from None
 
     def __setattr__(self, name, value):
         raise AttributeError("set torch_fused settings with torch_fused.settings.override(...)")
 
     def as_dict(self) -> dict:
-        return dict(self._values)
+        """A copy of the values in effect here (dict-valued settings as plain dicts)."""
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in _VALUES.get().items()}
 
 
-current = _Settings(DEFAULTS)
-# the current values as a dict, updated in place by override: the per-call paths of small ops
-# index it directly (an attribute of ``current`` goes through __getattr__, several times slower)
-values = current._values
+current = _Settings()
+
+
+def snapshot():
+    """The values in effect here, to be reinstated elsewhere with ``restored``: the autograd
+    formulas keep their forward's settings for the backward, which may run on another thread
+    (CUDA's autograd worker threads start without this thread's overrides)."""
+    return _VALUES.get()
+
+
+@contextlib.contextmanager
+def restored(snap):
+    """``with restored(snapshot())``: exactly those values for the block (this thread or task)."""
+    if snap is _VALUES.get():
+        yield
+        return
+    token = _VALUES.set(snap)
+    try:
+        yield
+    finally:
+        _VALUES.reset(token)
+
 
 _CACHE_TAG = "torch_fused:compile_inline_kernels="
 
@@ -131,8 +187,8 @@ def _sync_compile_cache_tag() -> None:
     if not isinstance(tag, str):  # pragma: no cover - torch without the tag
         return
     parts = [p for p in tag.split("|") if p and not p.startswith(_CACHE_TAG)]
-    if values["compile_inline_kernels"] != _INLINE_DEFAULT:
-        parts.append(_CACHE_TAG + str(int(bool(values["compile_inline_kernels"]))))
+    if values()["compile_inline_kernels"] != _INLINE_DEFAULT:
+        parts.append(_CACHE_TAG + str(int(bool(values()["compile_inline_kernels"]))))
     new = "|".join(parts)
     if new != tag:
         cfg.cache_key_tag = new
@@ -143,19 +199,21 @@ _sync_compile_cache_tag()
 
 @contextlib.contextmanager
 def override(**values):
-    """``with override(name=value, ...)``: the settings for the block, restored after it (also
-    when it raises). Names are checked: a misspelt setting raises instead of doing nothing."""
+    """``with override(name=value, ...)``: the settings for the block, in this thread or asyncio
+    task only (others keep theirs), restored exactly after it (also when it raises). Names are
+    checked: a misspelt setting raises instead of doing nothing. A dict value is copied: changing
+    the dict afterwards does not change the setting."""
     unknown = sorted(set(values) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"override: unknown setting(s) {unknown}; the settings: {', '.join(sorted(DEFAULTS))}")
-    store = current._values
-    saved = {k: store[k] for k in values}
-    store.update(values)
+    new = dict(_VALUES.get())
+    new.update((k, _frozen(v)) for k, v in values.items())
+    token = _VALUES.set(MappingProxyType(new))
     if "compile_inline_kernels" in values:
         _sync_compile_cache_tag()
     try:
         yield current
     finally:
-        store.update(saved)
+        _VALUES.reset(token)
         if "compile_inline_kernels" in values:
             _sync_compile_cache_tag()

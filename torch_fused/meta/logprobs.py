@@ -103,9 +103,12 @@ def logprobs_entropy_forward_fake(logits, index, temperature, ignore_index, comp
 
 def logprobs_entropy_backward_fake(
     grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t=None,
-    shift=False,
+    shift=False, temperature_grad=True,
 ):
     check_logits_index(logits, index, temperature, temperature_t, shift)
-    dt = logits.new_empty((), dtype=acc_dtype(logits.dtype)) if temperature_t is not None else \
-        logits.new_empty((0,), dtype=acc_dtype(logits.dtype))
+    from ..reference import temperature_grad_dtype
+
+    dt_dtype = temperature_grad_dtype(logits, temperature_t)
+    dt = logits.new_empty((), dtype=dt_dtype) if temperature_t is not None and temperature_grad else \
+        logits.new_empty((0,), dtype=dt_dtype)
     return logits.new_empty(logits.shape), dt

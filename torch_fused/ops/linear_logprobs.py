@@ -42,12 +42,13 @@ other device).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import torch
 
 from .._library import (INTERPRET, LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, exact_shift, no_forward_mode,
-                        kernel_temperature, new_output, traced_constants)
+                        kernel_temperature, new_output, traced_constants, under_forward_settings)
 from .. import reference
 from ..meta import linear_logprobs as meta
 from ..meta.logprobs import row_shape
@@ -546,6 +547,40 @@ if TRITON_DEVICES:
                               meta.HeadOptions(*options), hidden_grad, weight_grad, TRITON)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::_linear_logprobs_slice_backward", mutates_args=(), schema=(
+    f"(Tensor? grad_logp, Tensor? grad_entropy, {_TENSORS}, Tensor stats, Tensor entropy, "
+    f"{meta.HeadOptions.schema()}, *, int v_off, int v_total, bool hidden_grad=True, bool weight_grad=True) "
+    "-> (Tensor, Tensor, Tensor)"))
+def linear_slice_backward_op(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, *options, v_off,
+                             v_total, hidden_grad=True, weight_grad=True):
+    """The backward of a vocabulary slice of the head (the vocabulary-parallel head, torch_fused/parallel.py):
+    backward_chunks with the weight's rows as ids v_off .. of v_total, d hidden as fp32 (fp64) rows
+    [N, H] still to be summed over the slices. One opaque op, so that torch.compile traces the
+    vocabulary-parallel backward without entering the launch code."""
+    return backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy,
+                           meta.HeadOptions(*options), REFERENCE, v_off=v_off, v_total=v_total,
+                           hidden_grad=hidden_grad, weight_grad=weight_grad)
+
+
+@linear_slice_backward_op.register_fake
+def _(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, *options, v_off, v_total,
+      hidden_grad=True, weight_grad=True):
+    opts = meta.HeadOptions(*options)
+    n = math.prod(meta.row_shape(hidden, opts.shift))
+    dh = hidden.new_empty((n if hidden_grad else 0, hidden.shape[-1]), dtype=acc_dtype(hidden.dtype))
+    return (dh, weight.new_empty(weight.shape if weight_grad else (0,)),
+            hidden.new_empty(bias.shape if bias is not None else (0,)))
+
+
+if TRITON_DEVICES:
+    @linear_slice_backward_op.register_kernel(TRITON_DEVICES)
+    def _linear_slice_backward_triton(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, *options,
+                                      v_off, v_total, hidden_grad=True, weight_grad=True):
+        return backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy,
+                               meta.HeadOptions(*options), TRITON, v_off=v_off, v_total=v_total,
+                               hidden_grad=hidden_grad, weight_grad=weight_grad)
+
+
 def _setup_context(ctx, inputs, output):
     hidden, weight, index, bias = inputs[:4]
     _, ent, stats = output
@@ -569,6 +604,7 @@ def _backward(ctx, g_logp, g_ent, _g_stats):
             db if (need_b and bias is not None) else None) + rest
 
 
+_setup_context, _backward = under_forward_settings(_setup_context, _backward)
 linear_forward.register_autograd(_backward, setup_context=_setup_context)
 
 LIB.define(f"linear_logprobs_and_entropy(Tensor hidden, Tensor weight, Tensor index, *, Tensor? bias=None, "

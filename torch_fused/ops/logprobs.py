@@ -23,10 +23,10 @@ import struct
 import torch
 
 from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, call_eager, exact_shift, no_forward_mode,
-                        inline_under_compile, kernel_temperature, new_output, on_triton, rows_strides, PlanLaunch,
+                        inline_under_compile, kernel_temperature, under_forward_settings, new_output, on_triton, rows_strides, PlanLaunch,
                         Plans, tensor_key, traced_constants)
 from .. import reference
-from ..settings import values as _settings_values
+from ..settings import restored as settings_restored, snapshot as settings_snapshot, values as _settings_values
 from ..meta import logprobs as meta
 
 _FWD = f"{NAMESPACE}::_logprobs_entropy_forward"
@@ -58,9 +58,11 @@ def _backward_default(
     ignore_index: int,
     temperature_t: torch.Tensor | None = None,
     shift: bool = False,
+    temperature_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.logprobs_entropy_backward(
-        grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift
+        grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift,
+        temperature_grad
     )
 
 
@@ -89,7 +91,7 @@ def _row_layout(x):
 
 def _settings_key():
     """The settings a plan depends on (the kernels' block choice, the backward's segments)."""
-    v = _settings_values
+    v = _settings_values()
     return v["logprobs_block"], v["small_tiles"], v["logprobs_bwd_segment"]
 
 
@@ -215,7 +217,7 @@ def _view_or_none(t, shape):
 
 
 def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_index, temperature_t, shift, v_off,
-                   v_total, out_dtype, out, in_place, exact):
+                   v_total, out_dtype, out, in_place, exact, temperature_grad):
     """(d logits dtype, rows, which operands need a copy, the kernel's scalar arguments, its
     constexprs and options, grid size) of a backward call."""
     from ..kernels import logprobs as K
@@ -227,7 +229,9 @@ def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_i
     x = logits[..., :-1, :] if shift else logits
     v = x.shape[-1]
     rows = x.numel() // v
-    has_dt = temperature_t is not None
+    t_ptr = temperature_t is not None
+    # d T's row partials only where T's gradient is wanted: they need one program per row
+    has_dt = t_ptr and temperature_grad
     tail_rows = dx.numel() // max(v, 1) - rows
     (inner, s_outer, s_inner), x_copy = _row_layout(x)
     if shift:
@@ -259,8 +263,8 @@ def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_i
                log2e / t, 1.0 / t, ignore_index, segs, seg_len, glp_sr, glp_sk, gh_s)
     constexprs = dict(
         HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1,
-        EXACT_SHIFT=exact if exact is not None else exact_shift(None if has_dt else log2e / t),
-        T_FROM_PTR=has_dt, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0, IN_PLACE=in_place,
+        EXACT_SHIFT=exact if exact is not None else exact_shift(None if t_ptr else log2e / t),
+        T_FROM_PTR=t_ptr, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0, IN_PLACE=in_place,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
         num_warps=warps,
     )
@@ -269,8 +273,8 @@ def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_i
 
 
 def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
-                    temperature_t=None, shift=False, *, v_off=0, v_total=None, out_dtype=None, out=None,
-                    exact=None, want_dt=True, plans=None):
+                    temperature_t=None, shift=False, temperature_grad=True, *, v_off=0, v_total=None, out_dtype=None,
+                    out=None, exact=None, want_dt=True, plans=None):
     """The backward op's Triton implementation. Keyword-only extras for the fused lm_head
     (ops/linear_logprobs.py): the logits may be columns v_off .. v_off + V - 1 of a vocabulary
     of v_total (stats and entropy of the whole rows), and d logits may be of another dtype, or
@@ -279,7 +283,9 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     first byte of logits row r (column j of ``out`` then never lies past column j of the
     logits; the kernel orders its warps' loads before the stores over them). ``exact``: the shift
     mode the stats were made with (_library.exact_shift); None: the logits ops' forward's.
-    ``want_dt=False``: d T is None (not an empty tensor) without a tensor temperature. ``plans``:
+    ``temperature_grad=False``: no d T for a tensor temperature (an empty tensor, or None with
+    ``want_dt=False``), and the row may be split into segments as with a float one.
+    ``want_dt=False``: d T is None (not an empty tensor) where it is not computed. ``plans``:
     the backward plans of the forward call that saved these tensors (_forward_run; the eager
     path, whose keyword extras are then all at their defaults), keyed by the upstream gradients
     and the saved logits' and index's layouts (the rest of the full key is the forward's)."""
@@ -290,10 +296,11 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     if logits.dtype == torch.float64:
         return reference.logprobs_entropy_backward(
             grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift,
-            v_off=v_off, v_total=v_total, out_dtype=out_dtype)
+            temperature_grad, v_off=v_off, v_total=v_total, out_dtype=out_dtype)
     # the saved logits and index as they arrive here: saved-tensor hooks (an offloader) may hand
     # back another layout than the forward's. With ``plans`` this is the whole key.
-    key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key())
+    key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key(),
+           temperature_grad)
     if plans is None:
         plans = _BWD_PLANS
         in_place = out is not None and out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
@@ -304,16 +311,17 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     plan = plans.get(key)
     if plan is None:
         p = _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_index, temperature_t, shift,
-                           v_off, v_total, out_dtype, out, in_place, exact)
+                           v_off, v_total, out_dtype, out, in_place, exact, temperature_grad)
         plan = plans.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_backward_kernel, p[5])))
     plan, go = plan
     dx_dtype, rows, k, copies, scalars, constexprs, grid, K = plan
     # d logits has the logits' full shape; with shift its rows L of every sequence are zero and
     # are written by the same launch (programs past the live rows), never by a second pass
     dx = out if out is not None else new_output(logits.shape, dx_dtype, logits.device)
-    has_dt = temperature_t is not None
-    # without a tensor temperature: the empty d T (None where the caller does not want it: the eager path)
-    xdx = new_output((rows if has_dt else 0,), torch.float32, logits.device) if has_dt or want_dt else None
+    has_dt = constexprs["HAS_DT"]
+    # without d T: the empty d T (None where the caller does not want it: the eager path)
+    xdx = (new_output((rows,), torch.float32, logits.device) if has_dt
+           else logits.new_empty(0, dtype=reference.temperature_grad_dtype(logits, temperature_t)) if want_dt else None)
     if grid == 0:
         return dx, reference.temperature_grad(xdx, temperature_t) if has_dt else xdx
     x_copy, idx_copy, glp_copy, gh_copy = copies
@@ -335,7 +343,30 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     return dx, reference.temperature_grad(xdx, temperature_t) if has_dt else xdx
 
 
+@torch.library.custom_op(f"{NAMESPACE}::_logprobs_entropy_slice_backward", mutates_args=())
+def slice_backward(grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None, logits: torch.Tensor,
+                   index: torch.Tensor | None, stats: torch.Tensor, entropy: torch.Tensor, temperature: float,
+                   ignore_index: int, shift: bool, v_off: int, v_total: int) -> torch.Tensor:
+    """d logits of a vocabulary slice: ``logits`` holds ids v_off .. of a vocabulary of v_total,
+    ``stats`` and ``entropy`` are the whole rows', ``index`` the global ids (the vocabulary-parallel
+    ops, torch_fused/parallel.py). One opaque op, so that torch.compile traces the
+    vocabulary-parallel backward without entering the launch code."""
+    return reference.logprobs_entropy_backward(grad_logp, grad_entropy, logits, index, stats, entropy, temperature,
+                                               ignore_index, None, shift, v_off=v_off, v_total=v_total)[0]
+
+
+@slice_backward.register_fake
+def _(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, shift, v_off, v_total):
+    return logits.new_empty(logits.shape)
+
+
 if TRITON_DEVICES:
+    @slice_backward.register_kernel(TRITON_DEVICES)
+    def _slice_backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
+                               shift, v_off, v_total):
+        return backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
+                               None, shift, v_off=v_off, v_total=v_total, want_dt=False)[0]
+
     logprobs_entropy_forward.register_kernel(TRITON_DEVICES)(_forward_triton)
     logprobs_entropy_backward.register_kernel(TRITON_DEVICES)(backward_triton)
     inline_under_compile(logprobs_entropy_forward, _forward_triton, vocab_arg=0)
@@ -394,13 +425,15 @@ def _gradients(ctx, g_logp, g_ent, backward_op, saved=None, **extra):
         return grads(torch.zeros_like(logits) if need_x else None,
                      torch.zeros_like(temperature_t) if need_t else None)
     # a tensor temperature reaches the backward whether or not it requires grad: it is the T of
-    # the d logits too (the float temperature is then only a placeholder)
+    # the d logits too (the float temperature is then only a placeholder); its gradient's row
+    # partials are computed only where it requires grad
     dx, dt = backward_op(
         g_logp, g_ent, logits, index, stats, ent, ctx.temperature, ctx.ignore_index, temperature_t, ctx.shift,
-        **extra)
+        bool(need_t), **extra)
     return grads(dx, dt.to(temperature_t.dtype) if need_t else None)
 
 
+_setup_context, _backward = under_forward_settings(_setup_context, _backward)
 logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
@@ -454,6 +487,7 @@ class _EagerCore(torch.autograd.Function):
     def forward(ctx, logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
         inputs = (logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
         output = _eager_forward(*inputs)
+        ctx.settings = settings_snapshot()
         _save(ctx, inputs, output[1], output[2])
         ctx.has_index = index is not None
         ctx.plans = output[3]  # the backward's launch plans for this forward's key (None: none kept)
@@ -461,6 +495,11 @@ class _EagerCore(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        with settings_restored(ctx.settings):  # the forward's settings, on any thread
+            return _EagerCore._backward(ctx, *grads)
+
+    @staticmethod
+    def _backward(ctx, *grads):
         # the public outputs' gradients back in the core's places
         if not ctx.has_index:  # the entropy alone
             g_logp, g_ent = None, grads[0]

@@ -13,7 +13,7 @@ from typing import List
 import torch
 
 from .._library import (NAMESPACE, TRITON_DEVICES, PlanLaunch, Plans, acc_dtype, call_eager, n_sm, new_output,
-                        on_triton, tensor_key)
+                        on_triton, tensor_key, under_forward_settings)
 from ..settings import values as _settings_values
 from .. import reference
 from ..meta import mask_reduce as meta
@@ -145,7 +145,7 @@ def _settings_key():
     """The settings a plan depends on (the tiles, through launch_config)."""
     from ..kernels import mask_reduce as K
 
-    return _settings_values["small_tiles"], K.tiles_key()
+    return _settings_values()["small_tiles"], K.tiles_key()
 
 
 if TRITON_DEVICES:
@@ -171,7 +171,8 @@ def _gradients(ctx, grad, backward_op):
     return backward_op(grad, x, ctx.dim, mask, scale), None, None, None, None
 
 
-mask_reduce.register_autograd(_backward, setup_context=_setup_context)
+_op_setup, _op_backward = under_forward_settings(_setup_context, _backward)
+mask_reduce.register_autograd(_op_backward, setup_context=_op_setup)
 
 
 # Eager fast path (as the log-prob ops': ops/logprobs.py): torch_fused.mask_reduce calls the
@@ -180,17 +181,21 @@ def _forward_impl(x: torch.Tensor):
     return _mask_reduce_triton if on_triton(x) else _mask_reduce_default
 
 
+_eager_setup, _eager_backward = under_forward_settings(
+    _setup_context, lambda ctx, grad: _gradients(ctx, grad, reference.mask_reduce_backward))
+
+
 class _EagerMaskReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, mask, scale, out_dtype):
         y = _forward_impl(x)(x, dim, mask, scale, out_dtype)
-        _setup_context(ctx, (x, dim, mask, scale, out_dtype), y)
+        _eager_setup(ctx, (x, dim, mask, scale, out_dtype), y)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # as the backward op: no double backward
     def backward(ctx, grad):
-        return _gradients(ctx, grad, reference.mask_reduce_backward)
+        return _eager_backward(ctx, grad)
 
 
 def eager_mask_reduce(x, dim, mask, scale, out_dtype):
