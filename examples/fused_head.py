@@ -16,11 +16,17 @@ within a tolerance per dtype) and raises otherwise. Memory: on CUDA it prints th
 each side above its inputs (the fused head holds chunk buffers and an fp32 d hidden accumulator,
 the materialized side the [B, L+1, V] logits and their gradient); on CPU it prints the size of
 the logits the fused head never holds.
+
+Speed: on CUDA the fused head runs Triton kernels. On CPU it runs its plain-PyTorch reference
+implementation (the specification of those kernels, chunk by chunk), which is not faster than
+materialized logits: there the example shows agreement and memory, and the times it prints are
+no measure of the fused head's speed (docs/BENCHMARKS.md has the GPU figures).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -125,6 +131,14 @@ def main(argv=None):
     else:
         print(f"the materialized side holds the {logits_mib:.1f} MiB logits and their gradient; the fused head "
               f"never does; forward+backward time: fused {fused['ms']:.1f} ms, materialized {mat['ms']:.1f} ms")
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            print(f"on {device.type} under TRITON_INTERPRET=1 the fused head runs the Triton kernels through Triton's "
+                  "interpreter, a correctness check far slower than the compiled kernels: these times are no measure "
+                  "of its speed")
+        else:
+            print(f"on {device.type} the fused head runs its plain-PyTorch reference implementation, not the Triton "
+                  "kernels: it is not faster than materialized logits here, and these times are no measure of its "
+                  "speed on CUDA")
     return errs
 
 

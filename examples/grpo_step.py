@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +158,9 @@ def main(argv=None):
     model = Policy(args.vocab, args.hidden, args.layers, args.heads, max_len).to(device)
     opt = SinkGD(sinkgd_param_groups(model, lr=args.adamw_lr), lr=args.lr)
     loss_fn = torch.compile(grpo_loss, fullgraph=True) if args.compile else grpo_loss
+    print(f"device {device}; the loss (model forward, fused head, aggregation) runs "
+          + ("under torch.compile(fullgraph=True), compiled at the first step" if args.compile else "eagerly"),
+          flush=True)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     history = dict(loss=[], reward=[], entropy=[])
     for step in range(args.steps):
@@ -168,8 +172,12 @@ def main(argv=None):
         r = rewards(seq, mask, args.prompt_len, args.target_mod)
         g = r.view(args.prompts, args.group_size)
         adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-4)).view(-1)
+        t0 = time.perf_counter()
         loss, ent = loss_fn(model, seq, adv, mask, args.clip_eps, args.entropy_coef)
         loss.backward()
+        if args.compile and step == 0:  # fullgraph=True: a graph break would have raised in loss_fn
+            print(f"compiled the loss and its backward on {device} (fullgraph=True: no graph break) in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         history["loss"].append(loss.item())

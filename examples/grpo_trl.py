@@ -1,6 +1,6 @@
 """GRPO with TRL's GRPOTrainer, its log-prob computations routed to torch_fused.
 
-    pip install -e '.[trl]'          # TRL 1.16.0 (tested: 1.13.0, 1.14.2, 1.16.0), transformers, datasets, ...
+    pip install -e '.[trl]'          # TRL 1.13.0, 1.14.2 or 1.16.0, transformers, datasets, accelerate
     python examples/grpo_trl.py --model Qwen/Qwen2.5-0.5B-Instruct
     python examples/grpo_trl.py --tiny --max-steps 2      # offline: a tiny random model, on CPU
 
@@ -17,11 +17,14 @@ docs/BENCHMARKS.md); --no-fused-lm-head leaves that head to TRL. With TRL 1.13 a
 GRPOTrainer works on materialized logits, and patch() routes them. patch() prints one line
 saying what it routed and what it left to TRL.
 
-The script ends by checking that every logged loss is finite, and raises otherwise.
+The trainer writes under --output-dir, or a new temporary folder (printed at the start) when it
+is not given; the working directory is left alone. The script ends by checking that every logged
+loss is finite, and raises otherwise.
 """
 
 import argparse
 import math
+import tempfile
 
 
 def parse_args(argv=None):
@@ -42,7 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--max-completion-length", type=int, default=64)
     p.add_argument("--learning-rate", type=float, default=1e-6)
     p.add_argument("--target-length", type=int, default=40, help="the toy reward's preferred completion length")
-    p.add_argument("--output-dir", default="grpo_trl_out")
+    p.add_argument("--output-dir", default=None, metavar="DIR",
+                   help="where GRPOTrainer writes its files (default: a new temporary folder, printed at "
+                        "the start)")
     p.add_argument("--cpu", action="store_true", help="train on CPU even where CUDA is present")
     return p.parse_args(argv)
 
@@ -88,8 +93,10 @@ def main(argv=None):
         train = load_dataset(args.dataset, split="train")
 
     use_cpu = args.cpu or not torch.cuda.is_available()
+    output_dir = args.output_dir if args.output_dir is not None else tempfile.mkdtemp(prefix="grpo_trl_")
+    print(f"output directory: {output_dir}", flush=True)
     config = GRPOConfig(
-        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        output_dir=output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         num_generations=args.num_generations, max_completion_length=args.max_completion_length,
         learning_rate=args.learning_rate, logging_steps=1, report_to="none", save_strategy="no",
         use_cpu=use_cpu, bf16=not use_cpu,  # TRL defaults to bf16 autocast, slow on CPU

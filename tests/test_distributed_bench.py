@@ -54,3 +54,14 @@ def test_two_ranks_on_cpu(tmp_path):
 def test_two_gpus_nccl(tmp_path):
     res = _run(tmp_path, "cuda")
     assert res["meta"]["backend"] == "nccl"
+
+
+def test_bench_help_lists_the_distributed_option(capsys):
+    """``python -m torch_fused.bench --help`` names --distributed among its options, not only in an example."""
+    from torch_fused.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    options = capsys.readouterr().out.split("\noptions:\n", 1)[1].split("\nexamples:\n", 1)[0]
+    assert "\n  --distributed " in options, options

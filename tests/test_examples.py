@@ -135,7 +135,7 @@ _TRL_HOW = "the TRL example needs the trl extra: pip install -e '.[trl]'"
 
 
 @SLOW_UNDER_INTERPRETER
-def test_grpo_trl_example(tmp_path, monkeypatch):
+def test_grpo_trl_example(tmp_path, monkeypatch, capsys):
     for name in ("trl", "transformers", "datasets", "accelerate"):
         pytest.importorskip(name, reason=_TRL_HOW)
     import torch_fused
@@ -150,9 +150,13 @@ def test_grpo_trl_example(tmp_path, monkeypatch):
                  "linear_logprobs_and_entropy"):
         fn = getattr(torch_fused, name)
         monkeypatch.setattr(torch_fused, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # without --output-dir: a new folder under it
     res = load("grpo_trl").main(["--tiny", "--cpu", "--max-steps", "2", "--batch-size", "4",
-                                 "--num-generations", "2", "--max-completion-length", "8",
-                                 "--output-dir", str(tmp_path / "out")])
+                                 "--num-generations", "2", "--max-completion-length", "8"])
+    out = [p for p in tmp_path.iterdir() if p.name.startswith("grpo_trl_")]
+    assert len(out) == 1 and f"output directory: {out[0]}" in capsys.readouterr().out
     assert len(res["losses"]) == 2 and all(math.isfinite(x) for x in res["losses"])
     assert res["patched"] and calls, "patch() routed nothing to torch_fused"
     assert tf_trl.patched_names() == []  # the context manager restored TRL

@@ -142,6 +142,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--sweep-shape", default=None, metavar="INTS",
         help="comma-separated input shape of the sweep; for logprobs B,L,V (default: 4,4096,151936)")
+    ap.add_argument(
+        "--distributed", action="store_true",
+        help="instead of the suites, the multi-GPU benchmark: run under torchrun, one process per device "
+             "(torchrun --nproc-per-node 2 -m torch_fused.bench --distributed [--quick] [--out DIR]; NCCL, or "
+             "gloo with --device cpu): the vocab-parallel ops and SinkGD under FSDP2 against one device, with "
+             "correctness checks; its own options: --distributed --help")
     args = ap.parse_args(argv)
     suites = _suites(args.only, args.suites)
     if not torch.cuda.is_available():

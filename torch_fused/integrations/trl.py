@@ -89,8 +89,8 @@ __all__ = [
 ]
 
 # The TRL versions this module is tested against (tests/test_trl_integration.py runs GRPOTrainer on
-# each); the `trl` extra pins the newest. 1.13.0 and 1.14.2 compute GRPO's log-probs from
-# materialized logits (1.13: selective_log_softmax, entropy_from_logits; 1.14: their
+# each); the `trl` extra admits these and no other release between them. 1.13.0 and 1.14.2 compute
+# GRPO's log-probs from materialized logits (1.13: selective_log_softmax, entropy_from_logits; 1.14: their
 # temperature/row_mask forms and selective_log_softmax_and_entropy); from 1.15 every trainer runs a
 # chunked lm_head behind `add_fused_lm_head`. 1.15.0's chunked lm_head needs a GPU (Triton kernels
 # on any device), so it cannot be tested on CPU.
