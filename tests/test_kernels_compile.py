@@ -21,11 +21,28 @@ pytestmark = pytest.mark.skipif(INTERPRET, reason="compiles the real kernels; th
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def _cases():
-    from torch_fused.kernels import lm_head, logprobs, mask_reduce, sinkgd
+def _kernel_modules():
+    """Every module of torch_fused.kernels, found on disk: a new one is compiled here without
+    being listed (test_every_kernel_has_a_compile_case holds it to that)."""
+    import importlib
+    import pkgutil
 
-    for module in (lm_head, logprobs, mask_reduce, sinkgd):
-        yield from module.compile_cases()
+    import torch_fused.kernels as package
+
+    return [importlib.import_module(f"{package.__name__}.{m.name}") for m in pkgutil.iter_modules(package.__path__)]
+
+
+def _launched_kernels(module):
+    """The module's launched kernels: its @triton.jit functions named ``*_kernel`` (the helpers
+    they call are compiled inside them)."""
+    return {name: fn for name, fn in vars(module).items()
+            if isinstance(fn, triton.runtime.JITFunction) and name.endswith("_kernel")}
+
+
+def _cases():
+    for module in _kernel_modules():
+        if hasattr(module, "compile_cases"):
+            yield from module.compile_cases()
 
 
 CASES = list(_cases())
@@ -39,6 +56,18 @@ def test_kernel_compiles_for_sm90(name, fn, sig, constexprs, warps):
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
     k = triton.compile(src, target=TARGET, options={"num_warps": warps})
     assert "cubin" in k.asm and len(k.asm["cubin"]) > 0
+
+
+def test_every_kernel_has_a_compile_case():
+    """Each kernels module that launches a kernel lists compile cases for every one of them."""
+    missing = []
+    for module in _kernel_modules():
+        kernels = _launched_kernels(module)
+        if not kernels:
+            continue
+        cased = {id(c[1]) for c in module.compile_cases()} if hasattr(module, "compile_cases") else set()
+        missing += [f"{module.__name__}.{name}" for name, fn in kernels.items() if id(fn) not in cased]
+    assert not missing, f"kernels without a compile case (add them to their module's compile_cases): {missing}"
 
 
 @pytest.mark.parametrize("table,arch,limit_kib", [("CONFIG", 90, 227), ("CONFIG", 80, 163),

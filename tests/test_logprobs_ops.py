@@ -895,13 +895,12 @@ def test_plan_launch_keys_compiled_kernels_by_alignment_and_device(monkeypatch, 
             return launch
 
     device = [0]
-    monkeypatch.setattr(_library, "INTERPRET", False)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: device[0], raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 100 + d, raising=False)
     settings_override(direct_launch=True)
-    go = _library.PlanLaunch(Kernel(), dict(B=2, A=1, num_warps=4))
+    go = _library.PlanLaunch(Kernel(), dict(B=2, A=1, num_warps=4), interpret=False)
     with pytest.raises(ValueError, match="not the signature's last"):  # a keyword parameter mid-signature
-        _library.PlanLaunch(Kernel(), dict(n=3, A=1))
+        _library.PlanLaunch(Kernel(), dict(n=3, A=1), interpret=False)
     buf = torch.zeros(64)
     p, q, odd = buf[:8], buf[16:24], buf[1:9]  # 4-byte elements: buf[1:] is not 16-byte aligned
     go(5, p, q, 7)

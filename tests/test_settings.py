@@ -146,3 +146,32 @@ def test_a_backward_on_another_thread_runs_under_its_forwards_settings(monkeypat
         assert result["after"] == settings.DEFAULTS["reference_chunk_elems"]
         torch.testing.assert_close(result["grad"], torch.autograd.grad(
             torch.log_softmax(x, -1).gather(-1, idx[:, None]).sum(), x)[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", ["public", "op"])
+def test_cuda_backward_on_the_engines_thread_sees_the_forwards_settings(path, monkeypatch):
+    """On CUDA the autograd engine runs the backward on its own device thread: the backward's
+    launch plan is still made under the forward's override (logprobs_bwd_segment here), not the
+    process defaults."""
+    from torch_fused.ops import logprobs as lp_ops
+
+    seen = []
+    original = lp_ops._settings_key
+
+    def spy():
+        seen.append((threading.get_ident(), settings.current.logprobs_bwd_segment))
+        return original()
+
+    monkeypatch.setattr(lp_ops, "_settings_key", spy)
+    x = torch.randn(4, 300, device="cuda", requires_grad=True)
+    idx = torch.randint(0, 300, (4,), device="cuda")
+    with settings.override(logprobs_bwd_segment=64):
+        lp = (torch_fused.selective_log_softmax(x, idx) if path == "public"
+              else torch.ops.fused.selective_log_softmax(x, idx))
+    seen.clear()
+    lp.sum().backward()
+    assert seen and all(v == 64 for _, v in seen), seen
+    xr = x.detach().double().requires_grad_(True)
+    want = torch.autograd.grad(torch.log_softmax(xr, -1).gather(-1, idx[:, None]).sum(), xr)[0]
+    torch.testing.assert_close(x.grad.double(), want, rtol=1e-5, atol=1e-6)

@@ -70,7 +70,15 @@ def main(argv=None):
     if "cpu" not in _library.TRITON_DEVICES:  # torch_fused imported before TRITON_INTERPRET was set
         raise SystemExit("eager_overhead: the Triton implementations do not serve CPU tensors in this process "
                          "(TRITON_INTERPRET=1 must be set before torch_fused is imported); run it as a script")
-    _library.PlanLaunch.__call__ = lambda self, grid, *a: None  # no kernel runs
+    real_launch = _library.PlanLaunch.__call__
+    _library.PlanLaunch.__call__ = lambda self, grid, *a: None  # no kernel runs (restored below)
+    try:
+        _measure(args, rows, v)
+    finally:
+        _library.PlanLaunch.__call__ = real_launch
+
+
+def _measure(args, rows, v):
     torch.manual_seed(0)
     x = torch.randn(rows, v, dtype=torch.bfloat16).requires_grad_(True)
     idx = torch.randint(0, v, (rows,))

@@ -22,7 +22,7 @@ NAMESPACE = "fused"
 # custom_op ops register themselves under the same namespace.
 LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .settings import INTERPRET  # noqa: E402  (TRITON_INTERPRET, read once at import: settings.py)
 
 try:  # triton is a Linux-only dependency; the CPU reference path works without it
     import triton  # noqa: F401
@@ -57,11 +57,24 @@ def check(cond, message) -> None:
         # traced by Dynamo itself (the DTensor paths' checks of global shapes; the single-device
         # ops check inside their fake implementations, which Dynamo does not trace): a message
         # closure over tensors cannot go into torch._check there. The condition is decided on
-        # the symbolic shapes instead (a guard on it: inputs that break it recompile, and raise)
-        if not cond:
+        # the symbolic shapes instead (a guard on it: inputs that break it recompile, and raise).
+        # A condition on unbacked (data-dependent) sizes cannot be guarded: it becomes a runtime
+        # assert of the graph (torch._check without the message) instead of an error at trace time
+        if not _guard_or_true(cond):
             raise RuntimeError(message())
+        torch._check(cond)
         return
     torch._check(cond, message)
+
+
+def _guard_or_true(cond) -> bool:
+    """cond decided with a guard where its sizes are backed; True where it cannot be decided
+    without the data (unbacked sizes): the caller then leaves it to a runtime assert."""
+    try:
+        from torch.fx.experimental.symbolic_shapes import guard_or_true
+    except ImportError:  # pragma: no cover - a torch without it decides with a guard
+        return bool(cond)
+    return guard_or_true(cond)
 
 
 def check_value(cond, message) -> None:
@@ -72,8 +85,9 @@ def check_value(cond, message) -> None:
     if cond is False:
         raise ValueError(message())
     if torch.compiler.is_dynamo_compiling():  # as in check
-        if not cond:
+        if not _guard_or_true(cond):
             raise ValueError(message())
+        torch._check(cond)
         return
     torch._check_value(cond, message)
 
@@ -356,10 +370,13 @@ class PlanLaunch:
     host). Traced launches (inline_under_compile), the interpreter and set launch hooks always take
     ``kernel[grid]``."""
 
-    __slots__ = ("kernel", "constexprs", "tail_names", "compiled", "tensor_slots")
+    __slots__ = ("kernel", "constexprs", "tail_names", "compiled", "tensor_slots", "interpret")
 
-    def __init__(self, kernel, constexprs: dict):
+    def __init__(self, kernel, constexprs: dict, *, interpret: bool = INTERPRET):
         self.kernel = kernel
+        # the kernel runs in Triton's interpreter (always through kernel[grid]): fixed per process
+        # (settings.INTERPRET), an argument so that the direct path can be tested anywhere
+        self.interpret = interpret
         self.constexprs = constexprs  # the constexpr parameters (by keyword) and launch options
         # a direct launch passes every parameter positionally: the constexpr ones, which the plan
         # passes by keyword, must be the signature's last
@@ -373,7 +390,7 @@ class PlanLaunch:
         self.tensor_slots = None
 
     def __call__(self, grid: int, *args) -> None:
-        if _INLINE.active or INTERPRET or not _settings_values()["direct_launch"] or _launch_hooks_set():
+        if _INLINE.active or self.interpret or not _settings_values()["direct_launch"] or _launch_hooks_set():
             launch(self.kernel)[(grid,)](*args, **self.constexprs)
             return
         device = torch._C._cuda_getDevice()  # CUDA is initialized: the arguments are CUDA tensors

@@ -33,6 +33,11 @@ in ``torch.compiler.config.cache_key_tag`` (a torch setting), written while the 
 | ``sinkgd_tiles`` | None | | a kernels/sinkgd.py ``Tiles`` instead of the shipped one (a plan keeps the tiles it was built with and is keyed by them) |
 | ``bench_sinkgd_compile`` | True | ``TORCH_FUSED_BENCH_SINKGD_COMPILE`` (0: off) | the sinkgd benchmark also times the torch.compile'd formula (slow to compile) |
 
+Fixed for the process (not settings: read once at import, no override): ``INTERPRET``, from
+Triton's own ``TRITON_INTERPRET`` (1: every Triton kernel runs in Triton's interpreter, and the
+package registers its Triton implementations for CPU tensors too; it must be set before
+torch_fused is imported).
+
 The tile settings replace the shipped tables of the kernel modules (their constants, which the
 code never reassigns); None keeps them.
 """
@@ -68,6 +73,11 @@ def _torch_at_least(major: int, minor: int) -> bool:
     release = torch_release(torch.__version__)
     return release is not None and release >= (major, minor)
 
+
+# TRITON_INTERPRET=1 (Triton's own variable, read here once, at import): the Triton kernels run
+# in Triton's interpreter and serve CPU tensors too. Fixed for the process: Triton reads the
+# variable when a kernel is decorated, so no override can change it.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # compile_inline_kernels without its environment variable: on where the GPU tests of the path ran
 _INLINE_DEFAULT = _torch_at_least(2, 11)

@@ -123,7 +123,9 @@ def vocab_parallel(dev, mesh, sizes, v, hidden, reps, results, failures):
         row["fwdbwd_ms"] = timed(lambda: fwdbwd(x), dev, reps)
         row["single_fwdbwd_ms"] = timed(lambda: fwdbwd(full), dev, reps)
         row["rl_baseline_fwd_ms"] = timed(lambda: rl_baseline(xl, idx, v_off), dev, reps)
-        lp, ent, gx = fwdbwd(x)
+        with CollectiveCounter() as calls:
+            lp, ent, gx = fwdbwd(x)
+        row["collectives"], row["collective_elements"] = len(calls), sum(e for _, e in calls)
         slp, sent, sg = fwdbwd(full)
         row["err_logp"] = _max_err(lp.to_local(), slp)
         row["err_entropy"] = _max_err(ent.to_local(), sent)
@@ -151,7 +153,9 @@ def vocab_parallel(dev, mesh, sizes, v, hidden, reps, results, failures):
     row = dict(case="vocab-parallel fused head", n=n, v=v, h=hidden, world=world)
     row["fwdbwd_ms"] = timed(lambda: head(w), dev, reps)
     row["single_fwdbwd_ms"] = timed(lambda: head(w_full), dev, reps)
-    lp, ent, dh, dw = head(w)
+    with CollectiveCounter() as calls:
+        lp, ent, dh, dw = head(w)
+    row["collectives"], row["collective_elements"] = len(calls), sum(e for _, e in calls)
     slp, sent, sdh, sdw = head(w_full)
     row["err_logp"] = _max_err(lp.to_local(), slp)
     row["err_entropy"] = _max_err(ent.to_local(), sent)
