@@ -163,6 +163,10 @@ def _trace_cuda_ops(shift, symbolic=False, **settings):
     def size(v, name):
         if not symbolic:
             return v
+        if symbolic == "unbacked":  # a data-dependent size, as nonzero() gives
+            u = env.create_unbacked_symint()
+            torch._check(u >= 2)
+            return u
         src = ConstantSource(name)
         return env.create_symintnode(env.create_symbol(v, src, dynamic_dim=DimDynamic.DYNAMIC), hint=v, source=src)
 
@@ -212,6 +216,9 @@ def test_compiled_graph_launches_the_kernels_itself():
     assert _trace_cuda_ops(False, symbolic=True, compile_inline_kernels=True) == [wrapper, wrapper]
     assert _trace_cuda_ops(True, symbolic=True, compile_inline_kernels=True) == [wrapper, ops[1]]
     assert _trace_cuda_ops(False, compile_inline_kernels=False) == ops
+    # a data-dependent (unbacked) batch and length: the launch plans would have to decide them
+    # (a data-dependent-guard error): the ops stay whole
+    assert _trace_cuda_ops(False, symbolic="unbacked", compile_inline_kernels=True) == ops
 
 
 def test_inline_setting_keys_the_compile_caches():

@@ -433,8 +433,20 @@ def _inline_eligible(types, args, vocab_arg) -> bool:
     # (other sizes may be symbolic: a dynamic batch or sequence length)
     if logits.dim() == 0 or type(logits.shape[-1]) is not int:
         return False
-    # CUDA only: the Triton interpreter cannot run under a tracer (it would run the kernel on fake tensors)
-    return logits.device.type == "cuda"
+    if logits.device.type != "cuda":
+        # CUDA only: the Triton interpreter cannot run under a tracer (it would run the kernel on fake tensors)
+        return False
+    # a data-dependent (unbacked) size, e.g. rows packed with nonzero(): the launch plan's layout
+    # arithmetic would have to decide it; keep the op whole (its fake needs no such decision)
+    return not _has_unbacked_sizes(args)
+
+
+def _has_unbacked_sizes(args) -> bool:
+    try:
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    except ImportError:  # pragma: no cover
+        return False
+    return any(isinstance(a, torch.Tensor) and free_unbacked_symbols(a.shape) for a in args)
 
 
 def inline_under_compile(op, implementation, vocab_arg: int, keep_whole=None) -> None:
