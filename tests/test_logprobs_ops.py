@@ -35,26 +35,26 @@ def test_opcheck_all_ops(device):
         torch.library.opcheck(OPS.selective_log_softmax, (x, idxk, 1.0, 5))
         torch.library.opcheck(OPS.entropy_from_logits, (x,), {"temperature": 1.3})
         torch.library.opcheck(OPS.logprobs_and_entropy, (x, idx, 0.9, -100))
-        torch.library.opcheck(OPS._logprobs_entropy_forward, (x, idxk, 1.0, -100, True))
-        torch.library.opcheck(OPS._logprobs_entropy_forward, (x, None, 2.0, -100, True))
+        torch.library.opcheck(OPS._logprobs_entropy_forward, (x, idxk, None, 1.0, -100, True, False))
+        torch.library.opcheck(OPS._logprobs_entropy_forward, (x, None, None, 2.0, -100, True, False))
         # shift: the [B, L+1, V] tensor the sliced sample is a view of; a tensor temperature
         full = x._base if x._base is not None else x
         full = full.detach().requires_grad_(True)
         t = torch.tensor(0.8, device=device, requires_grad=True)
         torch.library.opcheck(OPS.logprobs_and_entropy, (full, idx), {"shift": True})
         torch.library.opcheck(OPS.logprobs_and_entropy, (x, idx), {"temperature_tensor": t})
-        torch.library.opcheck(OPS._logprobs_entropy_forward, (full, idxk, 1.0, -100, True, t, True))
-        lp, ent, stats = OPS._logprobs_entropy_forward(x.detach(), idx, 1.0, -100, True)
+        torch.library.opcheck(OPS._logprobs_entropy_forward, (full, idxk, t, 1.0, -100, True, True))
+        lp, ent, stats = OPS._logprobs_entropy_forward(x.detach(), idx, None, 1.0, -100, True, False)
         g1 = torch.randn_like(lp)
         g2 = torch.randn_like(ent)
         for gl, gh in [(g1, g2), (g1, None), (None, g2)]:
             torch.library.opcheck(
-                OPS._logprobs_entropy_backward, (gl, gh, x.detach(), idx, stats, ent, 1.0, -100)
+                OPS._logprobs_entropy_backward, (gl, gh, x.detach(), idx, stats, ent, None, 1.0, -100, True, False)
             )
-        lp, ent, stats = OPS._logprobs_entropy_forward(full.detach(), idx, 1.0, -100, True, None, True)
+        lp, ent, stats = OPS._logprobs_entropy_forward(full.detach(), idx, None, 1.0, -100, True, True)
         torch.library.opcheck(OPS._logprobs_entropy_backward,
-                              (torch.randn_like(lp), torch.randn_like(ent), full.detach(), idx, stats, ent, 1.0, -100,
-                               None, True))
+                              (torch.randn_like(lp), torch.randn_like(ent), full.detach(), idx, stats, ent, None, 1.0,
+                               -100, True, True))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -177,8 +177,8 @@ def _trace_cuda_ops(shift, symbolic=False, **settings):
         return gm
 
     def f(x, ids, g1, g2):
-        logp, ent, stats = OPS._logprobs_entropy_forward(x, ids, 1.0, -100, True, shift=shift)
-        return OPS._logprobs_entropy_backward(g1, g2, x, ids, stats, ent, 1.0, -100, shift=shift)[0]
+        logp, ent, stats = OPS._logprobs_entropy_forward(x, ids, None, 1.0, -100, True, shift)
+        return OPS._logprobs_entropy_backward(g1, g2, x, ids, stats, ent, None, 1.0, -100, True, shift)[0]
 
     with FakeTensorMode(shape_env=env), torch_fused.settings.override(**settings):
         b, length = size(2, "B"), size(8, "L")
@@ -259,11 +259,11 @@ class TestSchemas(expecttest.TestCase):
         )
         self.assertExpectedInline(
             str(OPS._logprobs_entropy_forward.default._schema),
-            """fused::_logprobs_entropy_forward(Tensor logits, Tensor? index, float temperature, SymInt ignore_index, bool compute_entropy, Tensor? temperature_t=None, bool shift=False) -> (Tensor, Tensor, Tensor)""",
+            """fused::_logprobs_entropy_forward(Tensor logits, Tensor? index, Tensor? temperature_t, float temperature, SymInt ignore_index, bool compute_entropy, bool shift) -> (Tensor, Tensor, Tensor)""",
         )
         self.assertExpectedInline(
             str(OPS._logprobs_entropy_backward.default._schema),
-            """fused::_logprobs_entropy_backward(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor? index, Tensor stats, Tensor entropy, float temperature, SymInt ignore_index, Tensor? temperature_t=None, bool shift=False, bool temperature_grad=True) -> (Tensor, Tensor)""",
+            """fused::_logprobs_entropy_backward(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor? index, Tensor stats, Tensor entropy, Tensor? temperature_t, float temperature, SymInt ignore_index, bool compute_entropy, bool shift, *, bool temperature_grad=True) -> (Tensor, Tensor)""",
         )
 
 
@@ -1016,13 +1016,13 @@ def test_tensor_temperature_without_grad_takes_the_segmented_backward(settings_o
     x = torch.randn(2, 3, v, generator=g)
     idx = torch.randint(0, v, (2, 3), generator=g)
     t = torch.tensor(0.8)
-    stats = OPS._logprobs_entropy_forward(x, idx, 1.0, -100, False, t, False)[2]
+    stats = OPS._logprobs_entropy_forward(x, idx, t, 1.0, -100, False, False)[2]
     gl = torch.randn(2, 3, generator=g)
     results = {}
     for want in (False, True):
         lp_ops._BWD_PLANS.clear()
-        results[want] = OPS._logprobs_entropy_backward(gl, None, x, idx, stats, torch.empty(0), 1.0, -100, t, False,
-                                                       want)
+        results[want] = OPS._logprobs_entropy_backward(gl, None, x, idx, stats, torch.empty(0), t, 1.0, -100, False,
+                                                       False, temperature_grad=want)
         assert results[want][1].shape == (() if want else (0,)), (want, results[want][1].shape)
         if torch_fused._library.on_triton(x):
             ((plan, _),) = lp_ops._BWD_PLANS.values()
@@ -1046,11 +1046,12 @@ def test_slice_backward_op_is_the_backward_on_a_vocabulary_slice(device, shift):
     v = 37
     x = torch.randn(2, 4, v, generator=g).to(device)
     idx = torch.randint(0, v, (2, 3 if shift else 4, 2), generator=g).to(device)
-    lp, ent, stats = OPS._logprobs_entropy_forward(x, idx, 0.7, -100, True, None, shift)
+    lp, ent, stats = OPS._logprobs_entropy_forward(x, idx, None, 0.7, -100, True, shift)
     gl, ge = torch.randn(lp.shape, generator=g).to(device), torch.randn(ent.shape, generator=g).to(device)
-    dx, _ = OPS._logprobs_entropy_backward(gl, ge, x, idx, stats, ent, 0.7, -100, None, shift)
+    dx, _ = OPS._logprobs_entropy_backward(gl, ge, x, idx, stats, ent, None, 0.7, -100, True, shift)
     for lo, hi in ((0, 10), (10, 37)):
-        args = (gl, ge, x[..., lo:hi].contiguous(), idx, stats, ent, 0.7, -100, shift, lo, v)
-        part = OPS._logprobs_entropy_slice_backward(*args)
+        args = (gl, ge, x[..., lo:hi].contiguous(), idx, stats, ent, 0.7, -100, True, shift)
+        kw = dict(v_off=lo, v_total=v)
+        part = OPS._logprobs_entropy_slice_backward(*args, **kw)
         torch.testing.assert_close(part, dx[..., lo:hi], rtol=1e-5, atol=1e-6)
-        torch.library.opcheck(OPS._logprobs_entropy_slice_backward, args)
+        torch.library.opcheck(OPS._logprobs_entropy_slice_backward, args, kw)

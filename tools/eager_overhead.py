@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 import torch_fused  # noqa: E402
 from torch_fused import _library  # noqa: E402
+from torch_fused.meta.logprobs import LogprobOptions  # noqa: E402
 
 
 class _Bare(torch.autograd.Function):
@@ -40,24 +41,23 @@ class _Bare(torch.autograd.Function):
 
 
 class _Shaped(torch.autograd.Function):
-    """What our node holds, doing nothing else: seven inputs, the log-probs and the row statistics
-    allocated, the logits, index and statistics saved with two None slots, the formula's
-    attributes, and d logits allocated in the backward."""
+    """What our node holds, doing nothing else: four inputs (logits, index, tensor temperature,
+    options), the log-probs and the row statistics allocated, the logits, index and statistics
+    saved with two None slots, the options, and d logits allocated in the backward."""
 
     @staticmethod
-    def forward(ctx, x, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
+    def forward(ctx, x, index, temperature_t, opts):
         out = x.new_empty(x.shape[:-1], dtype=torch.float32)
         stats = x.new_empty(x.shape[:-1] + (2,), dtype=torch.float32)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, index, stats, None, None)
-        ctx.temperature, ctx.ignore_index = temperature, ignore_index
-        ctx.compute_entropy, ctx.shift = compute_entropy, shift
+        ctx.opts = opts
         return out
 
     @staticmethod
     def backward(ctx, g):
         saved = ctx.saved_tensors
-        return torch.empty_like(saved[0]), None, None, None, None, None, None
+        return torch.empty_like(saved[0]), None, None, None
 
 
 def main(argv=None):
@@ -78,6 +78,9 @@ def main(argv=None):
         _library.PlanLaunch.__call__ = real_launch
 
 
+_OPTS = LogprobOptions(1.0, -100, False, False)
+
+
 def _measure(args, rows, v):
     torch.manual_seed(0)
     x = torch.randn(rows, v, dtype=torch.bfloat16).requires_grad_(True)
@@ -92,7 +95,7 @@ def _measure(args, rows, v):
 
     cases = [
         ("autograd.Function floor (1 input, 1 saved)", fb(lambda: _Bare.apply(x))),
-        ("autograd.Function shaped like our node", fb(lambda: _Shaped.apply(x, idx, 1.0, -100, False, None, False))),
+        ("autograd.Function shaped like our node", fb(lambda: _Shaped.apply(x, idx, None, _OPTS))),
         ("selective_log_softmax", fb(lambda: torch_fused.selective_log_softmax(x, idx))),
         ("entropy_from_logits", fb(lambda: torch_fused.entropy_from_logits(x))),
         ("logprobs_and_entropy", fb(lambda: torch_fused.logprobs_and_entropy(x, idx))),

@@ -37,7 +37,7 @@ class Mul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gr): return gr * 2
 
-logp, ent, stats = L._forward_triton(x, idx, 1.0, -100, False)
+logp, ent, stats = L._forward_triton(x, idx, None, 1.0, -100, False, False)
 gl = torch.ones_like(logp)
 c = 1.4426950408889634
 bv, w = K.pick_block(v, 2, "fwd")
@@ -56,9 +56,9 @@ cases = [
     ("x * 2 (one torch op)", lambda: x * 2),
     ("bare triton launch, fwd kernel", launch),
     ("the same, compiled kernel's launcher called directly", direct),
-    ("core op (dispatcher), no grad", lambda: core(x, idx, 1.0, -100, False, None, False)),
-    ("_forward_triton", lambda: L._forward_triton(x, idx, 1.0, -100, False)),
-    ("backward_triton", lambda: L.backward_triton(gl, None, x, idx, stats, ent, 1.0, -100)),
+    ("core op (dispatcher), no grad", lambda: core(x, idx, None, 1.0, -100, False, False)),
+    ("_forward_triton", lambda: L._forward_triton(x, idx, None, 1.0, -100, False, False)),
+    ("backward_triton", lambda: L.backward_triton(gl, None, x, idx, stats, ent, None, L.Options(1.0, -100, True, False))),
     ("public fwd", lambda: torch_fused.selective_log_softmax(x, idx)),
     ("torch formula fwd", lambda: torch.log_softmax(x.float(), -1).gather(-1, idx[:, None])),
     ("empty op fwd", lambda: empty(x, idx)),

@@ -35,6 +35,7 @@ if (_message := _torch_version_warning(torch.__version__)) is not None:
 from . import ops as _ops  # noqa: E402,F401  (registers the fused:: ops)
 from ._library import eager_eligible as _eager_eligible, is_dtensor as _is_dtensor  # noqa: E402
 from .ops.logprobs import eager_core as _eager_core  # noqa: E402
+from .meta.logprobs import LogprobOptions as _LogprobOptions  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -142,7 +143,8 @@ def selective_log_softmax(
     t, t_tensor = _temperature_args(temperature, logits)
     ignore_index, shift = _ignore_index(ignore_index), _shift(shift)
     if _eager_eligible(logits, index, t_tensor):
-        return _eager_core("fused::selective_log_softmax", logits, index, t, ignore_index, False, t_tensor, shift)
+        return _eager_core("fused::selective_log_softmax", logits, index, t_tensor,
+                           _LogprobOptions(t, ignore_index, False, shift))
     return torch.ops.fused.selective_log_softmax(logits, index, t, ignore_index, shift=shift,
                                                  temperature_tensor=t_tensor)
 
@@ -169,7 +171,8 @@ def entropy_from_logits(
     t, t_tensor = _temperature_args(temperature, logits)
     shift = _shift(shift)
     if _eager_eligible(logits, t_tensor):
-        return _eager_core("fused::entropy_from_logits", logits, None, t, -100, True, t_tensor, shift)
+        return _eager_core("fused::entropy_from_logits", logits, None, t_tensor,
+                           _LogprobOptions(t, -100, True, shift))
     return torch.ops.fused.entropy_from_logits(logits, t, shift=shift, temperature_tensor=t_tensor)
 
 
@@ -196,7 +199,8 @@ def logprobs_and_entropy(
     t, t_tensor = _temperature_args(temperature, logits)
     ignore_index, shift = _ignore_index(ignore_index), _shift(shift)
     if _eager_eligible(logits, index, t_tensor):
-        return _eager_core("fused::logprobs_and_entropy", logits, index, t, ignore_index, True, t_tensor, shift)
+        return _eager_core("fused::logprobs_and_entropy", logits, index, t_tensor,
+                           _LogprobOptions(t, ignore_index, True, shift))
     return torch.ops.fused.logprobs_and_entropy(logits, index, t, ignore_index, shift=shift,
                                                 temperature_tensor=t_tensor)
 

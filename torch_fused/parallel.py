@@ -49,7 +49,7 @@ from ._library import TRITON_DEVICES, acc_dtype, check, kernel_temperature, trac
 from .meta import linear_logprobs as meta_ll
 from .meta.linear_logprobs import HeadOptions
 from .meta import logprobs as meta_lp
-from .meta.logprobs import row_shape
+from .meta.logprobs import LogprobOptions, row_shape
 from .ops import linear_logprobs as LL
 from .ops import logprobs as lp_ops
 
@@ -282,7 +282,8 @@ def logits_partials(x: torch.Tensor, index: torch.Tensor | None, v_off: int, tem
     if x.shape[-1] == 0:
         return _empty_parts(n, k, want_ent, dt, x.device)
     loc = None if idx2 is None else local_index(idx2, v_off, x.shape[-1]).reshape(index.shape)
-    lp, ent, stats = torch.ops.fused._logprobs_entropy_forward(x, loc, temperature, -1, want_ent, None, shift)
+    lp, ent, stats = torch.ops.fused._logprobs_entropy_forward(
+        x, loc, None, *LogprobOptions(temperature, -1, want_ent, shift).values())
     return _parts_from(stats.reshape(n, 2), ent if want_ent else None,
                        None if idx2 is None else lp.reshape(n, k), dt, n)
 
@@ -330,8 +331,8 @@ def logits_backward(g_logp, g_ent, x, index, stats, ent, temperature: float, ign
     if x.shape[-1] == 0 or (g_logp is None and g_ent is None):
         return torch.zeros_like(x, memory_format=torch.contiguous_format)
     return torch.ops.fused._logprobs_entropy_slice_backward(
-        g_logp, g_ent, x, index if g_logp is not None else None, stats, ent, temperature, ignore_index, shift,
-        v_off, v_total)
+        g_logp, g_ent, x, index if g_logp is not None else None, stats, ent,
+        *LogprobOptions(temperature, ignore_index, True, shift).values(), v_off=v_off, v_total=v_total)
 
 
 def linear_partials(hidden, weight, index, bias, opts: HeadOptions, v_off: int):

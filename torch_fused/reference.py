@@ -90,15 +90,13 @@ def temperature_clamped(temperature_t: torch.Tensor) -> torch.Tensor:
 def logprobs_entropy_forward(
     logits: torch.Tensor,
     index: torch.Tensor | None,
-    temperature: float,
-    ignore_index: int,
-    compute_entropy: bool,
-    temperature_t: torch.Tensor | None = None,
-    shift: bool = False,
+    temperature_t: torch.Tensor | None,
+    opts,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (logp shaped like index or empty, entropy [lead] or empty, stats [lead, 2]).
-    ``temperature_t``, a 0-dim tensor, replaces ``temperature`` when given. With ``shift``,
-    logits are [..., L+1, V] and only positions 0..L-1 are scored (lead = [..., L]).
+    """Returns (logp shaped like index or empty, entropy [lead] or empty, stats [lead, 2]) for the
+    options ``opts`` (meta.logprobs.LogprobOptions). ``temperature_t``, a 0-dim tensor, replaces
+    ``opts.temperature`` when given. With ``opts.shift``, logits are [..., L+1, V] and only
+    positions 0..L-1 are scored (lead = [..., L]).
 
     With c = log2(e) / T, m the row max of the logits and d = (x - m) c:
     stats = (m, log2 s) with s = sum 2^d; logp = (d[index] - log2 s) ln2 (0 at ignore_index,
@@ -106,6 +104,8 @@ def logprobs_entropy_forward(
     H = (log2 s - sum 2^d d / s) ln2. Intermediates are float64 here (the kernels use fp32 and
     the same formulas); outputs are float32, float64 for float64 logits.
     """
+    temperature, ignore_index, compute_entropy, shift = opts.temperature, opts.ignore_index, opts.compute_entropy, \
+        opts.shift
     if shift:
         logits = logits[..., :-1, :]
     lead = logits.shape[:-1]
@@ -158,10 +158,8 @@ def logprobs_entropy_backward(
     index: torch.Tensor | None,
     stats: torch.Tensor,
     entropy: torch.Tensor,
-    temperature: float,
-    ignore_index: int,
-    temperature_t: torch.Tensor | None = None,
-    shift: bool = False,
+    temperature_t: torch.Tensor | None,
+    opts,
     temperature_grad: bool = True,
     *,
     v_off: int = 0,
@@ -180,6 +178,7 @@ def logprobs_entropy_backward(
     over the row's valid indices:  d z_j = sum_k g_k [j == idx_k] - p_j (G + gH (lp_j + H)),
     and d logits = d z / T. Only stats and H are saved from the forward.
     """
+    temperature, ignore_index, shift = opts.temperature, opts.ignore_index, opts.shift
     out_dtype = out_dtype or logits.dtype
     full = torch.empty(logits.shape, dtype=out_dtype, device=logits.device)
     if shift:

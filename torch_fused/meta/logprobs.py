@@ -1,17 +1,86 @@
-"""Input checks and fake (meta) implementations of the log-prob / entropy ops.
+"""The log-prob family's options, input checks and fake (meta) implementations.
 
-``check_logits_index`` is the one validation function: the public ops call it before they
-dispatch, and the fake implementations call it again, so an eager call and a call traced by
-``torch.compile`` fail with the same message. It reads shapes and dtypes only, never data.
+``LogprobOptions`` is the one list of the family's non-tensor arguments. The core ops' schemas
+(ops/logprobs.py), the public ops' keyword tails, the fakes here, the launch plans' keys, the
+autograd formula's gradient tuple, the reference (reference.py), the vocabulary-parallel ops
+(parallel.py) and the fused head's use of the logits kernels all follow from it, and it is the
+only thing passed between them.
+
+Adding a keyword (say ``top_k``) to the log-prob ops:
+1. a field of ``LogprobOptions`` with its default, ``public=True`` in its metadata when users
+   pass it (the public ops and their schemas then take it as a keyword-only argument);
+2. its check in ``check_options`` (here);
+3. its effect in the reference (reference.py) and in the kernels' host code or the kernels
+   (ops/logprobs.py, kernels/logprobs.py), both reading ``opts.<field>``;
+4. the public functions' keyword (torch_fused/__init__.py), passed on in the options.
+Nothing else changes: schemas, fakes, plan keys, gradient tuples and the parallel and head
+routes take the object whole.
+
+``check_options`` (over ``check_logits_index``) is the one validation function, called by the
+fakes and by every implementation, so eager and compiled calls fail with the same message. It
+reads shapes and dtypes only, never data.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from .._library import FLOAT_DTYPES, INDEX_DTYPES, acc_dtype, check, check_value
+
+
+# the schema type of each LogprobOptions field's annotation
+_SCHEMA_TYPES = {"float": "float", "int": "SymInt", "bool": "bool", "int | None": "SymInt?", "float | None": "float?"}
+# the public ops' own spelling of a field's type (their schemas predate the options)
+_PUBLIC_TYPES = {"float": "float", "int": "int", "bool": "bool", "int | None": "int?", "float | None": "float?"}
+
+
+def _public(default):
+    """A field users pass as a keyword of the public ops."""
+    return dataclasses.field(default=default, metadata={"public": True})
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobOptions:
+    """The log-prob family's non-tensor arguments, in the core ops' schema order (after their
+    tensors: logits, index and the tensor temperature), with the public functions' defaults.
+    Frozen and hashable: a launch plan's key holds it whole.
+
+    temperature: the float temperature (a placeholder 1.0 where a tensor temperature is given);
+    ignore_index: positions holding it give 0 and no gradient;
+    compute_entropy: whether the core also makes the entropy (set by the public op, not a keyword);
+    shift: the logits are [..., L+1, V] and position t scores index t (the last one dropped)."""
+    temperature: float = 1.0
+    ignore_index: int = -100
+    compute_entropy: bool = True
+    shift: bool = _public(False)
+
+    def values(self) -> tuple:
+        """The fields in order: the core ops' positional arguments after their tensors."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    @classmethod
+    def count(cls) -> int:
+        return len(dataclasses.fields(cls))
+
+    @classmethod
+    def schema(cls) -> str:
+        """The fields as schema arguments, e.g. ``float temperature, SymInt ignore_index, ...``."""
+        return ", ".join(f"{_SCHEMA_TYPES[f.type]} {f.name}" for f in dataclasses.fields(cls))
+
+    @classmethod
+    def public_fields(cls) -> tuple:
+        """The keyword-only fields of the public ops, in order (shift first)."""
+        return tuple(f for f in dataclasses.fields(cls) if f.metadata.get("public"))
+
+    @classmethod
+    def public_schema_tail(cls) -> str:
+        """The public ops' keyword-only arguments: the public fields with their defaults, then
+        the tensor temperature."""
+        parts = [f"{_PUBLIC_TYPES[f.type]} {f.name}={f.default!r}" for f in cls.public_fields()]
+        return "*, " + ", ".join(parts + ["Tensor? temperature_tensor=None"])
 
 
 def check_temperature(temperature: float) -> None:
@@ -90,25 +159,33 @@ def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, tempera
     )
 
 
-def logprobs_entropy_forward_fake(logits, index, temperature, ignore_index, compute_entropy, temperature_t=None,
-                                  shift=False):
-    check_logits_index(logits, index, temperature, temperature_t, shift)
+def check_options(logits: torch.Tensor, index: torch.Tensor | None, temperature_t: torch.Tensor | None,
+                  opts: LogprobOptions) -> None:
+    """The checks of a log-prob op's call: its tensors and its options."""
+    check_logits_index(logits, index, opts.temperature, temperature_t, opts.shift)
+
+
+def logprobs_entropy_forward_fake(logits, index, temperature_t, *options):
+    opts = LogprobOptions(*options)
+    check_options(logits, index, temperature_t, opts)
     dt = acc_dtype(logits.dtype)
-    lead = row_shape(logits, shift)
+    lead = row_shape(logits, opts.shift)
     logp = logits.new_empty(index.shape if index is not None else (0,), dtype=dt)
-    ent = logits.new_empty(lead if compute_entropy else (0,), dtype=dt)
+    ent = logits.new_empty(lead if opts.compute_entropy else (0,), dtype=dt)
     stats = logits.new_empty(lead + (2,), dtype=dt)
     return logp, ent, stats
 
 
-def logprobs_entropy_backward_fake(
-    grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t=None,
-    shift=False, temperature_grad=True,
-):
-    check_logits_index(logits, index, temperature, temperature_t, shift)
+def logprobs_entropy_backward_fake(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, *options,
+                                   temperature_grad=True):
+    check_options(logits, index, temperature_t, LogprobOptions(*options))
     from ..reference import temperature_grad_dtype
 
     dt_dtype = temperature_grad_dtype(logits, temperature_t)
     dt = logits.new_empty((), dtype=dt_dtype) if temperature_t is not None and temperature_grad else \
         logits.new_empty((0,), dtype=dt_dtype)
     return logits.new_empty(logits.shape), dt
+
+
+def slice_backward_fake(grad_logp, grad_entropy, logits, index, stats, entropy, *options, v_off, v_total):
+    return logits.new_empty(logits.shape)

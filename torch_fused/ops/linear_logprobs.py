@@ -51,6 +51,7 @@ from .._library import (INTERPRET, LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, a
                         kernel_temperature, new_output, traced_constants, under_forward_settings)
 from .. import reference
 from ..meta import linear_logprobs as meta
+from ..meta.logprobs import LogprobOptions
 from ..meta.logprobs import row_shape
 from . import logprobs as lp_ops
 from ..settings import current as settings
@@ -163,7 +164,8 @@ def _merge_reference(z, idx2, v0, first, run, u, m_own, t_eff, c):
     kernels/logprobs.py's _chunk_merge_kernel."""
     loc = idx2 - v0
     inside = (loc >= 0) & (loc < z.shape[1])
-    lp_c, ent_c, st_c = reference.logprobs_entropy_forward(z, torch.where(inside, loc, 0), t_eff, -1, True)
+    lp_c, ent_c, st_c = reference.logprobs_entropy_forward(z, torch.where(inside, loc, 0), None,
+                                                           LogprobOptions(t_eff, -1, True, False))
     m_c, l2s_c = st_c[:, 0], st_c[:, 1]
     s_c = torch.exp2(l2s_c)
     t_c = torch.where(s_c > 0, s_c * (l2s_c - ent_c * (1.0 / LN2)), torch.zeros_like(s_c))
@@ -489,11 +491,12 @@ def hidden_grad_from_rows(dh, hidden, shift):
 
 
 def _bwd_reference(glp, gh, z, idx, st, ent, t, ignore_index, **kw):
-    return reference.logprobs_entropy_backward(glp, gh, z, idx, st, ent, t, ignore_index, **kw)
+    return reference.logprobs_entropy_backward(glp, gh, z, idx, st, ent, None, LogprobOptions(t, ignore_index, True, False),
+                                               **kw)
 
 
 def _bwd_triton(glp, gh, z, idx, st, ent, t, ignore_index, **kw):
-    return lp_ops.backward_triton(glp, gh, z, idx, st, ent, t, ignore_index, **kw)
+    return lp_ops.backward_triton(glp, gh, z, idx, st, ent, None, LogprobOptions(t, ignore_index, True, False), **kw)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,42 +33,40 @@ _FWD = f"{NAMESPACE}::_logprobs_entropy_forward"
 _BWD = f"{NAMESPACE}::_logprobs_entropy_backward"
 
 
-def _forward_default(
-    logits: torch.Tensor,
-    index: torch.Tensor | None,
-    temperature: float,
-    ignore_index: int,
-    compute_entropy: bool,
-    temperature_t: torch.Tensor | None = None,
-    shift: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    meta.check_logits_index(logits, index, temperature, temperature_t, shift)
-    return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy,
-                                              temperature_t, shift)
+Options = meta.LogprobOptions
+_N_OPTS = Options.count()
+_OPTS_SCHEMA = Options.schema()
 
 
-def _backward_default(
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    logits: torch.Tensor,
-    index: torch.Tensor | None,
-    stats: torch.Tensor,
-    entropy: torch.Tensor,
-    temperature: float,
-    ignore_index: int,
-    temperature_t: torch.Tensor | None = None,
-    shift: bool = False,
-    temperature_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference.logprobs_entropy_backward(
-        grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift,
-        temperature_grad
-    )
+@torch.library.custom_op(_FWD, mutates_args=(), schema=(
+    f"(Tensor logits, Tensor? index, Tensor? temperature_t, {_OPTS_SCHEMA}) -> (Tensor, Tensor, Tensor)"))
+def logprobs_entropy_forward(logits, index, temperature_t, *options):
+    """(logp, entropy, stats) of the family from one read of the logits; the default implementation
+    (the plain-PyTorch reference) serves every device without a Triton one (CPU)."""
+    return _forward_default(logits, index, temperature_t, Options(*options))
 
 
-# the default implementations serve every device without a Triton one (CPU)
-logprobs_entropy_forward = torch.library.custom_op(_FWD, mutates_args=())(_forward_default)
-logprobs_entropy_backward = torch.library.custom_op(_BWD, mutates_args=())(_backward_default)
+@torch.library.custom_op(_BWD, mutates_args=(), schema=(
+    f"(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor? index, Tensor stats, Tensor entropy, "
+    f"Tensor? temperature_t, {_OPTS_SCHEMA}, *, bool temperature_grad=True) -> (Tensor, Tensor)"))
+def logprobs_entropy_backward(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, *options,
+                              temperature_grad=True):
+    """(d logits, d T) of the core; d T only for a tensor temperature with ``temperature_grad``."""
+    return _backward_default(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, Options(*options),
+                             temperature_grad)
+
+
+def _forward_default(logits, index, temperature_t, opts):
+    meta.check_options(logits, index, temperature_t, opts)
+    return reference.logprobs_entropy_forward(logits, index, temperature_t, opts)
+
+
+def _backward_default(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, opts,
+                      temperature_grad=True):
+    return reference.logprobs_entropy_backward(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t,
+                                               opts, temperature_grad)
+
+
 logprobs_entropy_forward.register_fake(meta.logprobs_entropy_forward_fake)
 logprobs_entropy_backward.register_fake(meta.logprobs_entropy_backward_fake)
 
@@ -95,11 +93,13 @@ def _settings_key():
     return v["logprobs_block"], v["small_tiles"], v["logprobs_bwd_segment"]
 
 
-def _forward_plan(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
+def _forward_plan(logits, index, temperature_t, opts):
     """(out shapes, dtype, rows, copy the logits?, layout, index as [rows, K] needs a copy?, k,
     kernel constexprs and options, scale c) of a forward call; raises on bad input."""
-    meta.check_logits_index(logits, index, temperature, temperature_t, shift)
+    meta.check_options(logits, index, temperature_t, opts)
     from ..kernels import logprobs as K
+
+    shift, compute_entropy = opts.shift, opts.compute_entropy
 
     x = logits[..., :-1, :] if shift else logits  # rows 0..L-1 of [..., L+1, V], read in place
     v = x.shape[-1]
@@ -109,7 +109,7 @@ def _forward_plan(logits, index, temperature, ignore_index, compute_entropy, tem
     k = (index.numel() // rows if rows else 1) if index is not None else 1
     index_copy = index is not None and not index.is_contiguous()
     block_v, warps = K.pick_block(v, x.element_size(), "fwd_ent" if compute_entropy else "fwd")
-    c = LOG2E / kernel_temperature(temperature)  # the float temperature's scale (a placeholder with temperature_t)
+    c = LOG2E / kernel_temperature(opts.temperature)  # the float temperature's scale (a placeholder with temperature_t)
     constexprs = dict(
         HAS_INDEX=index is not None, HAS_ENT=compute_entropy,
         EXACT_SHIFT=exact_shift(None if temperature_t is not None else c),
@@ -121,12 +121,12 @@ def _forward_plan(logits, index, temperature, ignore_index, compute_entropy, tem
     return shapes, acc_dtype(x.dtype), rows, copy, layout, index_copy, k, v, c, constexprs, K
 
 
-def _forward_triton(logits, index, temperature, ignore_index, compute_entropy, temperature_t=None, shift=False):
+def _forward_triton(logits, index, temperature_t, *options):
     """The forward op's Triton implementation."""
-    return _forward_run(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift, True)[:3]
+    return _forward_run(logits, index, temperature_t, Options(*options), True)[:3]
 
 
-def _forward_run(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift, placeholders):
+def _forward_run(logits, index, temperature_t, opts, placeholders):
     """(logp, entropy, stats, the backward plans of this forward's key) of the forward's Triton
     implementation. ``placeholders=False`` (the eager path, whose node returns only the public
     outputs): None for an output the call does not make (the log-probs without an index, the
@@ -139,21 +139,20 @@ def _forward_run(logits, index, temperature, ignore_index, compute_entropy, temp
     logits' and index's layouts (the rest of a backward plan's key is the forward's arguments)."""
     if logits.dtype == torch.float64:
         # float64 is a validation dtype: the reference on the same device keeps fp64 accuracy
-        meta.check_logits_index(logits, index, temperature, temperature_t, shift)
-        return reference.logprobs_entropy_forward(logits, index, temperature, ignore_index, compute_entropy,
-                                                  temperature_t, shift) + (None,)
+        return _forward_default(logits, index, temperature_t, opts) + (None,)
     # the devices of the logits, index and tensor temperature too (tensor_key leaves them out):
     # a plan hit skips the checks, which name an index or temperature on another device
-    key = (tensor_key(logits), tensor_key(index), temperature, ignore_index, compute_entropy,
-           tensor_key(temperature_t), shift, _settings_key(), logits.get_device(),
-           None if index is None else index.get_device(), None if temperature_t is None else temperature_t.get_device())
+    key = (tensor_key(logits), tensor_key(index), tensor_key(temperature_t), opts, _settings_key(),
+           logits.get_device(), None if index is None else index.get_device(),
+           None if temperature_t is None else temperature_t.get_device())
     plan = _FWD_PLANS.get(key)
     if plan is None:
-        p = _forward_plan(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
+        p = _forward_plan(logits, index, temperature_t, opts)
         plan = _FWD_PLANS.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_forward_kernel, p[-2]), Plans()))
     plan, go, bwd_plans = plan
     (s_logp, s_ent, s_stats), dt, rows, copy, (inner, s_outer, s_inner), index_copy, k, v, c, constexprs, K = plan
     device = logits.device
+    shift, compute_entropy = opts.shift, opts.compute_entropy
     logp = new_output(s_logp, dt, device) if placeholders or index is not None else None
     ent = new_output(s_ent, dt, device) if placeholders or compute_entropy else None
     stats = new_output(s_stats, dt, device)
@@ -165,7 +164,7 @@ def _forward_run(logits, index, temperature, ignore_index, compute_entropy, temp
     # to bind or check per launch, and nothing to allocate where the launch is traced)
     idx = None if index is None else index.contiguous() if index_copy else index  # [rows, K] row-major
     go(rows, x, idx, logp if index is not None else None, ent if compute_entropy else None, stats, temperature_t,
-       v, k, inner, s_outer, s_inner, c, ignore_index)
+       v, k, inner, s_outer, s_inner, c, opts.ignore_index)
     return logp, ent, stats, bwd_plans
 
 
@@ -216,11 +215,13 @@ def _view_or_none(t, shape):
         return None
 
 
-def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_index, temperature_t, shift, v_off,
-                   v_total, out_dtype, out, in_place, exact, temperature_grad):
+def _backward_plan(grad_logp, grad_entropy, logits, index, temperature_t, opts, temperature_grad, v_off, v_total,
+                   out_dtype, out, in_place, exact):
     """(d logits dtype, rows, which operands need a copy, the kernel's scalar arguments, its
     constexprs and options, grid size) of a backward call."""
     from ..kernels import logprobs as K
+
+    shift = opts.shift
 
     dx_dtype = out.dtype if out is not None else out_dtype or logits.dtype
     # d logits' layout, from a meta tensor of its shape and strides (out's, or a fresh contiguous one)
@@ -255,12 +256,12 @@ def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_i
         gh_copy = gh is None  # likewise
         gh_s = 1 if gh_copy else gh.stride(0)
     block_v, warps = K.pick_block(v, x.element_size(), "bwd")
-    t = kernel_temperature(temperature)
+    t = kernel_temperature(opts.temperature)
     log2e = traced_constants()[0]  # LOG2E as a literal: the vocabulary-parallel backward is traced by Dynamo
     segs, seg_len = (1, v) if has_dt or in_place else K.backward_segments(v, block_v)
     scalars = (v, k, rows, inner, s_outer, s_inner, v_off, v if v_total is None else v_total,
                d_inner, d_outer, d_stride, z_inner, z_outer, z_stride,
-               log2e / t, 1.0 / t, ignore_index, segs, seg_len, glp_sr, glp_sk, gh_s)
+               log2e / t, 1.0 / t, opts.ignore_index, segs, seg_len, glp_sr, glp_sk, gh_s)
     constexprs = dict(
         HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1,
         EXACT_SHIFT=exact if exact is not None else exact_shift(None if t_ptr else log2e / t),
@@ -272,10 +273,19 @@ def _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_i
     return dx_dtype, rows, k, (x_copy, idx_copy, glp_copy, gh_copy), scalars, constexprs, grid, K
 
 
-def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
-                    temperature_t=None, shift=False, temperature_grad=True, *, v_off=0, v_total=None, out_dtype=None,
-                    out=None, exact=None, want_dt=True, plans=None):
-    """The backward op's Triton implementation. Keyword-only extras for the fused lm_head
+def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, *options,
+                     temperature_grad=True):
+    """The backward op's Triton implementation."""
+    return backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, Options(*options),
+                           temperature_grad)
+
+
+def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, opts,
+                    temperature_grad=True, *, v_off=0, v_total=None, out_dtype=None, out=None, exact=None,
+                    want_dt=True, plans=None):
+    """The kernels' host code of the backward: the one route into the backward kernel (the
+    registered op, the eager path, the vocabulary-parallel slice op and the fused head all call
+    it). Keyword-only extras for the fused lm_head
     (ops/linear_logprobs.py): the logits may be columns v_off .. v_off + V - 1 of a vocabulary
     of v_total (stats and entropy of the whole rows), and d logits may be of another dtype, or
     written into ``out``: a [rows, V] view with unit column stride, which may share memory with
@@ -295,8 +305,8 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
                          "out_dtype, out, exact) stay at their defaults")
     if logits.dtype == torch.float64:
         return reference.logprobs_entropy_backward(
-            grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, temperature_t, shift,
-            temperature_grad, v_off=v_off, v_total=v_total, out_dtype=out_dtype)
+            grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, opts, temperature_grad,
+            v_off=v_off, v_total=v_total, out_dtype=out_dtype)
     # the saved logits and index as they arrive here: saved-tensor hooks (an offloader) may hand
     # back another layout than the forward's. With ``plans`` this is the whole key.
     key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key(),
@@ -304,14 +314,13 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     if plans is None:
         plans = _BWD_PLANS
         in_place = out is not None and out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
-        key += (temperature, ignore_index, tensor_key(temperature_t), shift, v_off, v_total, out_dtype,
-                tensor_key(out), in_place, exact)
+        key += (opts, tensor_key(temperature_t), v_off, v_total, out_dtype, tensor_key(out), in_place, exact)
     else:
         in_place = False
     plan = plans.get(key)
     if plan is None:
-        p = _backward_plan(grad_logp, grad_entropy, logits, index, temperature, ignore_index, temperature_t, shift,
-                           v_off, v_total, out_dtype, out, in_place, exact, temperature_grad)
+        p = _backward_plan(grad_logp, grad_entropy, logits, index, temperature_t, opts, temperature_grad, v_off, v_total,
+                           out_dtype, out, in_place, exact)
         plan = plans.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_backward_kernel, p[5])))
     plan, go = plan
     dx_dtype, rows, k, copies, scalars, constexprs, grid, K = plan
@@ -325,7 +334,7 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     if grid == 0:
         return dx, reference.temperature_grad(xdx, temperature_t) if has_dt else xdx
     x_copy, idx_copy, glp_copy, gh_copy = copies
-    x = (logits[..., :-1, :] if shift else logits).contiguous() if x_copy else logits
+    x = (logits[..., :-1, :] if opts.shift else logits).contiguous() if x_copy else logits
     # the upstream gradients are read through their strides (the expanded ones of a .sum(), stride
     # 0, without a copy); a copy only where their shape does not reshape to [rows, K] as a view.
     # Pointers the launch does not touch are None, as in the forward.
@@ -336,43 +345,40 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     if constexprs["HAS_GH"]:
         gh = grad_entropy.reshape(rows) if gh_copy else grad_entropy
         ent = entropy.contiguous()
-    tail = dx[..., -1, :] if shift else None  # written with shift only (ZERO_TAIL)
+    tail = dx[..., -1, :] if opts.shift else None  # written with shift only (ZERO_TAIL)
     # the kernel reads the row statistics (and the entropy) as contiguous rows; a saved-tensor
     # hook may hand them back in another layout (contiguous() returns them as they are otherwise)
     go(grid, x, idx, glp, gh, stats.contiguous(), ent, dx, tail, temperature_t, xdx if has_dt else None, *scalars)
     return dx, reference.temperature_grad(xdx, temperature_t) if has_dt else xdx
 
 
-@torch.library.custom_op(f"{NAMESPACE}::_logprobs_entropy_slice_backward", mutates_args=())
-def slice_backward(grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None, logits: torch.Tensor,
-                   index: torch.Tensor | None, stats: torch.Tensor, entropy: torch.Tensor, temperature: float,
-                   ignore_index: int, shift: bool, v_off: int, v_total: int) -> torch.Tensor:
+@torch.library.custom_op(f"{NAMESPACE}::_logprobs_entropy_slice_backward", mutates_args=(), schema=(
+    f"(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor? index, Tensor stats, Tensor entropy, "
+    f"{_OPTS_SCHEMA}, *, SymInt v_off, SymInt v_total) -> Tensor"))
+def slice_backward(grad_logp, grad_entropy, logits, index, stats, entropy, *options, v_off, v_total):
     """d logits of a vocabulary slice: ``logits`` holds ids v_off .. of a vocabulary of v_total,
     ``stats`` and ``entropy`` are the whole rows', ``index`` the global ids (the vocabulary-parallel
     ops, torch_fused/parallel.py). One opaque op, so that torch.compile traces the
     vocabulary-parallel backward without entering the launch code."""
-    return reference.logprobs_entropy_backward(grad_logp, grad_entropy, logits, index, stats, entropy, temperature,
-                                               ignore_index, None, shift, v_off=v_off, v_total=v_total)[0]
+    return reference.logprobs_entropy_backward(grad_logp, grad_entropy, logits, index, stats, entropy, None,
+                                               Options(*options), v_off=v_off, v_total=v_total)[0]
 
 
-@slice_backward.register_fake
-def _(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index, shift, v_off, v_total):
-    return logits.new_empty(logits.shape)
+slice_backward.register_fake(meta.slice_backward_fake)
 
 
 if TRITON_DEVICES:
     @slice_backward.register_kernel(TRITON_DEVICES)
-    def _slice_backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
-                               shift, v_off, v_total):
-        return backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature, ignore_index,
-                               None, shift, v_off=v_off, v_total=v_total, want_dt=False)[0]
+    def _slice_backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, *options, v_off, v_total):
+        return backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, None, Options(*options),
+                               v_off=v_off, v_total=v_total, want_dt=False)[0]
 
     logprobs_entropy_forward.register_kernel(TRITON_DEVICES)(_forward_triton)
-    logprobs_entropy_backward.register_kernel(TRITON_DEVICES)(backward_triton)
+    logprobs_entropy_backward.register_kernel(TRITON_DEVICES)(_backward_triton)
     inline_under_compile(logprobs_entropy_forward, _forward_triton, vocab_arg=0)
     # with shift, d logits' rows and its zeroed last positions are written through two views of it
-    inline_under_compile(logprobs_entropy_backward, backward_triton, vocab_arg=2,
-                         keep_whole=lambda args, kwargs: bool(kwargs.get("shift", args[9] if len(args) > 9 else False)))
+    inline_under_compile(logprobs_entropy_backward, _backward_triton, vocab_arg=2,
+                         keep_whole=lambda args, kwargs: Options(*args[7:7 + _N_OPTS]).shift)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,46 +386,46 @@ if TRITON_DEVICES:
 # ---------------------------------------------------------------------------------------------
 def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[2])
-    _save(ctx, inputs, output[1], output[2])
+    logits, index, temperature_t, *options = inputs
+    _save(ctx, logits, index, temperature_t, Options(*options), output[1], output[2])
 
 
-def _save(ctx, inputs, ent, stats):
-    """What the autograd formula needs: the scalar arguments and the saved tensors."""
-    logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift = inputs
+def _save(ctx, logits, index, temperature_t, opts, ent, stats):
+    """What the autograd formula needs: the options and the saved tensors."""
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: skip its term
-    ctx.temperature = temperature
-    ctx.ignore_index = ignore_index
-    ctx.compute_entropy = compute_entropy
-    ctx.shift = shift
+    ctx.opts = opts
     # the entropy is an output the caller may modify in place: the backward keeps its own copy
     # (O(rows)), so the outputs behave as the plain formula's do
-    ctx.save_for_backward(logits, index, stats, ent.detach().clone() if compute_entropy else ent, temperature_t)
+    ctx.save_for_backward(logits, index, stats, ent.detach().clone() if opts.compute_entropy else ent, temperature_t)
 
 
 def _backward(ctx, g_logp, g_ent, _g_stats):
-    return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward)
+    return _gradients(ctx, g_logp, g_ent, _backward_op)
 
 
-def _gradients(ctx, g_logp, g_ent, backward_op, saved=None, **extra):
-    """The autograd formula of the core, with the backward op (or, on the eager fast path, its
-    implementation) given; ``saved``: ctx.saved_tensors where the caller has unpacked them;
-    ``extra``: keyword arguments for an implementation (backward_triton's want_dt, plans)."""
+def _backward_op(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, opts, temperature_grad):
+    return torch.ops.fused._logprobs_entropy_backward(grad_logp, grad_entropy, logits, index, stats, entropy,
+                                                      temperature_t, *opts.values(), temperature_grad=temperature_grad)
+
+
+def _gradients(ctx, g_logp, g_ent, backward, saved=None, **extra):
+    """The autograd formula of the core, with the backward (the registered op, or on the eager
+    fast path its implementation) given as a function of (grads, tensors, temperature_t, opts,
+    temperature_grad); ``saved``: ctx.saved_tensors where the caller has unpacked them;
+    ``extra``: keyword arguments for an implementation (backward_triton's want_dt, plans).
+    One gradient per input of the core op: (logits, index, temperature_t, *options)."""
     logits, index, stats, ent, temperature_t = ctx.saved_tensors if saved is None else saved
-    # arguments left at their defaults (temperature_t, shift) may not reach autograd: one
-    # gradient per argument that did
     needs = ctx.needs_input_grad
-    n_in = len(needs)
-    need_x = needs[0]
-    need_t = n_in > 5 and needs[5]
+    need_x, need_t = needs[0], len(needs) > 2 and needs[2]
 
     def grads(dx, dt):
-        return ((dx if need_x else None,) + (None,) * 4 + (dt if need_t else None, None))[:n_in]
+        return ((dx if need_x else None, None, dt if need_t else None) + (None,) * _N_OPTS)[:len(needs)]
 
     if not (need_x or need_t):
         return grads(None, None)
     if index is None:
         g_logp = None
-    if not ctx.compute_entropy:
+    if not ctx.opts.compute_entropy:
         g_ent = None
     if g_logp is None and g_ent is None:
         return grads(torch.zeros_like(logits) if need_x else None,
@@ -427,9 +433,7 @@ def _gradients(ctx, g_logp, g_ent, backward_op, saved=None, **extra):
     # a tensor temperature reaches the backward whether or not it requires grad: it is the T of
     # the d logits too (the float temperature is then only a placeholder); its gradient's row
     # partials are computed only where it requires grad
-    dx, dt = backward_op(
-        g_logp, g_ent, logits, index, stats, ent, ctx.temperature, ctx.ignore_index, temperature_t, ctx.shift,
-        bool(need_t), **extra)
+    dx, dt = backward(g_logp, g_ent, logits, index, stats, ent, temperature_t, ctx.opts, bool(need_t), **extra)
     return grads(dx, dt.to(temperature_t.dtype) if need_t else None)
 
 
@@ -446,17 +450,18 @@ logprobs_entropy_forward.register_autograd(_backward, setup_context=_setup_conte
 # the op: not while torch.compile traces, not under a dispatch or torch-function mode (fake
 # tensors, make_fx, FlopCounterMode, torch.device(...)), not inside a functorch transform,
 # torch.jit.trace or a forward-AD level, and only for plain tensors. Everything else, and every torch.ops.fused call,
-# goes through the registered op.
+# goes through the registered op. Both reach the kernels through the same host code
+# (_forward_run, backward_triton) with the same options.
 # ---------------------------------------------------------------------------------------------
 # the eager path's implementations: no empty tensor allocated for an output the node does not
 # return (the log-probs without an index, the entropy where it is not computed) or for d T of a
 # float temperature (the formula drops it)
-def _eager_forward(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
+def _eager_forward(logits, index, temperature_t, opts):
     """(logp, entropy, stats, backward plans or None): _forward_run without placeholders on a
     Triton device, else the default implementation (no backward plans)."""
     if on_triton(logits):
-        return _forward_run(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift, False)
-    return _forward_default(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift) + (None,)
+        return _forward_run(logits, index, temperature_t, opts, False)
+    return _forward_default(logits, index, temperature_t, opts) + (None,)
 
 
 def _eager_backward(logits):
@@ -479,19 +484,19 @@ def public_outputs(index, compute_entropy, output):
 class _EagerCore(torch.autograd.Function):
     """The core's implementation and autograd formula, returning only the public function's
     outputs (public_outputs): the stats, and the entropy where it is not returned, stay
-    intermediates of the node (fewer outputs for autograd to wrap and hand back per call)."""
+    intermediates of the node (fewer outputs for autograd to wrap and hand back per call). Its
+    inputs are the core op's, with the options as one object: (logits, index, temperature_t, opts)."""
 
     # forward with ctx (no separate setup_context): Function.apply then skips binding the
     # arguments by inspect.signature, which costs more than the rest of a small call
     @staticmethod
-    def forward(ctx, logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
-        inputs = (logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
-        output = _eager_forward(*inputs)
+    def forward(ctx, logits, index, temperature_t, opts):
+        output = _eager_forward(logits, index, temperature_t, opts)
         ctx.settings = settings_snapshot()
-        _save(ctx, inputs, output[1], output[2])
+        _save(ctx, logits, index, temperature_t, opts, output[1], output[2])
         ctx.has_index = index is not None
         ctx.plans = output[3]  # the backward's launch plans for this forward's key (None: none kept)
-        return public_outputs(index, compute_entropy, output)
+        return public_outputs(index, opts.compute_entropy, output)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -503,7 +508,7 @@ class _EagerCore(torch.autograd.Function):
         # the public outputs' gradients back in the core's places
         if not ctx.has_index:  # the entropy alone
             g_logp, g_ent = None, grads[0]
-        elif ctx.compute_entropy:
+        elif ctx.opts.compute_entropy:
             g_logp, g_ent = grads
         else:
             g_logp, g_ent = grads[0], None
@@ -516,33 +521,33 @@ class _EagerCore(torch.autograd.Function):
             # schema takes a tensor for the entropy the eager forward did not make.
             if saved[3] is None:
                 saved = saved[:3] + (saved[2].new_empty(0),) + saved[4:]
-            return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward, saved)
+            return _gradients(ctx, g_logp, g_ent, _backward_op, saved)
         if ctx.plans is not None:
             return _gradients(ctx, g_logp, g_ent, backward_triton, saved, want_dt=False, plans=ctx.plans)
         return _gradients(ctx, g_logp, g_ent, _eager_backward(saved[0]), saved)
 
 
-def _eager_implementation(logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
-    return public_outputs(index, compute_entropy, _eager_forward(
-        logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift))
+def _eager_implementation(logits, index, temperature_t, opts):
+    return public_outputs(index, opts.compute_entropy, _eager_forward(logits, index, temperature_t, opts))
 
 
-def eager_core(name, logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift):
+def eager_core(name, logits, index, temperature_t, opts):
     """The public function's result (public_outputs) by the eager fast path; ``name``: the public
     op's, for the profiler's record. Where no gradient can flow (no_grad, or no input requires
     grad) the implementation runs without the autograd.Function (and without the entropy copy it
     saves)."""
     return call_eager(name, (logits, temperature_t), _EagerCore.apply, _eager_implementation,
-                      logits, index, temperature, ignore_index, compute_entropy, temperature_t, shift)
+                      logits, index, temperature_t, opts)
 
 
 # ---------------------------------------------------------------------------------------------
 # Public ops (composite over the core). Inputs are checked once, by the core op's
 # implementations and its fake: the same message in eager and compiled calls. A tensor
 # temperature (``temperature_tensor``, 0-dim, read on the device and differentiated) replaces the
-# float one when given.
+# float one when given. Their keyword-only arguments are the options' public fields
+# (LogprobOptions.public_schema_tail), then the tensor temperature.
 # ---------------------------------------------------------------------------------------------
-_TAIL = "*, bool shift=False, Tensor? temperature_tensor=None"
+_TAIL = Options.public_schema_tail()
 LIB.define(
     "selective_log_softmax(Tensor logits, Tensor index, float temperature=1.0, int ignore_index=-100, "
     f"{_TAIL}) -> Tensor"
@@ -555,24 +560,25 @@ LIB.define(
 _core = torch.ops.fused._logprobs_entropy_forward
 
 
-def _selective_log_softmax(logits, index, temperature=1.0, ignore_index=-100, *, shift=False,
-                           temperature_tensor=None):
-    no_forward_mode("selective_log_softmax", logits, temperature_tensor)
-    out = _core(logits, index, temperature, ignore_index, False, temperature_tensor, shift)
-    return public_outputs(index, False, out)
+def _composite(name, index, compute_entropy):
+    """The public op ``name``'s composite implementation: its options from its arguments, the
+    core op on them, the public outputs."""
+    positional = ("index", "temperature", "ignore_index") if index else ("temperature",)
+
+    def implementation(logits, *args, temperature_tensor=None, **keywords):
+        given = dict(zip(positional, args))
+        for k in positional:
+            if k in keywords:
+                given[k] = keywords.pop(k)
+        opts = Options(temperature=given.get("temperature", 1.0), ignore_index=given.get("ignore_index", -100),
+                       compute_entropy=compute_entropy, **keywords)
+        idx = given.get("index")
+        no_forward_mode(name, logits, temperature_tensor)
+        return public_outputs(idx, compute_entropy, _core(logits, idx, temperature_tensor, *opts.values()))
+
+    LIB.impl(name, implementation, "CompositeImplicitAutograd")
 
 
-def _entropy_from_logits(logits, temperature=1.0, *, shift=False, temperature_tensor=None):
-    no_forward_mode("entropy_from_logits", logits, temperature_tensor)
-    return public_outputs(None, True, _core(logits, None, temperature, -100, True, temperature_tensor, shift))
-
-
-def _logprobs_and_entropy(logits, index, temperature=1.0, ignore_index=-100, *, shift=False,
-                          temperature_tensor=None):
-    no_forward_mode("logprobs_and_entropy", logits, temperature_tensor)
-    return public_outputs(index, True, _core(logits, index, temperature, ignore_index, True, temperature_tensor, shift))
-
-
-LIB.impl("selective_log_softmax", _selective_log_softmax, "CompositeImplicitAutograd")
-LIB.impl("entropy_from_logits", _entropy_from_logits, "CompositeImplicitAutograd")
-LIB.impl("logprobs_and_entropy", _logprobs_and_entropy, "CompositeImplicitAutograd")
+_composite("selective_log_softmax", index=True, compute_entropy=False)
+_composite("entropy_from_logits", index=False, compute_entropy=True)
+_composite("logprobs_and_entropy", index=True, compute_entropy=True)
