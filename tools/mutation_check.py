@@ -296,19 +296,20 @@ MUTANTS: list[Mutant] = [
         MASK_TESTS,
     ),
     # 13. the masked helpers reading the strides of a tensor the compiled graph made: a float mask
-    # read through its stored elements (as_strided on a broadcast view), and the weight sums
-    # taken the same way outside an op (Inductor lays such intermediates out as it likes)
+    # cast to float64 through its stored elements (as_strided on a broadcast view, then a new
+    # tensor broadcast again), and the weight sums taken the same way outside an op (Inductor
+    # lays such intermediates out as it likes)
     Mutant(
         "masked-helpers-intermediate-strides", "13 masked helpers reading a graph intermediate's strides",
         "torch_fused/masked.py", CPU,
         [("    check_mask_reduce(loss, 1, mask, None, None, x_name=\"loss\")\n",
           "    check_mask_reduce(loss, 1, mask, None, None, x_name=\"loss\")\n"
           "    if mask.dtype.is_floating_point:  # MUTANT: strides of a traced view\n"
-          "        mask = torch.broadcast_to(stored_view(mask, loss.shape), loss.shape)\n"),
+          "        mask = torch.broadcast_to(stored_view(mask, loss.shape).double(), loss.shape)\n"),
          ("    check_mask_reduce(values, d, mask, None, None, x_name=\"values\")\n",
           "    check_mask_reduce(values, d, mask, None, None, x_name=\"values\")\n"
           "    if mask.dtype.is_floating_point:  # MUTANT: strides of a traced view\n"
-          "        mask = torch.broadcast_to(stored_view(mask, values.shape), values.shape)\n"),
+          "        mask = torch.broadcast_to(stored_view(mask, values.shape).double(), values.shape)\n"),
          ("    return torch.ops.fused._mask_weight(mask, list(shape), dim, dtype)\n",
           "    from .reference import mask_weight  # MUTANT: outside an op\n"
           "    return mask_weight(mask, shape, dim, dtype)\n")],
