@@ -1,5 +1,6 @@
-"""The helpers of torch_fused.masked: the cost model, masked_mean and aggregate_loss (bool,
-integer and float masks; errors that name the caller's arguments, eager and compiled)."""
+"""The helpers of torch_fused.masked: the cost model, masked_mean and aggregate_loss (bool and
+integer masks keep at weight 1, float masks weigh, as the plain float64 formula
+(x * w).sum(dim) / w.sum(dim); errors that name the caller's arguments, eager and compiled)."""
 
 from __future__ import annotations
 
@@ -310,9 +311,10 @@ def test_errors_name_the_callers_arguments(fn, args, msg, mode):
 
 # ---------------------------------------------------------------------------------------------
 # The helpers under torch.compile(fullgraph=True) with Inductor (the backend users run), against
-# float64 formulas: mask dtypes, broadcast shapes, views made inside and outside the graph, size-0
-# dims, every aggregation mode and masked_mean over every dim. A compiled graph lays out the
-# tensors it makes as it likes; the helpers must never depend on their strides.
+# the float64 plain formula: mask dtypes, float weights (negative ones too), broadcast shapes,
+# views made inside and outside the graph, size-0 dims, every aggregation mode and masked_mean
+# over every dim. A compiled graph lays out the tensors it makes as it likes; the helpers must
+# never depend on their strides.
 # ---------------------------------------------------------------------------------------------
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
