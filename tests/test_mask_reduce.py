@@ -78,7 +78,7 @@ def test_mask_reduce_matches_float64_reference(device, c):
     if c["mask"]:
         mk = {"bool": lambda s: torch.rand(s, generator=gen) < 0.6,
               "int": lambda s: torch.randint(0, 3, s, generator=gen, dtype=torch.int32),
-              # a float mask selects (nonzero and NaN keep), never weights
+              # mask_reduce's float mask selects (nonzero and NaN keep); weights go in scale
               "float": lambda s: torch.tensor([0.0, 0.5, -1.0, float("nan")])[
                   torch.randint(0, 4, s, generator=gen)]}[c["mask"]]
         mask, mfull = _operand(shape, *c["mpat"], mk, device)

@@ -340,6 +340,7 @@ def masked_helpers_on_replicated_outputs(ctx):
     idx = torch.randint(0, 29, (3, 6), generator=g)
     mask = torch.rand(3, 6, generator=g) > 0.3
     adv = torch.randn(3, 1, generator=g, dtype=torch.float64)
+    weights = mask * torch.tensor([0.5, 2.0, 1.0, 0.25, 1.0, 3.0], dtype=torch.float64)  # a float mask weighs
     x = distribute_tensor(full, ctx.mesh, [Shard(-1)]).requires_grad_(True)
     ref_x = full.clone().requires_grad_(True)
     outs = []
@@ -347,8 +348,8 @@ def masked_helpers_on_replicated_outputs(ctx):
         lp, ent = torch_fused.logprobs_and_entropy(logits, idx)
         a = distribute_tensor(adv, ctx.mesh, [Replicate()]) if logits is x else adv  # DTensor math wants DTensors
         per_token = -a * lp - 0.01 * ent
-        loss = torch_fused.aggregate_loss(per_token, mask.float(), "seq-mean-token-mean")
-        mean_ent = torch_fused.masked_mean(ent, mask, 1)
+        loss = torch_fused.aggregate_loss(per_token, weights, "seq-mean-token-mean")
+        mean_ent = torch_fused.masked_mean(ent, weights, 1)
         sums = torch_fused.mask_reduce(per_token, 1, mask)
         loss.backward()
         outs.append((loss, mean_ent, sums, logits.grad))

@@ -296,22 +296,23 @@ MUTANTS: list[Mutant] = [
         MASK_TESTS,
     ),
     # 13. the masked helpers reading the strides of a tensor the compiled graph made: a float mask
-    # turned into mask != 0 through its stored elements (as_strided on a broadcast view), and the
-    # counts taken the same way outside an op (Inductor lays such intermediates out as it likes)
+    # cast to float64 through its stored elements (as_strided on a broadcast view, then a new
+    # tensor broadcast again), and the weight sums taken the same way outside an op (Inductor
+    # lays such intermediates out as it likes)
     Mutant(
         "masked-helpers-intermediate-strides", "13 masked helpers reading a graph intermediate's strides",
         "torch_fused/masked.py", CPU,
         [("    check_mask_reduce(loss, 1, mask, None, None, x_name=\"loss\")\n",
           "    check_mask_reduce(loss, 1, mask, None, None, x_name=\"loss\")\n"
           "    if mask.dtype.is_floating_point:  # MUTANT: strides of a traced view\n"
-          "        mask = torch.broadcast_to(stored_view(mask, loss.shape) != 0, loss.shape)\n"),
+          "        mask = torch.broadcast_to(stored_view(mask, loss.shape).double(), loss.shape)\n"),
          ("    check_mask_reduce(values, d, mask, None, None, x_name=\"values\")\n",
           "    check_mask_reduce(values, d, mask, None, None, x_name=\"values\")\n"
           "    if mask.dtype.is_floating_point:  # MUTANT: strides of a traced view\n"
-          "        mask = torch.broadcast_to(stored_view(mask, values.shape) != 0, values.shape)\n"),
-         ("    return torch.ops.fused._mask_count(mask, list(shape), dim)\n",
-          "    from .reference import mask_count  # MUTANT: outside an op\n"
-          "    return mask_count(mask, shape, dim)\n")],
+          "        mask = torch.broadcast_to(stored_view(mask, values.shape).double(), values.shape)\n"),
+         ("    return torch.ops.fused._mask_weight(mask, list(shape), dim, dtype)\n",
+          "    from .reference import mask_weight  # MUTANT: outside an op\n"
+          "    return mask_weight(mask, shape, dim, dtype)\n")],
         ["tests/test_masked.py"],
     ),
     # 14. SinkGD's row pass squaring the gradient unscaled: rows whose squares overflow fp32 get
@@ -510,10 +511,11 @@ MUTANTS: list[Mutant] = [
         [("            if plain and not _all_valid(*zip(*plain)):", "            if False:  # MUTANT")],
         SINKGD_TESTS,
     ),
-    # 37: the mask count without an autograd formula (a mask that requires grad fails backward)
+    # 37: the mask weight sum without an autograd formula (a mask that requires grad fails backward)
     Mutant(
-        "mask-count-no-autograd", "37 mask count without an autograd formula", "torch_fused/ops/mask_reduce.py", CPU,
-        [("mask_count.register_autograd(lambda ctx, grad: (None, None, None), setup_context=_mask_count_setup)\n",
+        "mask-count-no-autograd", "37 mask weight sum without an autograd formula", "torch_fused/ops/mask_reduce.py",
+        CPU,
+        [("mask_weight.register_autograd(lambda ctx, grad: (None, None, None, None), setup_context=_mask_weight_setup)\n",
           "pass  # MUTANT\n")],
         MASK_TESTS,
     ),
@@ -583,6 +585,22 @@ MUTANTS: list[Mutant] = [
         "torch_fused/ops/linear_logprobs.py", CPU,
         [("    if glp is not None:\n        # an id outside the vocabulary", "    if glp is not None and path.triton:  # MUTANT\n        # an id outside the vocabulary")],
         ["tests/test_vocab_parallel.py"],
+    ),
+    # 47, 48: the masked helpers' float weights: the sums of loss * w taken without the weights
+    # (a floating mask passed to mask_reduce as a mask only, which keeps its entries at weight 1),
+    # and a zero weight sum guarded by clamping the denominator to 1 (wrong for weights that sum
+    # below 1, or to a negative number)
+    Mutant(
+        "float-mask-unweighted-sums", "47 the helpers' sums without a float mask's weights", "torch_fused/masked.py",
+        CPU,
+        [("    return mask if mask.dtype.is_floating_point else None\n", "    return None  # MUTANT\n")],
+        ["tests/test_masked.py"],
+    ),
+    Mutant(
+        "weight-sum-clamped", "48 the helpers' weight sums clamped to 1", "torch_fused/masked.py", CPU,
+        [("    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num))\n",
+          "    return num / den.clamp_min(1)  # MUTANT\n")],
+        ["tests/test_masked.py"],
     ),
 ]
 

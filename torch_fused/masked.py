@@ -45,9 +45,13 @@ def mask_reduce(x, dim, mask=None, scale=None, *, out_dtype=None):
     Args:
         x: 1 to 4 dims; float16, bfloat16, float32 or float64.
         dim: the dim to reduce.
-        mask: bool or integer, broadcastable to ``x`` (any strides, stride 0 included: an
-            ``expand``ed view is read from its stored elements only). ``None`` keeps everything.
-        scale: floating, broadcastable to ``x``, same rules. ``None`` means 1.
+        mask: bool, integer or floating, broadcastable to ``x`` (any strides, stride 0
+            included: an ``expand``ed view is read from its stored elements only). An element
+            is kept where ``mask != 0``, whatever the value: the mask selects, a floating mask's
+            0.5 (or NaN) keeps its element at weight 1. ``None`` keeps everything.
+        scale: floating, broadcastable to ``x``, same rules. ``None`` means 1. Weights go here
+            (``mask_reduce(x, d, w, scale=w)`` is the weighted sum of ``x * w`` that
+            ``masked_mean`` and ``aggregate_loss`` take for a floating mask ``w``).
         out_dtype: dtype of the result; default ``x.dtype``. Accumulation is float32 (float64
             for float64 x) whatever the output dtype.
 
@@ -113,27 +117,44 @@ def mask_reduce_cost(x: torch.Tensor, dim: int, mask: torch.Tensor | None = None
     )
 
 
-def _count(mask: torch.Tensor, shape, dim: int) -> torch.Tensor:
-    """Number of mask != 0 entries along dim, shaped like the reduction; float32. One op
-    (fused::_mask_count) that reads the stored elements only: the helpers never read the strides
-    of a tensor themselves, since under torch.compile a mask may be an intermediate whose layout
-    the compiler chooses."""
-    return torch.ops.fused._mask_count(mask, list(shape), dim)
+def _weights(mask: torch.Tensor, shape, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Sum along dim of the mask's weights (a floating mask's values; 1 where a bool or integer
+    mask != 0), shaped like the reduction, in dtype. One op (fused::_mask_weight) that reads the
+    stored elements only: the helpers never read the strides of a tensor themselves, since under
+    torch.compile a mask may be an intermediate whose layout the compiler chooses."""
+    return torch.ops.fused._mask_weight(mask, list(shape), dim, dtype)
+
+
+def _scale(mask: torch.Tensor) -> torch.Tensor | None:
+    """mask_reduce's scale for a helper's mask: a floating mask weighs its elements (it is passed
+    as mask and as scale, both read from their stored elements); a bool or integer one keeps its
+    elements at weight 1."""
+    return mask if mask.dtype.is_floating_point else None
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den, 0 where den == 0: no NaN or inf there, and no NaN in num's gradient."""
+    nonzero = den != 0
+    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``values`` where ``mask != 0``, over ``dim`` (all elements when None).
+    """Weighted mean of ``values`` under ``mask``, over ``dim`` (all elements when None):
+    ``(values * w).sum(dim) / w.sum(dim)``, and 0 where ``w.sum(dim) == 0``.
 
     Args:
         values: 0 to 4 dims (1 to 4 with ``dim``); float16, bfloat16, float32 or float64.
         mask: bool, integer or floating, broadcastable to ``values`` (stride-0 views are read
-            from their stored elements). An element is kept where ``mask != 0``, whatever the
-            value: ``mask.float()`` of a bool mask works, and a non-binary float such as 0.5 (or
-            -1, or NaN) keeps its element with weight 1. The mask selects; it never weights.
+            from their stored elements, never materialized). Its weights ``w``: a floating
+            mask's values (0.5 counts half, 2.0 twice, a negative weight subtracts, a NaN weight
+            gives NaN, as the plain formula would); 1 where a bool or integer mask is nonzero,
+            else 0 (an integer 3 keeps its element at weight 1).
         dim: the dim to average over, or None for all elements.
 
-    float32 result (float64 for float64 values). Where the mask keeps nothing the mean is 0,
-    never NaN (TRL's masked_mean would give NaN there).
+    float32 result (float64 for float64 values). Where the weights sum to 0 (nothing kept, or
+    weights that cancel) the mean is 0, never NaN or inf (TRL's masked_mean would give NaN
+    there). Elements of weight 0 are never read: a NaN or inf value there does not reach the
+    result. Gradient flows to ``values`` only; the mask gets none, whatever its dtype.
 
     ``Replicate()`` DTensors (the vocab-parallel functions' outputs) are accepted for ``values``
     and ``mask``; the result is then a ``Replicate()`` DTensor (the same for ``aggregate_loss``
@@ -148,29 +169,32 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     d = values.dim() - 1 if dim is None else dim
     check_mask_reduce(values, d, mask, None, None, x_name="values")
     shape = tuple(values.shape)
-    total = mask_reduce(values, d, mask, out_dtype=out_dtype)
-    count = _count(mask, shape, d)
+    total = mask_reduce(values, d, mask, _scale(mask), out_dtype=out_dtype)
+    weight = _weights(mask, shape, d, out_dtype)
     if dim is None:
-        return total.sum() / count.sum().clamp_min(1)
-    return total / count.to(out_dtype).clamp_min(1)
+        total, weight = total.sum(), weight.sum()
+    return _ratio(total, weight)
 
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
     """Reduce a per-token loss ``[B, L]`` under a ``[B, L]`` (or broadcastable) mask to a scalar.
 
-    ``mask`` is bool, integer or floating; a token is kept where ``mask != 0``, whatever the value
-    (``mask.float()`` works, and a non-binary float such as 0.5 keeps its token with weight 1:
-    the mask selects, it never weights).
+    ``mask`` is bool, integer or floating, with the weights of :func:`masked_mean`: a floating
+    mask's values (``mask.float()`` of a bool mask gives the bool mask's results; 0.5 weighs
+    its token half), 1 where a bool or integer mask is nonzero.
 
-    With S_b = sum of loss over the kept tokens of row b, N_b = their count, B rows,
-    L = loss.shape[-1]:
-        token-mean:               sum_b S_b / max(sum_b N_b, 1)
-        seq-mean-token-mean:      sum over rows with N_b > 0 of S_b / N_b, divided by
-                                  max(#rows with N_b > 0, 1)  (empty rows are left out)
+    With w the weights, S_b = sum_t loss[b, t] * w[b, t] and W_b = sum_t w[b, t] (row b),
+    B rows, L = loss.shape[-1], and x / 0 read as 0:
+        token-mean:               sum_b S_b / sum_b W_b, the plain ``(loss * mask).sum() /
+                                  mask.sum()`` of TRL and veRL (up to how they guard a 0 sum)
+        seq-mean-token-mean:      the mean of S_b / W_b over the rows with W_b != 0 (rows whose
+                                  weights sum to 0 are left out; none left gives 0)
         seq-mean-token-sum:       sum_b S_b / B
         seq-mean-token-sum-norm:  sum_b S_b / L  (Dr. GRPO / veRL: a constant normalizer)
-    No mode gives NaN for rows whose mask is all zero. Errors name ``loss``, ``mask`` and
-    ``mode`` (RuntimeError; ValueError for an unknown mode), eagerly and under torch.compile.
+    No mode gives NaN or inf where the weights sum to 0 (an all-zero mask row, or weights that
+    cancel); a NaN weight gives NaN, as the plain formula would. Tokens of weight 0 are never
+    read. Gradient flows to ``loss`` only. Errors name ``loss``, ``mask`` and ``mode``
+    (RuntimeError; ValueError for an unknown mode), eagerly and under torch.compile.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"mode: expected one of {AGG_MODES}, got {mode!r}")
@@ -181,14 +205,13 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-me
     check_mask_reduce(loss, 1, mask, None, None, x_name="loss")
     out_dtype = acc_dtype(loss.dtype)
     shape = tuple(loss.shape)
-    s = mask_reduce(loss, 1, mask, out_dtype=out_dtype)  # [B]
+    s = mask_reduce(loss, 1, mask, _scale(mask), out_dtype=out_dtype)  # S_b, [B]
     if mode == "seq-mean-token-sum":
         return s.sum() / max(shape[0], 1)
     if mode == "seq-mean-token-sum-norm":
         return s.sum() / max(shape[1], 1)
-    n = _count(mask, shape, 1).to(out_dtype)
+    w = _weights(mask, shape, 1, out_dtype)  # W_b, [B]
     if mode == "token-mean":
-        return s.sum() / n.sum().clamp_min(1)
-    nonempty = n > 0
-    per_row = torch.where(nonempty, s / n.clamp_min(1), torch.zeros_like(s))
-    return per_row.sum() / nonempty.sum().clamp_min(1)
+        return _ratio(s.sum(), w.sum())
+    rows = (w != 0).sum().to(out_dtype)
+    return _ratio(_ratio(s, w).sum(), rows)

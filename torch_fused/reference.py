@@ -264,16 +264,18 @@ def stored_view(t: torch.Tensor | None, shape) -> torch.Tensor | None:
     return None if t is None else compact(torch.broadcast_to(t, shape))
 
 
-def mask_count(mask: torch.Tensor, shape, dim: int) -> torch.Tensor:
-    """Number of ``mask != 0`` entries along ``dim`` of ``mask`` broadcast to ``shape``, shaped
-    like the reduction (``shape`` without ``dim``); float32, counted on the stored elements."""
+def mask_weight(mask: torch.Tensor, shape, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Sum along ``dim`` of the weights of ``mask`` broadcast to ``shape``, shaped like the
+    reduction (``shape`` without ``dim``), in ``dtype``, summed on the stored elements. A floating
+    mask's weights are its values (a NaN weight gives a NaN sum); a bool or integer mask's are 1
+    where ``mask != 0``, else 0 (the sum is the kept count)."""
     m = stored_view(mask, shape)
     d = dim % len(shape)
-    c = (m != 0).sum(d, dtype=torch.float32)
-    if m.shape[d] == 1:
-        c = c * shape[d]
+    w = m.sum(d, dtype=dtype) if m.dtype.is_floating_point else (m != 0).sum(d, dtype=dtype)
+    if m.shape[d] == 1:  # one stored weight stands for the whole (broadcast) dim
+        w = w * shape[d]
     out_shape = tuple(shape[:d]) + tuple(shape[d + 1:])
-    return torch.broadcast_to(c, out_shape).contiguous()
+    return torch.broadcast_to(w, out_shape).contiguous()
 
 
 def mask_reduce_forward(x, dim, mask=None, scale=None, out_dtype=None):

@@ -11,8 +11,9 @@ import torch
 
 from .._library import FLOAT_DTYPES
 
-# One rule for fused::mask_reduce and the helpers over it: an element is kept where mask != 0,
-# whatever the mask's dtype (a float mask selects, it never weights; NaN keeps its element).
+# fused::mask_reduce keeps an element where mask != 0, whatever the mask's dtype (its mask
+# selects: 0.5 and NaN keep their element at weight 1; weights go in ``scale``). The helpers of
+# torch_fused.masked pass a floating mask as the scale too, so that there it weighs.
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + FLOAT_DTYPES
 
 
@@ -84,6 +85,6 @@ def mask_reduce_backward_fake(grad, x, dim, mask=None, scale=None):
     return x.new_empty(x.shape)
 
 
-def mask_count_fake(mask, shape, dim):
+def mask_weight_fake(mask, shape, dim, dtype):
     d = dim % len(shape)
-    return mask.new_empty(tuple(shape[:d]) + tuple(shape[d + 1:]), dtype=torch.float32)
+    return mask.new_empty(tuple(shape[:d]) + tuple(shape[d + 1:]), dtype=dtype)

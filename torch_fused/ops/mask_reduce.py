@@ -45,23 +45,24 @@ def mask_reduce_backward(
     return reference.mask_reduce_backward(grad, x, dim, mask, scale)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::_mask_count", mutates_args=())
-def mask_count(mask: torch.Tensor, shape: List[int], dim: int) -> torch.Tensor:
-    """float32 count of ``mask != 0`` along ``dim`` of ``mask`` broadcast to ``shape`` (the
-    masked helpers' denominators), counted on the mask's stored elements. An op, so that the
-    strides it reads are always those of a real tensor, never of a compiled graph's intermediate;
-    one plain-PyTorch implementation serves every device (its work is the stored mask's size)."""
-    return reference.mask_count(mask, shape, dim)
+@torch.library.custom_op(f"{NAMESPACE}::_mask_weight", mutates_args=())
+def mask_weight(mask: torch.Tensor, shape: List[int], dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Sum along ``dim`` of the weights of ``mask`` broadcast to ``shape`` (the masked helpers'
+    denominators), in ``dtype``: a floating mask's values, 1 where a bool or integer mask is
+    nonzero. Summed on the mask's stored elements. An op, so that the strides it reads are always
+    those of a real tensor, never of a compiled graph's intermediate; one plain-PyTorch
+    implementation serves every device (its work is the stored mask's size)."""
+    return reference.mask_weight(mask, shape, dim, dtype)
 
 
-mask_count.register_fake(meta.mask_count_fake)
+mask_weight.register_fake(meta.mask_weight_fake)
 
 
-def _mask_count_setup(ctx, inputs, output):
-    ctx.mark_non_differentiable(output)  # a count: no gradient reaches a floating mask through it
+def _mask_weight_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(output)  # the helpers differentiate the values: no gradient reaches a mask
 
 
-mask_count.register_autograd(lambda ctx, grad: (None, None, None), setup_context=_mask_count_setup)
+mask_weight.register_autograd(lambda ctx, grad: (None, None, None, None), setup_context=_mask_weight_setup)
 mask_reduce.register_fake(meta.mask_reduce_fake)
 mask_reduce_backward.register_fake(meta.mask_reduce_backward_fake)
 
