@@ -302,16 +302,17 @@ def merge_partials(parts: torch.Tensor, index2: torch.Tensor | None, ignore_inde
     ln2 = traced_constants()[1]
     m_r, l2s_r = parts[..., 0], parts[..., 1]
     empty = l2s_r == ninf  # s_r = 0: no columns, or only -inf logits (a NaN stays NaN)
-    big = m_r.masked_fill(empty, ninf).amax(0)
-    big = big.masked_fill(big == ninf, 0.0)  # a row of only -inf (the kernels' max 0)
-    a = l2s_r + lp_ops.shift_difference(m_r, big, c, exact)  # [W, n], -inf for empty slices
-    l2s = torch.exp2(a).sum(0).log2()  # fixed order: rank 0 .. W-1
-    rel = a - l2s  # log2 w_r
+    # each rank's (m, s, t) from its (m, log2 s, H): t = s (log2 s - H / ln 2); merged in rank order
+    s_r = torch.exp2(l2s_r)
+    t_r = s_r * (l2s_r - parts[..., 2] * (1.0 / ln2)) if has_ent else torch.zeros_like(s_r)
+    t_r = t_r.masked_fill(empty, 0.0)
+    big, s, t, _, da = lp_ops.merge_row_stats(m_r, s_r, t_r, c, exact, 0)
+    l2s = s.log2()
+    rel = l2s_r + da - l2s  # [W, n]: log2 of rank r's share of the row's probability (-inf if empty)
     stats = torch.stack([big, l2s], 1)
     ent = None
     if has_ent:
-        ent = (torch.exp2(rel) * (parts[..., 2] - rel * ln2)).masked_fill_(empty, 0.0).sum(0)
-        ent = ent.masked_fill_(l2s == ninf, float("nan"))
+        ent = ((l2s - t / s) * ln2).masked_fill_(l2s == ninf, float("nan"))
     logp = None
     if index2 is not None:
         lp_r = parts[..., 2 + int(has_ent):]  # [W, n, K]

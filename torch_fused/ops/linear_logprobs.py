@@ -174,15 +174,10 @@ def _merge_reference(z, idx2, v0, first, run, u, m_own, t_eff, c):
     if first:
         run[:, 0], run[:, 1], run[:, 2] = m_c, s_c, t_c
         return
-    m, s_run, t_run = run.unbind(1)
-    # a side with s == 0 (only -inf logits so far) holds the placeholder max 0: it must not set
-    # the max, and its factor is 0 (no 0 * inf)
-    m_new = torch.where(s_c == 0, m, torch.where(s_run == 0, m_c, torch.maximum(m, m_c)))
-    da, db = lp_ops.shift_difference(m, m_new, c, True), lp_ops.shift_difference(m_c, m_new, c, True)
-    ea = torch.where(s_run == 0, torch.zeros_like(da), torch.exp2(da))
-    eb = torch.where(s_c == 0, torch.zeros_like(db), torch.exp2(db))
-    t_new = ea * (t_run + da * s_run) + eb * (t_c + db * s_c)
-    s_new = s_run * ea + s_c * eb
+    # the running statistics and the chunk's as two parts of the row (a side with s == 0, only
+    # -inf logits so far, holds the placeholder max 0: it neither sets the max nor weighs)
+    parts = torch.stack([run, torch.stack([m_c, s_c, t_c], 1)], 2)  # [N, 3, 2]
+    m_new, s_new, t_new, _, _ = lp_ops.merge_row_stats(parts[:, 0], parts[:, 1], parts[:, 2], c, True, 1)
     run[:, 0], run[:, 1], run[:, 2] = m_new, s_new, t_new
 
 
@@ -291,15 +286,9 @@ def _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c):
                 h2[r0:r1], w, b_ptr, ids[r0:r1], part, u[r0:r1], m_own[r0:r1],
                 r1 - r0, v, hd, k, h2.stride(0), w.stride(0), nt, 0, c,
                 HAS_BIAS=bias is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k, **cfg)
-        m_t, s_t, t_t = part.unbind(0)
-        live = s_t > 0
-        m = torch.where(live, m_t, float("-inf")).amax(1)
-        m = torch.where(live.any(1), m, torch.zeros_like(m))  # the placeholder 0 of an all -inf row
-        da = lp_ops.shift_difference(m_t, m[:, None], c, lp_ops.shift_is_exact(True, m_t.dtype, c))
-        e = torch.where(live, torch.exp2(da), torch.zeros_like(da))
-        run[r0:r1, 0] = m
-        run[r0:r1, 1] = (s_t * e).sum(1)
-        run[r0:r1, 2] = (e * (t_t + da * s_t)).sum(1)
+        m_t, s_t, t_t = part.unbind(0)  # per row and vocabulary tile
+        m, s_row, t_row, _, _ = lp_ops.merge_row_stats(m_t, s_t, t_t, c, lp_ops.shift_is_exact(True, m_t.dtype, c), 1)
+        run[r0:r1, 0], run[r0:r1, 1], run[r0:r1, 2] = m, s_row, t_row
 
 
 def _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total):

@@ -189,6 +189,23 @@ def shift_difference(a, b, c: float, exact: bool):
     return torch.ops.fused._merge_shift(a, b, c)
 
 
+def merge_row_stats(m, s, t, c: float, exact: bool, dim: int):
+    """The whole rows' statistics from those of vocabulary parts, merged along ``dim`` in index
+    order: part r holds (m_r its max, s_r = sum 2^d, t_r = sum 2^d d, with d = (x - m_r) c). Returns
+    (m, s, t, e, da) with dim removed from the first three: m the max over live parts (s_r > 0;
+    a row with none keeps the placeholder max 0, as the kernels), s = sum e_r s_r and
+    t = sum e_r (t_r + da_r s_r), where da_r = (m_r - m) c (shift_difference) and e_r = 2^da_r
+    (0 for an empty part: no 0 * inf). The one torch form of the merge the kernels make
+    (kernels/logprobs.py _forward_combine): the fused head's chunk and tile merges and the
+    vocabulary-parallel merge of the ranks' partials use it."""
+    live = s > 0
+    big = torch.where(live, m, float("-inf")).amax(dim, keepdim=True)
+    big = torch.where(live.any(dim, keepdim=True), big, torch.zeros_like(big))
+    da = shift_difference(m, big, c, exact)
+    e = torch.where(live, torch.exp2(da), torch.zeros_like(da))
+    return big.squeeze(dim), (s * e).sum(dim), (e * (t + da * s)).sum(dim), e, da
+
+
 @torch.library.custom_op(f"{NAMESPACE}::_merge_shift", mutates_args=())
 def _merge_shift(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
     """round(a c) - round(b c) in fp32 (float32 a and b, broadcast; c rounded to fp32), each
