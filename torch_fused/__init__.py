@@ -35,7 +35,7 @@ if (_message := _torch_version_warning(torch.__version__)) is not None:
 from . import ops as _ops  # noqa: E402,F401  (registers the fused:: ops)
 from ._library import eager_eligible as _eager_eligible, is_dtensor as _is_dtensor  # noqa: E402
 from .ops.logprobs import eager_core as _eager_core  # noqa: E402
-from .meta.logprobs import LogprobOptions as _LogprobOptions  # noqa: E402
+from .meta.logprobs import LogprobOptions as _LogprobOptions, check_sampler as _check_sampler  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -82,6 +82,17 @@ def _shift(value) -> bool:
     return value
 
 
+def _sampler(top_k, top_p, min_p, logits) -> dict:
+    """The sampler options given (checked), as keywords of the public ops; {} for none."""
+    given = {k: v for k, v in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)) if v is not None}
+    if given:
+        _check_sampler(_LogprobOptions(**given))
+        if _is_dtensor(logits):
+            raise NotImplementedError(f"{', '.join(given)}: the sampler's support is not supported on DTensor "
+                                      "(vocabulary-parallel) logits; call with the full logits")
+    return given
+
+
 def _temperature_args(temperature, logits) -> tuple[float, torch.Tensor | None]:
     """(float temperature, temperature tensor or None) for the ops' schemas: a Python number is a
     constant of the op; a 1-element tensor is passed as ``temperature_tensor`` (differentiable).
@@ -103,6 +114,9 @@ def selective_log_softmax(
     ignore_index: int = -100,
     shift: bool = False,
     mesh_dim: int | str | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
     """``log_softmax(logits / temperature, -1)`` gathered at ``index``, never materialized.
 
@@ -123,6 +137,17 @@ def selective_log_softmax(
             slice node and no second logits-sized buffer in the autograd graph).
         mesh_dim: for DTensor logits sharded on the vocabulary (vocab-parallel), the mesh dim that
             shards it; None: the only dim of a 1-D mesh.
+        top_k, top_p, min_p: the log-prob under the distribution the sampler drew from (vLLM's
+            "processed logprobs"): temperature, then min-p (keep p >= min_p * max p), then top-k
+            (keep logits >= the k-th largest, ties kept), then top-p (keep the most probable ids
+            while the probability before them is < top_p, always the largest; a tie at the cut is
+            kept whole), renormalized over the kept ids. None (or top_p 1, min_p 0) leaves the
+            whole vocabulary. An id outside the support gets ``-inf`` and no gradient; gradients
+            flow through the kept logits only. ``(logp == -inf)`` counts such tokens: they appear
+            where the trainer's logits differ from the sampler's, and a trainer should mask them
+            out of the loss (or cap their importance ratio) rather than train on them. Costs: a
+            masked copy of the logits, plus a row top-k for ``top_k`` and a row sort for
+            ``top_p`` (the full vocabulary's ops do not pay these). Plain tensors only.
 
     Vocab-parallel: ``logits`` may be a DTensor with placement ``Shard(-1)`` (on a 1-D mesh, or on
     ``mesh_dim`` with ``Replicate()`` on the other mesh dims; uneven splits allowed) and ``index`` a
@@ -136,12 +161,16 @@ def selective_log_softmax(
         ``[0, V)`` that is not ``ignore_index`` raises ``IndexError`` on CPU; on CUDA (where
         checking would cost a device sync) it gives NaN at that position and a NaN gradient row.
     """
+    sampler = _sampler(top_k, top_p, min_p, logits)
     if _is_dtensor(logits):
         return _parallel().logprobs_entropy(logits, index, temperature=temperature, ignore_index=_ignore_index(ignore_index),
                                             shift=shift, mesh_dim=mesh_dim, want_ent=False)[0]
     _no_mesh_dim(mesh_dim)
     t, t_tensor = _temperature_args(temperature, logits)
     ignore_index, shift = _ignore_index(ignore_index), _shift(shift)
+    if sampler:
+        return torch.ops.fused.selective_log_softmax(logits, index, t, ignore_index, shift=shift,
+                                                     temperature_tensor=t_tensor, **sampler)
     if _eager_eligible(logits, index, t_tensor):
         return _eager_core("fused::selective_log_softmax", logits, index, t_tensor,
                            _LogprobOptions(t, ignore_index, False, shift))
@@ -151,7 +180,8 @@ def selective_log_softmax(
 
 def entropy_from_logits(
     logits: torch.Tensor, chunk_size: int | None = None, *, temperature: float | torch.Tensor | None = None,
-    shift: bool = False, mesh_dim: int | str | None = None,
+    shift: bool = False, mesh_dim: int | str | None = None, top_k: int | None = None, top_p: float | None = None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
     """Shannon entropy (nats) of ``softmax(logits / temperature)`` per row, in one pass over V.
 
@@ -159,17 +189,21 @@ def entropy_from_logits(
     working; it is ignored (the kernel never materializes a chunk). Returns float32 (float64
     for float64 logits) of shape ``logits.shape[:-1]`` (``[..., L]`` with ``shift=True``, which
     drops the last position of ``[..., L+1, V]``). Entries of ``-inf`` are masked vocabulary and
-    contribute nothing; a row of equal logits gives ``log V``. ``temperature``: as in
-    :func:`selective_log_softmax` (a tensor one is differentiated). DTensor logits ``Shard(-1)``
+    contribute nothing; a row of equal logits gives ``log V``. ``temperature``, ``top_k``, ``top_p``,
+    ``min_p``: as in :func:`selective_log_softmax` (a tensor temperature is differentiated; the
+    sampler options give the entropy of the sampler's renormalized distribution). DTensor logits ``Shard(-1)``
     and ``mesh_dim``: as in :func:`selective_log_softmax` (a ``Replicate()`` DTensor result).
     """
     del chunk_size
+    sampler = _sampler(top_k, top_p, min_p, logits)
     if _is_dtensor(logits):
         return _parallel().logprobs_entropy(logits, None, temperature=temperature, shift=shift, mesh_dim=mesh_dim,
                                             want_logp=False)[1]
     _no_mesh_dim(mesh_dim)
     t, t_tensor = _temperature_args(temperature, logits)
     shift = _shift(shift)
+    if sampler:
+        return torch.ops.fused.entropy_from_logits(logits, t, shift=shift, temperature_tensor=t_tensor, **sampler)
     if _eager_eligible(logits, t_tensor):
         return _eager_core("fused::entropy_from_logits", logits, None, t_tensor,
                            _LogprobOptions(t, -100, True, shift))
@@ -184,20 +218,28 @@ def logprobs_and_entropy(
     ignore_index: int = -100,
     shift: bool = False,
     mesh_dim: int | str | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(selective_log_softmax(...), entropy_from_logits(...))`` from ONE read of the logits.
 
-    Same arguments and index semantics as :func:`selective_log_softmax`. The backward is one
+    Same arguments and index semantics as :func:`selective_log_softmax`; with ``top_k``,
+    ``top_p`` or ``min_p`` the entropy is that of the sampler's renormalized distribution. The backward is one
     fused pass for any combination of the two upstream gradients. DTensor logits ``Shard(-1)``
     and ``mesh_dim``: as in :func:`selective_log_softmax` (both results ``Replicate()``
     DTensors, from the same one all-gather).
     """
+    sampler = _sampler(top_k, top_p, min_p, logits)
     if _is_dtensor(logits):
         return _parallel().logprobs_entropy(logits, index, temperature=temperature, ignore_index=_ignore_index(ignore_index),
                                             shift=shift, mesh_dim=mesh_dim)
     _no_mesh_dim(mesh_dim)
     t, t_tensor = _temperature_args(temperature, logits)
     ignore_index, shift = _ignore_index(ignore_index), _shift(shift)
+    if sampler:
+        return torch.ops.fused.logprobs_and_entropy(logits, index, t, ignore_index, shift=shift,
+                                                    temperature_tensor=t_tensor, **sampler)
     if _eager_eligible(logits, index, t_tensor):
         return _eager_core("fused::logprobs_and_entropy", logits, index, t_tensor,
                            _LogprobOptions(t, ignore_index, True, shift))

@@ -87,6 +87,62 @@ def temperature_clamped(temperature_t: torch.Tensor) -> torch.Tensor:
     return (t > 0) & (t < math.inf) & ((t < T_MIN) | (t > T_MAX))
 
 
+def sampler_support(logits: torch.Tensor, index: torch.Tensor | None, temperature_t: torch.Tensor | None, opts):
+    """The sampler's support applied to the logits, as the public log-prob ops apply
+    ``top_k``, ``top_p`` and ``min_p`` (meta.logprobs.LogprobOptions) around the core ops.
+
+    The rule (vLLM's sampler, "processed logprobs"), per row of z = logits / T:
+      1. min-p: keep z_j >= max z + ln(min_p), i.e. p_j >= min_p * max p;
+      2. top-k: keep z_j >= the k-th largest z of the row (every id tied with it is kept);
+      3. top-p: over the ids kept so far, with p renormalized over them and taken in descending
+         order, keep an id while the probability of the ids strictly before it is < top_p (the
+         largest is always kept); the cut is a value, so ids tied with the last kept one are
+         kept too (a sort may split such a tie: ours keeps it whole);
+    then renormalize over the kept ids. The thresholds are constants of the step (no gradient
+    flows through them); min-p and top-k compare z, so they use the logits themselves.
+
+    Returns (masked logits, index, outside): the logits with every id outside the support set to
+    -inf (a new tensor, differentiable where kept), the index with the ids outside the support
+    replaced by ``opts.ignore_index`` (their log-prob is then set to -inf by the caller, and
+    they get no gradient), and ``outside`` (bool, index's shape; None without an index). With
+    ``opts.shift`` the rows are positions 0..L-1 of [..., L+1, V] (the last position is masked
+    too, and never read). Thresholds in float32 (float64 for float64 logits); the top-p step
+    sorts each row (O(V log V) work and [rows, V] temporaries)."""
+    ninf = float("-inf")
+    dt = acc_dtype(logits.dtype)
+    with torch.no_grad():
+        x = logits.detach().to(dt)
+        tau = torch.full(x.shape[:-1] + (1,), ninf, dtype=dt, device=x.device)
+        if opts.min_p is not None and opts.min_p > 0.0:
+            if temperature_t is not None:
+                t = temperature_t.detach().to(dt).clamp(T_MIN, T_MAX)
+            else:
+                t = kernel_temperature(opts.temperature)
+            tau = torch.maximum(tau, x.amax(-1, keepdim=True) + t * math.log(opts.min_p))
+        if opts.top_k is not None and opts.top_k < x.shape[-1]:
+            tau = torch.maximum(tau, x.topk(opts.top_k, dim=-1).values[..., -1:])
+        if opts.top_p is not None and opts.top_p < 1.0:
+            t = (temperature_t.detach().to(dt).clamp(T_MIN, T_MAX) if temperature_t is not None
+                 else kernel_temperature(opts.temperature))
+            xs = x.sort(dim=-1, descending=True).values
+            probs = torch.softmax(torch.where(xs >= tau, xs, ninf) / t, -1)
+            before = torch.cumsum(probs, -1) - probs  # the kept probability of the ids before each
+            n_kept = (before < opts.top_p).sum(-1, keepdim=True).clamp_min(1)
+            tau = torch.maximum(tau, xs.gather(-1, n_kept - 1))
+    masked = torch.where(logits.to(dt) >= tau, logits, torch.full((), ninf, dtype=logits.dtype, device=logits.device))
+    if index is None:
+        return masked, None, None
+    rows = logits[..., :-1, :] if opts.shift else logits
+    tau_rows = tau[..., :-1, :] if opts.shift else tau
+    idx2 = index if index.dim() == rows.dim() else index[..., None]
+    safe = idx2.clamp(0, rows.shape[-1] - 1)
+    with torch.no_grad():
+        chosen = rows.detach().to(dt).gather(-1, safe)
+        outside = (chosen < tau_rows) & (idx2 != opts.ignore_index) & (idx2 >= 0) & (idx2 < rows.shape[-1])
+    outside = outside if index.dim() == rows.dim() else outside[..., 0]
+    return masked, torch.where(outside, torch.full_like(index, opts.ignore_index), index), outside
+
+
 def logprobs_entropy_forward(
     logits: torch.Tensor,
     index: torch.Tensor | None,

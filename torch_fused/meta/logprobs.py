@@ -6,12 +6,15 @@ autograd formula's gradient tuple, the reference (reference.py), the vocabulary-
 (parallel.py) and the fused head's use of the logits kernels all follow from it, and it is the
 only thing passed between them.
 
-Adding a keyword (say ``top_k``) to the log-prob ops:
-1. a field of ``LogprobOptions`` with its default, ``public=True`` in its metadata when users
-   pass it (the public ops and their schemas then take it as a keyword-only argument);
+Adding a keyword to the log-prob ops:
+1. a field of ``LogprobOptions`` with its default: ``_public(default)`` when users pass it (the
+   public ops and their schemas then take it as a keyword-only argument), ``core=False`` when the
+   public ops apply it around the core ops rather than the kernels (as the sampler's top_k,
+   top_p, min_p: reference.sampler_support);
 2. its check in ``check_options`` (here);
-3. its effect in the reference (reference.py) and in the kernels' host code or the kernels
-   (ops/logprobs.py, kernels/logprobs.py), both reading ``opts.<field>``;
+3. its effect: in the reference (reference.py) and in the kernels' host code or the kernels
+   (ops/logprobs.py, kernels/logprobs.py), both reading ``opts.<field>``; or, for a field the
+   core does not see, in the public ops' composite (ops/logprobs.py ``_composite``);
 4. the public functions' keyword (torch_fused/__init__.py), passed on in the options.
 Nothing else changes: schemas, fakes, plan keys, gradient tuples and the parallel and head
 routes take the object whole.
@@ -37,9 +40,10 @@ _SCHEMA_TYPES = {"float": "float", "int": "SymInt", "bool": "bool", "int | None"
 _PUBLIC_TYPES = {"float": "float", "int": "int", "bool": "bool", "int | None": "int?", "float | None": "float?"}
 
 
-def _public(default):
-    """A field users pass as a keyword of the public ops."""
-    return dataclasses.field(default=default, metadata={"public": True})
+def _public(default, core=True):
+    """A field users pass as a keyword of the public ops; ``core=False``: one the public ops apply
+    around the core ops (which neither take nor see it)."""
+    return dataclasses.field(default=default, metadata={"public": True, "core": core})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,24 +55,38 @@ class LogprobOptions:
     temperature: the float temperature (a placeholder 1.0 where a tensor temperature is given);
     ignore_index: positions holding it give 0 and no gradient;
     compute_entropy: whether the core also makes the entropy (set by the public op, not a keyword);
-    shift: the logits are [..., L+1, V] and position t scores index t (the last one dropped)."""
+    shift: the logits are [..., L+1, V] and position t scores index t (the last one dropped);
+    top_k, top_p, min_p: the sampler's support (sampler_support in reference.py), applied by the
+    public ops around the core ops: None (or top_p 1, min_p 0) leaves the whole vocabulary."""
     temperature: float = 1.0
     ignore_index: int = -100
     compute_entropy: bool = True
     shift: bool = _public(False)
+    top_k: int | None = _public(None, core=False)
+    top_p: float | None = _public(None, core=False)
+    min_p: float | None = _public(None, core=False)
+
+    @classmethod
+    def core_fields(cls) -> tuple:
+        return tuple(f for f in dataclasses.fields(cls) if f.metadata.get("core", True))
 
     def values(self) -> tuple:
-        """The fields in order: the core ops' positional arguments after their tensors."""
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        """The core fields in order: the core ops' positional arguments after their tensors."""
+        return tuple(getattr(self, f.name) for f in self.core_fields())
 
     @classmethod
     def count(cls) -> int:
-        return len(dataclasses.fields(cls))
+        return len(cls.core_fields())
 
     @classmethod
     def schema(cls) -> str:
-        """The fields as schema arguments, e.g. ``float temperature, SymInt ignore_index, ...``."""
-        return ", ".join(f"{_SCHEMA_TYPES[f.type]} {f.name}" for f in dataclasses.fields(cls))
+        """The core fields as schema arguments, e.g. ``float temperature, SymInt ignore_index, ...``."""
+        return ", ".join(f"{_SCHEMA_TYPES[f.type]} {f.name}" for f in cls.core_fields())
+
+    def restricts_support(self) -> bool:
+        """Whether the sampler options leave out part of the vocabulary."""
+        return (self.top_k is not None or (self.top_p is not None and self.top_p < 1.0)
+                or (self.min_p is not None and self.min_p > 0.0))
 
     @classmethod
     def public_fields(cls) -> tuple:
@@ -159,9 +177,24 @@ def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, tempera
     )
 
 
+def check_sampler(opts: LogprobOptions) -> None:
+    """The sampler options' values (ValueError, naming the option)."""
+    k, p, mp = opts.top_k, opts.top_p, opts.min_p
+    if k is not None:
+        check_value(isinstance(k, int) and not isinstance(k, bool) and k >= 1,
+                    lambda: f"top_k: expected None or an int >= 1, got {k!r}")
+    if p is not None:
+        check_value(not isinstance(p, bool) and isinstance(p, (int, float)) and 0.0 < p <= 1.0,
+                    lambda: f"top_p: expected None or a number in (0, 1], got {p!r}")
+    if mp is not None:
+        check_value(not isinstance(mp, bool) and isinstance(mp, (int, float)) and 0.0 <= mp <= 1.0,
+                    lambda: f"min_p: expected None or a number in [0, 1], got {mp!r}")
+
+
 def check_options(logits: torch.Tensor, index: torch.Tensor | None, temperature_t: torch.Tensor | None,
                   opts: LogprobOptions) -> None:
     """The checks of a log-prob op's call: its tensors and its options."""
+    check_sampler(opts)
     check_logits_index(logits, index, opts.temperature, temperature_t, opts.shift)
 
 

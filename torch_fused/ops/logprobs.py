@@ -577,6 +577,20 @@ LIB.define(
 _core = torch.ops.fused._logprobs_entropy_forward
 
 
+def _restricted_core(logits, index, temperature_t, opts):
+    """The core op's outputs over the sampler's support (reference.sampler_support): the core on
+    the logits with the ids outside the support masked to -inf, ids outside it scored -inf with no
+    gradient. Without sampler options: the core op itself."""
+    meta.check_sampler(opts)
+    if not opts.restricts_support():
+        return _core(logits, index, temperature_t, *opts.values())
+    masked, idx, outside = reference.sampler_support(logits, index, temperature_t, opts)
+    logp, ent, stats = _core(masked, idx, temperature_t, *opts.values())
+    if outside is not None:
+        logp = torch.where(outside, torch.full((), float("-inf"), dtype=logp.dtype, device=logp.device), logp)
+    return logp, ent, stats
+
+
 def _composite(name, index, compute_entropy):
     """The public op ``name``'s composite implementation: its options from its arguments, the
     core op on them, the public outputs."""
@@ -591,7 +605,7 @@ def _composite(name, index, compute_entropy):
                        compute_entropy=compute_entropy, **keywords)
         idx = given.get("index")
         no_forward_mode(name, logits, temperature_tensor)
-        return public_outputs(idx, compute_entropy, _core(logits, idx, temperature_tensor, *opts.values()))
+        return public_outputs(idx, compute_entropy, _restricted_core(logits, idx, temperature_tensor, opts))
 
     LIB.impl(name, implementation, "CompositeImplicitAutograd")
 
