@@ -93,7 +93,7 @@ def check_value(cond, message) -> None:
 
 
 def is_dtensor(t) -> bool:
-    """Whether t is a DTensor, without importing torch.distributed.tensor (about 2 s) for plain
+    """Whether t is a DTensor, without importing torch.distributed.tensor (a slow import) for plain
     tensors and parameters: none can exist before that module is imported."""
     if t is None or type(t) in (torch.Tensor, torch.nn.Parameter):
         return False
@@ -366,9 +366,9 @@ class PlanLaunch:
     between its calls only by each pointer's 16-byte alignment and by the current device. With
     ``settings.direct_launch`` the first call per (device, pointer alignments) goes through
     ``kernel[grid]`` and keeps the compiled kernel; later ones call its launcher directly, without
-    Triton's per-call argument binding and cache lookup (about 24 us of a 33 us launch on an H200's
-    host). Traced launches (inline_under_compile), the interpreter and set launch hooks always take
-    ``kernel[grid]``."""
+    Triton's per-call argument binding and cache lookup, most of a launch's host time (figures:
+    docs/BENCHMARKS.md, "Small calls"). Traced launches (inline_under_compile), the interpreter
+    and set launch hooks always take ``kernel[grid]``."""
 
     __slots__ = ("kernel", "constexprs", "tail_names", "compiled", "tensor_slots", "interpret")
 

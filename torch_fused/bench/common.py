@@ -71,12 +71,13 @@ def device_ms(fn, rep: int = 60, lead_us: float = 1000.0, flush_bytes: int = 256
 
     Two biases of do_bench are removed, for every implementation alike:
     - Host time. do_bench's events bracket the host's launch path as well whenever that path
-      outlasts the device work queued before it: a ~70 us kernel behind ~90 us of Python
-      dispatch reads as ~80 us. Here a device-side spin of lead_us precedes each call, so the
-      host has enqueued the events and the call before the device reaches them.
+      outlasts the device work queued before it, so a short kernel behind a longer Python
+      dispatch reads as part of the dispatch. Here a device-side spin of lead_us precedes each
+      call, so the host has enqueued the events and the call before the device reaches them.
     - Dirty L2. do_bench flushes L2 by zeroing a buffer, which leaves up to the whole L2 dirty;
-      the timed call then pays for writing those lines back (measured: ~10 us of a ~70 us
-      call). Here the flush reads a buffer instead, so L2 holds clean lines of it.
+      the timed call then pays for writing those lines back. Here the flush reads a buffer
+      instead, so L2 holds clean lines of it.
+    (What each bias measured: docs/BENCHMARKS.md, "Method".)
     The host's enqueue time is returned beside it; if it is not well inside lead_us the device
     time is not clean, and this raises."""
     import time
@@ -113,7 +114,7 @@ def device_ms(fn, rep: int = 60, lead_us: float = 1000.0, flush_bytes: int = 256
 def warm_up(fn, ms: float = 300.0) -> None:
     """Run fn back to back for about ms milliseconds (device time), so the first timing of a
     group does not catch the GPU's clocks ramping up after host-side setup (new inputs, a dynamo
-    reset): seen as the first row of a group running 10-15% slower than the same kernel later."""
+    reset), which would slow the group's first row (docs/BENCHMARKS.md, "Method")."""
     import time
 
     torch.cuda.synchronize()

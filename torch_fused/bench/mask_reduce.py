@@ -6,8 +6,8 @@ torch_fused.mask_reduce_cost, over the copy bandwidth of the same run. The torch
 baseline is compiled afresh for each case (static shapes).
 
 Times are device times (common.device_ms: L2 flushed, the host kept ahead of the device), for
-every implementation alike; the (8, 4096, 4096) call is ~70 us of device work, shorter than
-the host path of a custom op, so do_bench's events would time the host there. Each row's note
+every implementation alike; the (8, 4096, 4096) calls take less device time than the host
+path of a custom op, so do_bench's events would time the host there. Each row's note
 gives the host's enqueue time per call as well: eager calls back to back run at the slower of
 the two.
 """

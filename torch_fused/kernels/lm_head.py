@@ -218,10 +218,10 @@ def _lm_head_dlogits_tma_kernel(
 # (BM, BN, BK, GROUP_M, num_warps, num_stages) per kernel. CONFIG: the tiles of devices with
 # 160 KiB or more of shared memory per block (A100, H100 / H200: the operand pipeline takes
 # stages * (BM + BN) * BK * 2 bytes = 144 KiB); one table for the four kernels, which share
-# the GEMM main loop (the pointer-load and TMA versions measured best at the same tile). GROUP_M
-# 16: consecutive tiles take 16 row tiles of the hidden states against one weight column tile
-# before the next (more of each weight tile read from L2); python -m torch_fused.bench
-# --sweep --only lm_head times it beside 8 and 32.
+# the GEMM main loop (pointer loads or TMA). GROUP_M 16: consecutive tiles take 16 row tiles of
+# the hidden states against one weight column tile before the next (more of each weight tile
+# read from L2); python -m torch_fused.bench --sweep --only lm_head times it beside 8 and 32
+# (figures: docs/BENCHMARKS.md, "Fused lm_head").
 CONFIG = dict.fromkeys(("stats", "dlogits", "stats_tma", "dlogits_tma"), (128, 256, 64, 16, 8, 3))
 # Devices with less (sm_86 / sm_89: 99 KiB; sm_75: 64 KiB): half the tile width and depth, a
 # 48 KiB pipeline. Chosen to fit, not tuned on those devices. Where neither fits, the fused

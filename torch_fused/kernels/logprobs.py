@@ -17,7 +17,7 @@ logp = (d_i - log2 s) ln2 and H = (log2 s - t / s) ln2 (no lse - E[z] cancellati
 
 Cost. Each thread keeps its own running maxima, combined once per row: a block max reduced
 across the threads on every block (shuffles, a shared-memory exchange, two barriers) makes the
-pass wait on itself and needs about twice the registers, which costs occupancy. Full blocks run unmasked, with the next block's load issued before
+pass wait on itself and needs more registers, which costs occupancy. Full blocks run unmasked, with the next block's load issued before
 the current block's math (one row per program leaves no other source of loads in flight); in
 the backward the index term touches only the block that holds the index.
 Non-finite input: a NaN or +inf logit makes its row NaN; -inf is a masked entry (probability 0);
@@ -314,8 +314,8 @@ def _logprobs_entropy_backward_kernel(
     before them (another warp's thread holds them).
 
     A row's columns are split into segs segments of seg_len columns, one program each (program
-    row * segs + seg), so a launch of a few long rows still ends in short programs: one program
-    per 304 KB row of a 151936-wide vocabulary left a tail of half a row's time at 8192 rows.
+    row * segs + seg), so a launch of a few long rows still ends in short programs instead of a
+    tail of whole-row programs (the segment length: docs/BENCHMARKS.md, the log-prob section).
     A segment is the V slice above with the whole row's statistics. HAS_DT and IN_PLACE launches
     keep one segment (their per-row sum, their in-row overlap of d x and x)."""
     pid = tl.program_id(0).to(tl.int64)
@@ -409,8 +409,9 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
         tl.store(p_xdx + row, xdx)
 
 
-# (BLOCK_V, num_warps) per kernel, from the sweep in torch_fused.bench (H200, bf16, V=151936):
-# small blocks and few warps keep many rows in flight per SM, which is what a streaming pass needs.
+# (BLOCK_V, num_warps) per kernel: small blocks and few warps keep many rows in flight per SM,
+# which is what a streaming pass needs. python -m torch_fused.bench --sweep --only logprobs
+# times them against the other points of SWEEP_CONFIGS (torch_fused/bench/logprobs.py).
 _CONFIGS = {"fwd": (1024, 2), "fwd_ent": (1024, 2), "bwd": (2048, 4)}
 
 

@@ -24,11 +24,10 @@ What carries the bandwidth:
   reduce dims) hide the latency with many rows in flight per thread (U = 16 16-byte vectors)
   in small programs (4 warps): a small accumulator (the U rows are summed in registers first)
   and the mask kept as loaded bytes until its use leave room for the loads. Strips under a row
-  mask, whose x loads are about half off, measured best wider (256-byte rows, U = 8, 8 warps). Software
-  pipelining by hand (the loads of trip k+1 issued before the adds of trip k, PIPELINE) remains for
-  the contiguous-r tiles; in the strips it cost more than it gave,
-  since every value carried across the loop's back edge is unpacked per element (168-186
-  registers with a mask).
+  mask, whose x loads are about half off, are wider (256-byte rows, U = 8, 8 warps) to keep the
+  bytes in flight. Software pipelining by hand (the loads of trip k+1 issued before the adds of
+  trip k, PIPELINE) remains for the contiguous-r tiles; in the strips every value carried across
+  the loop's back edge is unpacked per element, and those registers cost more than it gives.
 - Listed rows. A row mask over a long reduce dim is turned into lists of the kept row ids
   (_row_ids_kernel) and only those rows are walked (COMPACT), so every load of a trip is live.
   Each trip's x loads wait for its ids; the row tiles hide that with U listed rows per thread,
@@ -327,9 +326,10 @@ def row_id_lists(o0: int, o1: int, sm) -> tuple[int, int, int, int]:
     return n0, n1, n1 if n0 > 1 else 0, 1 if n1 > 1 else 0
 
 
-# The shipped tile choices, each the best of the device-timed tile sweep of the bench cases (bf16 x,
-# bool mask): python -m torch_fused.bench --sweep --only mask_reduce (it prints the fraction of the
-# memory floor per choice; figures in docs/BENCHMARKS.md).
+# The shipped tile choices, what each sets and why beside it. python -m torch_fused.bench --sweep
+# --only mask_reduce times the strip tiles against the other points of its grid (bf16 x, bool mask;
+# the fraction of the memory floor per point); the measurements behind each choice:
+# docs/BENCHMARKS.md, "mask_reduce".
 TILES = {
     # many outputs ([T, k, H] -> [T, H]): bytes of one row run per tile (wider runs leave fewer programs)
     "row_bytes": 1024,
@@ -367,8 +367,8 @@ TILES = {
     "row_mask_strip_u": 8,
     "row_mask_strip_warps": 8,
     # those strips' mask loaded a trip ahead of the x loads it predicates (MASK_AHEAD), as in the
-    # row tiles: off (4% slower on 8x4096x4096 with 128-byte rows, U = 16, 4 warps; not timed with
-    # the tiles above); the strips of a row mask over compact_min_rows rows or more list them instead
+    # row tiles: off, since the early mask loads did not pay in the strips (docs/BENCHMARKS.md); the
+    # strips of a row mask over compact_min_rows rows or more list them instead
     "row_mask_strip_ahead": False,
     # a row mask with compact_min_rows rows or more in strips: its kept rows listed too, and
     # walked in trips of compact_strip_rows listed rows (one per row of threads, U = 1) on
@@ -434,8 +434,8 @@ def _pick_blocks(r: int, i: int, n_outer: int, r_contiguous: bool, x_bytes: int,
     - few outputs and a long reduce dim ([B, M, N] -> [B, N] with small B): narrower column
       strips until there are programs for every SM, all of the program's threads not needed
       along i placed along r, no software pipelining; one cross-warp reduction at the very end.
-      (Splitting the reduce dim instead, with fp32 partials, measured no faster, and it needs a
-      workspace larger than the output.)
+      (The reduce dim is not split instead, with fp32 partials: that needs a workspace larger
+      than the output and does not lift the strips, docs/BENCHMARKS.md.)
     - reduce dim contiguous (token losses, [B, L] -> [B]): the tile's fast axis is r, pipelined.
     - ``row_mask``: x predicated on a row mask walked row by row (not COMPACT); in row tiles,
       wider runs on fewer warps (``row_mask_bytes``, ``row_mask_warps``), since about half of
@@ -493,18 +493,11 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
     row_mask = pred_x and not r_contig
     block_r, block_i, warps, vec, pipeline, u = pick_blocks(r, i, o0 * o1, r_contig, x_bytes, n_sm, row_mask=row_mask)
     # a row mask over a long reduce dim: its kept rows listed first and only they walked (the
-    # scale, if any, the same for every row). Row tiles (one row of threads along r), measured on
-    # the H200 (bf16, 50% / 90% of the rows kept; U listed rows per thread and trip, against row
-    # by row): 64x512x4096 (BLOCK_I 128) 0.774 / 0.891 at U = 32, 0.588 / 0.667 at U = 4, row by
-    # row 0.428 / 0.662; 32x2048x4096 (BLOCK_I 64) 0.843 / 0.899 at U = 32, 0.247 / 0.387 row by
-    # row; 256x128x4096 (BLOCK_I 512) 0.772 / 0.908 at U = 8, 0.630 / 0.712 at U = 32, 0.669 /
-    # 0.838 row by row. Hence U from the bytes of a trip (compact_trip_bytes). Strips (few
-    # outputs) walk the list through Triton's loop pipeliner, one listed row per row of threads:
-    # 8x4096x4096 0.744 / 0.859 (10% kept: 0.361), row by row 0.644 / 0.897 / 0.175;
-    # 16x8192x2048 0.811 / 0.903 / 0.462, row by row 0.686 / 0.947 / 0.187 (the listing launch,
-    # about 6 us, is in these times; docs/BENCHMARKS.md). The loop pipeliner in the row tiles
-    # (compact_row_stages 2 / 3): 32x2048x4096 0.890 / 0.893 against 0.852, but 64x512x4096 0.762
-    # / 0.645 against 0.802 and 256x128x4096 0.775 / 0.758 against 0.796, so off there.
+    # scale, if any, the same for every row). Row tiles (one row of threads along r) take U listed
+    # rows per thread and trip from the bytes of a trip (compact_trip_bytes), every load of a trip
+    # live, the ids loaded a trip ahead by hand as shipped (compact_row_stages); strips (few
+    # outputs) walk the list through Triton's loop pipeliner, one listed row per row of threads.
+    # Measurements by shape, density, U and stages: docs/BENCHMARKS.md, "mask_reduce".
     # (the interpreter's small tiles: every row mask of 6 rows or more, to run the branch)
     t = _tiles()
     strips = block_r > 1 and not settings.small_tiles
@@ -530,16 +523,16 @@ def launch_config(r: int, o0: int, o1: int, i: int, sx, sm, ss, x_bytes: int, ac
         PRED_X=pred_x, WIDE=span >= 2**31, BLOCK_R=block_r, BLOCK_I=block_i, VEC=vec,
         M_EVICT="evict_last" if m_shared else "", X_EVICT="evict_first" if m_shared else "",
         PIPELINE=pipeline, U=u,
-        # always where it applies: on the [1, M, N]-mask strips 0.959 of the floor with it, 0.757 without
+        # always where it applies: the programs that read one stored mask tile run together (L2 hits)
         OUTER_FIRST=m_outer,
         EVEN=r % (block_r * u) == 0 and i % block_i == 0,
-        # row tiles: 3% faster (65536x4x8192, 64x512x4096); strips: the row_mask_strip_ahead tile
+        # row tiles: the mask_ahead tile; strips: the row_mask_strip_ahead tile
         MASK_AHEAD=pred_x and not r_contig and sm[0] != 0 and not pipeline and not compact
         and (t["mask_ahead"] if block_r == 1 else t["row_mask_strip_ahead"]),
         COMPACT=compact, NUM_STAGES=stages,
         # row tiles over listed rows launched while the listing runs (ops/mask_reduce.py turns this
-        # off where the device or Triton lacks it): 64x512x4096 0.833 against 0.806; the strips,
-        # with about two programs per SM, measured slower so (8x4096x4096 0.60 against 0.74)
+        # off where the device or Triton lacks it); the strips, with about two programs per SM,
+        # launch after it, as they run slower beside the listing (docs/BENCHMARKS.md)
         PDL=compact and not strips,
     )
     return cdiv(i, block_i), constexprs, warps
