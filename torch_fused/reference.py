@@ -101,10 +101,9 @@ def sampler_support(logits: torch.Tensor, index: torch.Tensor | None, temperatur
     then renormalize over the kept ids. The thresholds are constants of the step (no gradient
     flows through them); min-p and top-k compare z, so they use the logits themselves.
 
-    Returns (masked logits, index, outside): the logits with every id outside the support set to
-    -inf (a new tensor, differentiable where kept), the index with the ids outside the support
-    replaced by ``opts.ignore_index`` (their log-prob is then set to -inf by the caller, and
-    they get no gradient), and ``outside`` (bool, index's shape; None without an index). With
+    Returns (masked logits, outside): the logits with every id outside the support set to -inf
+    (a new tensor, differentiable where kept) and ``outside`` (bool, index's shape; None without
+    an index): the ids whose log-prob is -inf, which the caller cuts from the gradient. With
     ``opts.shift`` the rows are positions 0..L-1 of [..., L+1, V] (the last position is masked
     too, and never read). Thresholds in float32 (float64 for float64 logits); the top-p step
     sorts each row (O(V log V) work and [rows, V] temporaries)."""
@@ -131,7 +130,7 @@ def sampler_support(logits: torch.Tensor, index: torch.Tensor | None, temperatur
             tau = torch.maximum(tau, xs.gather(-1, n_kept - 1))
     masked = torch.where(logits.to(dt) >= tau, logits, torch.full((), ninf, dtype=logits.dtype, device=logits.device))
     if index is None:
-        return masked, None, None
+        return masked, None
     rows = logits[..., :-1, :] if opts.shift else logits
     tau_rows = tau[..., :-1, :] if opts.shift else tau
     idx2 = index if index.dim() == rows.dim() else index[..., None]
@@ -139,8 +138,7 @@ def sampler_support(logits: torch.Tensor, index: torch.Tensor | None, temperatur
     with torch.no_grad():
         chosen = rows.detach().to(dt).gather(-1, safe)
         outside = (chosen < tau_rows) & (idx2 != opts.ignore_index) & (idx2 >= 0) & (idx2 < rows.shape[-1])
-    outside = outside if index.dim() == rows.dim() else outside[..., 0]
-    return masked, torch.where(outside, torch.full_like(index, opts.ignore_index), index), outside
+    return masked, (outside if index.dim() == rows.dim() else outside[..., 0])
 
 
 def logprobs_entropy_forward(

@@ -584,9 +584,11 @@ def _restricted_core(logits, index, temperature_t, opts):
     meta.check_sampler(opts)
     if not opts.restricts_support():
         return _core(logits, index, temperature_t, *opts.values())
-    masked, idx, outside = reference.sampler_support(logits, index, temperature_t, opts)
-    logp, ent, stats = _core(masked, idx, temperature_t, *opts.values())
+    masked, outside = reference.sampler_support(logits, index, temperature_t, opts)
+    logp, ent, stats = _core(masked, index, temperature_t, *opts.values())
     if outside is not None:
+        # -inf there already (the masked logit); the where cuts its gradient, which the core's
+        # formula would spread over the kept logits (- p_j g)
         logp = torch.where(outside, torch.full((), float("-inf"), dtype=logp.dtype, device=logp.device), logp)
     return logp, ent, stats
 

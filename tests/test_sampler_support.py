@@ -1,0 +1,198 @@
+"""Log-probs and entropy over the sampler's support (top_k, top_p, min_p), against a float64
+reference written the way vLLM's sampler computes it (ascending sort, cumulative sum)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import torch_fused
+from _helpers import DEVICES
+
+NINF = float("-inf")
+
+
+def _vllm_support(x, temperature, top_k, top_p, min_p):
+    """Keep mask of the sampler's support, float64: min-p, top-k, top-p in that order."""
+    z = x.double() / temperature
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if min_p is not None and min_p > 0:
+        p = torch.softmax(z, -1)
+        keep &= p >= min_p * p.amax(-1, keepdim=True)
+    if top_k is not None and top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[..., -1:]
+        keep &= z >= kth
+    if top_p is not None and top_p < 1:
+        zk = torch.where(keep, z, NINF)
+        srt, order = zk.sort(-1)  # ascending
+        cum = torch.softmax(srt, -1).cumsum(-1)
+        drop = cum <= 1 - top_p
+        drop[..., -1] = False  # the largest is always kept
+        keep &= ~torch.zeros_like(drop).scatter(-1, order, drop)
+    return keep
+
+
+def _reference(x, idx, temperature, top_k, top_p, min_p, ignore_index=-100):
+    """(logp, entropy) in float64 over the support; -inf at ids outside it, 0 at ignore_index."""
+    keep = _vllm_support(x, temperature, top_k, top_p, min_p)
+    lp_all = torch.log_softmax(torch.where(keep, x.double() / temperature, NINF), -1)
+    ent = -(lp_all.exp() * lp_all.nan_to_num(0.0, 0.0, 0.0)).sum(-1)
+    ids = idx if idx.dim() == x.dim() else idx[..., None]
+    lp = lp_all.gather(-1, ids.clamp_min(0))
+    lp = torch.where(ids == ignore_index, torch.zeros_like(lp), lp)
+    return (lp if idx.dim() == x.dim() else lp[..., 0]), ent, keep
+
+
+@given(seed=st.integers(0, 2**16), v=st.sampled_from([7, 50, 131]), top_k=st.sampled_from([None, 1, 3, 20, 200]),
+       top_p=st.sampled_from([None, 0.3, 0.9, 1.0]), min_p=st.sampled_from([None, 0.0, 0.05, 0.5]),
+       temperature=st.sampled_from([0.6, 1.0, 1.7]), k_ids=st.sampled_from([None, 3]), shift=st.booleans())
+def test_matches_the_samplers_rule_in_float64(seed, v, top_k, top_p, min_p, temperature, k_ids, shift):
+    """float64 logits: the support, the log-probs (-inf outside it) and the entropy of the
+    renormalized distribution equal the float64 rule; the gradient flows through kept logits only."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, 5, v, generator=g, dtype=torch.float64) * 2).requires_grad_(True)
+    rows = x[:, :-1] if shift else x
+    shape = rows.shape[:-1] + ((k_ids,) if k_ids else ())
+    idx = torch.randint(0, v, shape, generator=g)
+    if k_ids is None:
+        idx[0, 0] = -100
+    lp, ent = torch_fused.logprobs_and_entropy(x, idx, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                               shift=shift)
+    rlp, rent, keep = _reference(rows.detach(), idx, temperature, top_k, top_p, min_p)
+    assert torch.equal(torch.isneginf(lp), torch.isneginf(rlp)), (lp, rlp)
+    fin = torch.isfinite(rlp)
+    torch.testing.assert_close(lp[fin], rlp[fin], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ent, rent, rtol=1e-12, atol=1e-12)
+    gl = torch.randn(lp.shape, generator=g, dtype=torch.float64)
+    ge = torch.randn(ent.shape, generator=g, dtype=torch.float64)
+    (dx,) = torch.autograd.grad((torch.where(fin, lp, 0.0) * gl).sum() + (ent * ge).sum(), x)
+    xr = rows.detach().clone().requires_grad_(True)
+    z = torch.where(keep, xr / temperature, NINF)
+    lp_all = torch.log_softmax(z, -1)
+    ids = idx if k_ids else idx[..., None]
+    want_lp = torch.where(ids == -100, 0.0, lp_all.gather(-1, ids.clamp_min(0)))
+    want_lp = want_lp if k_ids else want_lp[..., 0]
+    want_ent = -(lp_all.exp() * torch.where(keep, lp_all, 0.0)).sum(-1)
+    (want,) = torch.autograd.grad((torch.where(fin, want_lp, 0.0) * gl).sum() + (want_ent * ge).sum(), xr)
+    dx_rows = dx[:, :-1] if shift else dx
+    torch.testing.assert_close(dx_rows, want, rtol=1e-10, atol=1e-12)
+    assert bool((dx_rows[~keep] == 0).all())  # nothing reaches a logit outside the support
+    if shift:
+        assert bool((dx[:, -1] == 0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_dtypes_and_a_tensor_temperature(device, dtype):
+    """fp32 / bf16 logits (the kernels' path on CUDA and in the interpreter run) and a tensor
+    temperature: the same support as the float64 rule on the rounded logits, log-probs and entropy
+    to fp32 accuracy, d T through the kept logits."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 4, 97, generator=g) * 3).to(dtype)
+    idx = torch.randint(0, 97, (3, 4), generator=g)
+    t = torch.tensor(0.8, device=device, requires_grad=True)
+    xd = x.to(device).requires_grad_(True)
+    lp, ent = torch_fused.logprobs_and_entropy(xd, idx.to(device), temperature=t, top_k=20, top_p=0.85, min_p=0.02)
+    rlp, rent, _ = _reference(x.float(), idx, 0.8, 20, 0.85, 0.02)
+    assert torch.equal(torch.isneginf(lp).cpu(), torch.isneginf(rlp))
+    fin = torch.isfinite(rlp)
+    torch.testing.assert_close(lp.cpu()[fin].double(), rlp[fin], rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(ent.cpu().double(), rent, rtol=2e-5, atol=2e-5)
+    (dt,) = torch.autograd.grad((torch.where(fin.to(device), lp, 0.0)).sum() + ent.sum(), t)
+    tr = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
+    keep = _vllm_support(x.float(), 0.8, 20, 0.85, 0.02)
+    lp_all = torch.log_softmax(torch.where(keep, x.double() / tr, NINF), -1)
+    want = torch.autograd.grad(torch.where(fin, lp_all.gather(-1, idx[..., None])[..., 0], 0.0).sum()
+                               - (lp_all.exp() * torch.where(keep, lp_all, 0.0)).sum(), tr)[0]
+    assert abs(dt.item() - want.item()) <= 1e-4 * abs(want.item()) + 1e-5, (dt.item(), want.item())
+
+
+def test_ties_at_the_top_k_threshold_are_kept():
+    x = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0, -1.0]])
+    lp = torch_fused.selective_log_softmax(x, torch.tensor([4]), top_k=2)
+    ent = torch_fused.entropy_from_logits(x, top_k=2)
+    # the 2nd largest (1.0) is tied three ways: all three kept, 0.0 dropped
+    assert lp.item() == NINF
+    p = torch.softmax(torch.tensor([3.0, 1.0, 1.0, 1.0], dtype=torch.float64), -1)
+    assert abs(ent.item() - float(-(p * p.log()).sum())) < 1e-6
+
+
+def test_without_options_it_is_the_full_vocabulary_op():
+    """top_p=1 and min_p=0 leave the vocabulary whole: bitwise the plain op's results."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 33, generator=g)
+    idx = torch.randint(0, 33, (4,), generator=g)
+    plain = torch_fused.logprobs_and_entropy(x, idx)
+    for kw in (dict(top_p=1.0), dict(min_p=0.0), dict(top_p=1.0, min_p=0.0), dict(top_k=33)):
+        got = torch_fused.logprobs_and_entropy(x, idx, **kw)
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), kw
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(top_k=0), "top_k: expected None or an int >= 1, got 0"),
+                                    (dict(top_k=True), "top_k: expected None or an int >= 1, got True"),
+                                    (dict(top_p=0.0), r"top_p: expected None or a number in \(0, 1\], got 0.0"),
+                                    (dict(top_p=1.5), r"top_p: expected None or a number in \(0, 1\], got 1.5"),
+                                    (dict(min_p=-0.1), r"min_p: expected None or a number in \[0, 1\], got -0.1")],
+                         ids=["top_k 0", "top_k bool", "top_p 0", "top_p 1.5", "min_p negative"])
+@pytest.mark.parametrize("mode", ["eager", "op", "compiled"])
+def test_bad_options_name_the_argument(kw, msg, mode):
+    x, idx = torch.randn(2, 9), torch.randint(0, 9, (2,))
+    if mode == "eager":
+        fn = torch_fused.selective_log_softmax
+    elif mode == "op":
+        def fn(x, idx, **k):
+            return torch.ops.fused.selective_log_softmax(x, idx, **k)
+        if "top_k" in kw and isinstance(kw["top_k"], bool):
+            pytest.skip("the op's schema refuses a bool for an int")
+    else:
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x, idx, **k: torch_fused.selective_log_softmax(x, idx, **k), backend="aot_eager",
+                           fullgraph=True)
+    # compiled with fullgraph, Dynamo re-raises the same message inside its own exception type
+    with pytest.raises(ValueError if mode != "compiled" else Exception, match=msg):
+        fn(x, idx, **kw)
+
+
+def test_op_opcheck_and_compiled_dynamic_without_recompile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 6, 40, generator=g, requires_grad=True)
+    idx = torch.randint(0, 40, (2, 5), generator=g)
+    torch.library.opcheck(torch.ops.fused.logprobs_and_entropy, (x, idx),
+                          dict(shift=True, top_k=7, top_p=0.8, min_p=0.01))
+
+    def loss(x, idx):
+        lp, ent = torch_fused.logprobs_and_entropy(x, idx, shift=True, top_k=7, top_p=0.8)
+        return torch.where(torch.isfinite(lp), lp, 0.0).sum() + ent.sum()
+
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(loss, backend=cnt, fullgraph=True, dynamic=True)
+    for length in (5, 8, 11):
+        xl = torch.randn(2, length + 1, 40, generator=g, requires_grad=True)
+        il = torch.randint(0, 40, (2, length), generator=g)
+        got = step(xl, il)
+        (dx,) = torch.autograd.grad(got, xl)
+        want = loss(xl, il)
+        (wdx,) = torch.autograd.grad(want, xl)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(dx, wdx)
+    assert cnt.frame_count == 1, cnt.frame_count
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_id_outside_the_support_gets_no_gradient(device):
+    """An id outside the support scores -inf and its log-prob passes no gradient to any logit
+    (the core formula alone would give - p_j to every kept logit)."""
+    x = torch.tensor([[4.0, 3.0, 0.0, -1.0, 2.0]], device=device, requires_grad=True)
+    idx = torch.tensor([[3, 0]], device=device)
+    lp = torch_fused.selective_log_softmax(x, idx, top_k=2)
+    assert lp[0, 0].item() == NINF and torch.isfinite(lp[0, 1])
+    (dx,) = torch.autograd.grad(lp[0, 0], x, retain_graph=True)
+    assert bool((dx == 0).all()), dx
+    (dx,) = torch.autograd.grad(lp[0, 1], x)
+    p = torch.softmax(torch.tensor([4.0, 3.0], dtype=torch.float64), -1)
+    want = torch.tensor([1 - p[0], -p[1], 0, 0, 0], dtype=torch.float64)
+    torch.testing.assert_close(dx[0].double().cpu(), want, rtol=1e-5, atol=1e-6)
