@@ -17,7 +17,7 @@ import torch
 
 from . import common
 
-SUITES = ("logprobs", "temperature", "small", "model_logits", "lm_head", "vocab_parallel", "mask_reduce", "sinkgd", "step", "step_8b",
+SUITES = ("logprobs", "temperature", "sampler", "small", "model_logits", "lm_head", "vocab_parallel", "mask_reduce", "sinkgd", "step", "step_8b",
           "train")
 # run when no suite is named: all but step_8b (an 8B-parameter model: most of an H200's memory) and train
 # (a training-quality sweep of many minutes), which are named explicitly
@@ -36,6 +36,8 @@ Suites:
   logprobs     selective_log_softmax, entropy_from_logits, logprobs_and_entropy (bf16 logits)
   temperature  selective_log_softmax forward+backward with a float temperature, a tensor one
                without grad and one with d T (bf16 logits)
+  sampler      selective_log_softmax forward+backward over the sampler's support (top_k, top_p,
+               min_p) against the full vocabulary and the handwritten torch rule (bf16 logits)
   small        the same public functions from [64, 1024] to [4096, 32000]: wall time per call
                against torch's formula, eager and a compiled GRPO-style loss, the raw ops and an
                empty-kernel op registered the same way (the registration's floor)
