@@ -1089,6 +1089,35 @@ def test_huge_gradients_give_the_finite_normalized_step(device, spectral, gdtype
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [48, 80])
+@pytest.mark.parametrize("spectral", [False, True])
+def test_gradients_near_the_fp32_maximum_give_the_normalized_step(device, n, spectral):
+    """Entries up to the fp32 maximum (1e30, 3e38) give the float64 formula's step on every row
+    pass: in the interpreter run rows of 48 take the one-read pass, rows of 80 the two-pass
+    kernels (several 64-wide tiles per row); on the plain CPU run, the reference. A norm a * s
+    (a the largest entry, s up to sqrt(n)) overflows there even scaled, and so does the power
+    pass's G (c v) for a positive G and v (every term of a row's sum the same sign): each must
+    be formed so that it stays finite, or the step comes out 0 (W unchanged) or NaN."""
+    g0 = torch.Generator().manual_seed(11)
+    w = torch.randn(2, 6, n, generator=g0)
+    base = torch.rand(2, 6, n, generator=g0) + 0.25  # positive: the power pass's row sums add up
+    base = base / base.amax()
+    v = torch.rand(2, n, generator=g0) + 0.5
+    v = v / v.norm(dim=1, keepdim=True)
+    for top in (1e30, 3e38):
+        g = (base.double() * top).float()
+        assert bool(torch.isfinite(g).all()) and g.abs().max() > 0.99 * top
+        ref_w, ref_v = ref_sinkgd(w, g, 0.5, iters=3, spectral=spectral, v=v)
+        wd_, vd = w.clone().to(device), v.clone().to(device)
+        sinkgd_step([wd_], [g.to(device)], lr=0.5, sinkhorn_iters=3, spectral_norm=spectral,
+                    spectral_vecs=[vd] if spectral else None)
+        assert bool(torch.isfinite(wd_).all()), f"entries up to {top:g}: a non-finite W"
+        _assert_update_close(wd_, ref_w, w, torch.float32, f"entries up to {top:g}: ")
+        if spectral:
+            torch.testing.assert_close(vd.cpu().double(), ref_v, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("spectral", [False, True])
 def test_float64_step_is_float64(device, spectral):
     """A float64 parameter is stepped in float64: lr=0 leaves it bitwise unchanged (it moved by

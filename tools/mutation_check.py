@@ -61,6 +61,8 @@ MASK_TESTS = ["tests/test_mask_reduce.py", "tests/test_masked.py"]
 SINKGD_TESTS = ["tests/test_sinkgd.py"]
 SHARDED_TESTS = ["tests/test_sinkgd_sharded.py"]
 LM_HEAD_TESTS = ["tests/test_linear_logprobs.py"]
+# the one test of a step on entries near the fp32 maximum (every row-pass path, spectral or not)
+FP32_MAX_TEST = "tests/test_sinkgd.py::test_gradients_near_the_fp32_maximum_give_the_normalized_step"
 
 
 @dataclasses.dataclass
@@ -184,10 +186,10 @@ MUTANTS: list[Mutant] = [
     # 6. SinkGD normalizing columns before rows (every iteration)
     Mutant(
         "sinkgd-cols-first-ref", "6 SinkGD columns normalized before rows", "torch_fused/reference.py", CPU,
-        [("        r = (r * math.sqrt(n) / _scaled_norm(x(), 2).clamp_min(eps)).clamp_max(SCALE_MAX)\n"
-          "        c = (c * math.sqrt(m) / _scaled_norm(x(), 1).clamp_min(eps)).clamp_max(SCALE_MAX)\n",
-          "        c = (c * math.sqrt(m) / _scaled_norm(x(), 1).clamp_min(eps)).clamp_max(SCALE_MAX)\n"
-          "        r = (r * math.sqrt(n) / _scaled_norm(x(), 2).clamp_min(eps)).clamp_max(SCALE_MAX)\n")],
+        [("        r = _rescaled(r, x(), 2, math.sqrt(n), eps)\n"
+          "        c = _rescaled(c, x(), 1, math.sqrt(m), eps)\n",
+          "        c = _rescaled(c, x(), 1, math.sqrt(m), eps)\n"
+          "        r = _rescaled(r, x(), 2, math.sqrt(n), eps)\n")],
         SINKGD_TESTS,
     ),
     Mutant(
@@ -583,6 +585,53 @@ MUTANTS: list[Mutant] = [
         "torch_fused/ops/linear_logprobs.py", CPU,
         [("    if glp is not None:\n        # an id outside the vocabulary", "    if glp is not None and path.triton:  # MUTANT\n        # an id outside the vocabulary")],
         ["tests/test_vocab_parallel.py"],
+    ),
+    # 47: the overflow of 14 past the one-read row pass: the two-pass kernels' row norms squared
+    # unscaled (rows wider than max_fused_n: 64 in the interpreter run), a norm a * s formed where
+    # it overflows (entries near the fp32 maximum; kernels, reference), the power pass's G (c v)
+    # summed before r is applied (kernels' one-read and two-pass passes, the sharded PyTorch path)
+    Mutant(
+        "sinkgd-two-pass-row-norm-unscaled-triton", "47 SinkGD sums overflowing near the fp32 maximum",
+        "torch_fused/kernels/sinkgd.py", TRITON,
+        [("        if tl.max(s) > SSQ_SCALED:\n", "        if tl.max(s) < 0.0:  # MUTANT: never redone scaled\n")],
+        [FP32_MAX_TEST],
+    ),
+    Mutant(
+        "sinkgd-row-norm-formed-triton", "47 SinkGD sums overflowing near the fp32 maximum",
+        "torch_fused/kernels/sinkgd.py", TRITON,
+        [("tl.minimum(r_old * (target / s) / tl.maximum(a, eps / s), SCALE_MAX)",
+          "tl.minimum(r_old * target / tl.maximum(a * s, eps), SCALE_MAX)  # MUTANT")],
+        [FP32_MAX_TEST],
+    ),
+    Mutant(
+        "sinkgd-row-norm-formed-ref", "47 SinkGD sums overflowing near the fp32 maximum",
+        "torch_fused/reference.py", CPU,
+        [("    return (v * (target / s) / torch.maximum(a, eps / s)).clamp_max(SCALE_MAX)\n",
+          "    return (v * target / (a * s).clamp_min(eps)).clamp_max(SCALE_MAX)  # MUTANT\n")],
+        [FP32_MAX_TEST],
+    ),
+    Mutant(
+        "sinkgd-power-rows-r-last-triton", "47 SinkGD sums overflowing near the fp32 maximum",
+        "torch_fused/kernels/sinkgd.py", TRITON,
+        [("    if over > 0.0:\n", "    if over < 0.0:  # MUTANT: never redone with r first\n")],
+        [FP32_MAX_TEST],
+    ),
+    Mutant(
+        "sinkgd-power-tiles-r-last-triton", "47 SinkGD sums overflowing near the fp32 maximum",
+        "torch_fused/kernels/sinkgd.py", TRITON,
+        [("    b_x = b_g * tl.load(p_r + tl.load(row + R_OFF) + b * m + o_m, mask=m_m, other=0.0)[:, None]\n",
+          "    r_row = tl.load(p_r + tl.load(row + R_OFF) + b * m + o_m, mask=m_m, other=0.0)  # MUTANT: r last\n"
+          "    b_x = b_g\n"),
+         ("        col = tl.sum(b_x * u[:, None], axis=0)\n",
+          "        u = r_row * u\n        col = tl.sum(b_x * (r_row * u)[:, None], axis=0)\n")],
+        [FP32_MAX_TEST],
+    ),
+    Mutant(
+        "sinkgd-sharded-power-r-last", "47 SinkGD sums overflowing near the fp32 maximum",
+        "torch_fused/optim/sharded.py", CPU,
+        [("        out[:, a:e] = torch.einsum(\"bmn,bn->bm\", mat.r[:, a:e, None] * mat.g[:, a:e].to(mat.dt), x.to(mat.dt))\n",
+          "        out[:, a:e] = mat.r[:, a:e] * torch.einsum(\"bmn,bn->bm\", mat.g[:, a:e].to(mat.dt), x.to(mat.dt))  # MUTANT\n")],
+        ["tests/test_sinkgd_sharded.py::test_world_of_one_step_of_gradients_near_the_fp32_maximum"],
     ),
 ]
 
