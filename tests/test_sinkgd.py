@@ -941,6 +941,69 @@ def test_fallback_kwargs_lr_follows_an_lr_scheduler(schedule):
     assert ref.param_groups[0]["lr"] < 1e-4  # the schedule did cut the lr
 
 
+def _schedule(name, opt, peak):
+    """The lr scheduler ``name`` on ``opt`` for a run of 6 steps whose largest lr is ``peak``
+    (the lr the optimizer was constructed with): each of these sets the groups' lr when it is
+    constructed, OneCycleLR and CyclicLR from lrs of their own (max_lr / div_factor, base_lr,
+    also recorded as initial_lr), the rest as a factor of the constructed lr."""
+    S = torch.optim.lr_scheduler
+    if name == "OneCycleLR":  # a warm-up from peak / 25 (initial_lr), then a cosine decay
+        return S.OneCycleLR(opt, max_lr=peak, total_steps=6, pct_start=0.5, cycle_momentum=False)
+    if name == "CyclicLR":  # from peak / 10 up to peak and back
+        return S.CyclicLR(opt, base_lr=peak / 10, max_lr=peak, step_size_up=2, cycle_momentum=False)
+    if name == "LinearLR":
+        return S.LinearLR(opt, start_factor=0.1, total_iters=3)
+    if name == "ConstantLR":
+        return S.ConstantLR(opt, factor=0.25, total_iters=2)
+    if name == "LambdaLR":
+        return S.LambdaLR(opt, lambda k: (k + 1) / 4 if k < 3 else 0.5 ** (k - 2))
+    return S.SequentialLR(opt, [S.LinearLR(opt, start_factor=0.2, total_iters=2),
+                                S.CosineAnnealingLR(opt, T_max=4)], milestones=[2])
+
+
+@pytest.mark.parametrize("schedule", ["OneCycleLR", "CyclicLR", "LinearLR", "ConstantLR", "LambdaLR",
+                                      "SequentialLR"])
+def test_fallback_kwargs_lr_follows_a_scheduler_that_sets_the_lr_at_construction(schedule):
+    """A scheduler that sets the groups' lr when it is constructed (a warm-up's start): the
+    fallback_kwargs lr (biases, here) moves by the group's lr over the lr SinkGD was constructed
+    with (the schedule's peak), from the first step on, as torch.optim.AdamW under the same
+    schedule at its own peak. OneCycleLR and CyclicLR record an initial_lr (peak / 25, peak / 10)
+    below the constructed lr: taken as the base, it would give the biases 25x (10x) their lr at
+    the start of the warm-up."""
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(4, 3)
+    bias_ref = torch.nn.Parameter(lin.bias.detach().clone())
+    opt = SinkGD(lin.parameters(), lr=0.4, fallback_kwargs=dict(lr=0.01))
+    ref = torch.optim.AdamW([bias_ref], lr=0.01, weight_decay=0.0)
+    sched, ref_sched = _schedule(schedule, opt, 0.4), _schedule(schedule, ref, 0.01)
+    lrs = []
+    for _ in range(6):
+        g = torch.randn(3)
+        lin.weight.grad, lin.bias.grad, bias_ref.grad = torch.randn(3, 4), g.clone(), g.clone()
+        lrs.append(ref.param_groups[0]["lr"])
+        before = lin.bias.detach().clone()
+        opt.step()
+        ref.step()
+        torch.testing.assert_close(lin.bias - before, bias_ref.detach() - before, rtol=1e-5, atol=1e-9,
+                                   msg=lambda m: f"step {len(lrs)} at AdamW lr {lrs[-1]:.3g}: {m}")
+        sched.step()
+        ref_sched.step()
+    assert min(lrs) < 0.5 * max(lrs)  # the schedule did move the lr
+
+
+@pytest.mark.parametrize("schedule", ["OneCycleLR", "CyclicLR"])
+def test_a_scheduler_cycling_momentum_is_refused(schedule):
+    """OneCycleLR and CyclicLR cycle momentum by default: they refuse SinkGD (no momentum or
+    betas setting), naming cycle_momentum; docs/SINKGD.md says to pass cycle_momentum=False."""
+    opt = SinkGD(torch.nn.Linear(4, 3).parameters(), lr=0.4, fallback_kwargs=dict(lr=0.01))
+    S = torch.optim.lr_scheduler
+    with pytest.raises(ValueError, match="cycle_momentum"):
+        if schedule == "OneCycleLR":
+            S.OneCycleLR(opt, max_lr=0.4, total_steps=6)
+        else:
+            S.CyclicLR(opt, base_lr=0.04, max_lr=0.4)
+
+
 def test_fallback_lr_base_of_a_checkpoint_saved_without_it():
     """A state_dict saved before the group's lr at construction was recorded: the loaded group
     takes the constructed group's record, so a hand-set lr still scales a fallback_kwargs lr;

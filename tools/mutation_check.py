@@ -633,6 +633,15 @@ MUTANTS: list[Mutant] = [
           "        out[:, a:e] = mat.r[:, a:e] * torch.einsum(\"bmn,bn->bm\", mat.g[:, a:e].to(mat.dt), x.to(mat.dt))  # MUTANT\n")],
         ["tests/test_sinkgd_sharded.py::test_world_of_one_step_of_gradients_near_the_fp32_maximum"],
     ),
+    # 48: a fallback_kwargs lr relative to a scheduler's initial_lr before the lr the group was
+    #     constructed with (OneCycleLR's warm-up start: the biases at 25x their lr)
+    Mutant(
+        "fallback-lr-initial-lr-first", "48 a scheduler's initial_lr as the fallback lr's base",
+        "torch_fused/optim/sinkgd.py", CPU,
+        [("            start = group.get(\"fallback_lr_base\", group.get(\"initial_lr\"))\n",
+          "            start = group.get(\"initial_lr\", group.get(\"fallback_lr_base\"))  # MUTANT\n")],
+        ["tests/test_sinkgd.py::test_fallback_kwargs_lr_follows_a_scheduler_that_sets_the_lr_at_construction"],
+    ),
 ]
 
 

@@ -198,8 +198,9 @@ class SinkGD(Optimizer):
     ``lr_scale``) and tune: docs/SINKGD.md, "Choosing lr". The AdamW parameters of a group use its
     ``lr``, or ``fallback_kwargs["lr"]`` scaled as the group's lr moves away from the value it had
     when the group was added (an lr scheduler's factor, a hand-set lr: set the lr you train with
-    before constructing, or give it to the constructor). ``fallback_kwargs`` takes ``lr``,
-    ``weight_decay``, ``eps`` and ``betas``.
+    before constructing, or give it to the constructor; for a warm-up schedule, its peak).
+    ``fallback_kwargs`` takes ``lr``, ``weight_decay``, ``eps`` and ``betas``. ``OneCycleLR`` and
+    ``CyclicLR`` need ``cycle_momentum=False`` (SinkGD has no momentum to cycle): docs/SINKGD.md.
 
     ``lr`` may be a float or a 0-dim tensor; under ``torch.compile`` pass a tensor (and change it
     in place with ``fill_``) so a schedule never recompiles the step. A parameter without a
