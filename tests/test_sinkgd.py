@@ -1029,14 +1029,25 @@ def test_fallback_lr_base_of_a_checkpoint_saved_without_it():
 
 
 def test_hyperparameters_as_numpy_numbers_and_tensors_are_taken():
-    """Config and sweep tools pass NumPy numbers: integers for the iteration counts, floats for
-    lr_scale (and a 0-dim tensor lr_scale), as the step takes them."""
+    """Config and sweep tools pass NumPy numbers: integers for the iteration counts, floats (or
+    ints) for lr and the other float settings, NumPy bools for the flags; lr and lr_scale also
+    as 0-dim floating-point tensors; as the step takes them."""
     np = pytest.importorskip("numpy")
     w = torch.nn.Parameter(torch.randn(4, 6))
+    b = torch.nn.Parameter(torch.randn(6))
     for kw in (dict(sinkhorn_iters=np.int64(3), spectral_norm=True, spectral_iters=np.int32(2)),
                dict(lr_scale=np.float32(0.05), width_exponent=np.float64(0.5), base_width=4),
-               dict(lr_scale=torch.tensor(0.05))):
-        opt = SinkGD([w], lr=0.1, **kw)
+               dict(lr_scale=torch.tensor(0.05)),
+               dict(lr=np.float32(0.1), weight_decay=np.float64(0.01), eps=np.float32(1e-6)),
+               dict(lr=np.array(0.1), spectral_norm=np.bool_(True), stochastic_round=np.bool_(False)),
+               dict(lr=1, base_width=np.int64(4)),
+               dict(lr=np.int64(0)),
+               dict(lr=torch.tensor(0.1, dtype=torch.float64)),
+               dict(fallback_kwargs=dict(lr=np.float64(1e-3), betas=[np.float32(0.9), 0.95], eps=0, weight_decay=0)),
+               dict(fallback_kwargs=dict(lr=torch.tensor(1e-3)))):
+        kw = {"lr": 0.1, "fallback_kwargs": dict(lr=1e-3), **kw}
+        opt = SinkGD([w, b], **kw)
+        b.grad = torch.randn(6)
         w.grad = torch.randn(4, 6)
         opt.step()
         assert bool(torch.isfinite(w).all())
@@ -1052,9 +1063,40 @@ def test_a_use_fallback_groups_own_adamw_settings_are_checked():
 
 @pytest.mark.parametrize("kw,msg", [
     (dict(fallback_kwargs=dict(amsgrad=True)), r"fallback_kwargs: SinkGD's AdamW takes .*; got amsgrad"),
-    (dict(lr=torch.tensor(-0.1)), r"lr: expected >= 0, got a tensor holding -0.1"),
-    (dict(weight_decay=-0.1), r"weight_decay: expected >= 0, got -0.1"),
-    (dict(base_width=0.0), r"base_width: expected None or > 0, got 0.0"),
+    (dict(lr=torch.tensor(-0.1)), r"lr: expected a finite value >= 0, got a tensor holding -0.1"),
+    (dict(lr=torch.tensor(float("inf"))), r"lr: expected a finite value >= 0, got a tensor holding inf"),
+    (dict(lr="1e-3"), r"lr: expected a finite float >= 0 or a 0-dim floating-point tensor, got '1e-3'"),
+    (dict(lr=None), r"lr: expected a finite float >= 0 or a 0-dim floating-point tensor, got None"),
+    (dict(lr=True), r"lr: expected a finite float >= 0 or a 0-dim floating-point tensor, got True"),
+    (dict(lr=float("inf")), r"lr: expected a finite float >= 0 or a 0-dim floating-point tensor, got inf"),
+    (dict(lr=-1e-3), r"lr: expected a finite float >= 0 or a 0-dim floating-point tensor, got -0.001"),
+    (dict(lr=torch.tensor([0.1])), r"lr: expected a float or a 0-dim floating-point tensor, got a tensor of shape \(1,\)"),
+    (dict(lr=torch.tensor(1)), r"lr: expected a float or a 0-dim floating-point tensor, got .* dtype torch.int64"),
+    (dict(weight_decay=-0.1), r"weight_decay: expected a finite float >= 0, got -0.1"),
+    (dict(weight_decay="0.1"), r"weight_decay: expected a finite float >= 0, got '0.1'"),
+    (dict(weight_decay=None), r"weight_decay: expected a finite float >= 0, got None"),
+    (dict(base_width=0.0), r"base_width: expected None or a finite float > 0, got 0.0"),
+    (dict(base_width="256"), r"base_width: expected None or a finite float > 0, got '256'"),
+    (dict(eps=0.0), r"eps: expected a finite float > 0, got 0.0"),
+    (dict(eps="1e-8"), r"eps: expected a finite float > 0, got '1e-8'"),
+    (dict(eps=None), r"eps: expected a finite float > 0, got None"),
+    (dict(sinkhorn_iters=None), r"sinkhorn_iters: expected an int >= 0, got None"),
+    (dict(sinkhorn_iters=True), r"sinkhorn_iters: expected an int >= 0, got True"),
+    (dict(lr_scale=torch.tensor([0.05])), r"lr_scale: expected a finite float >= 0, got tensor\(\[0\.05"),
+    (dict(lr_scale="0.05"), r"lr_scale: expected a finite float >= 0, got '0.05'"),
+    (dict(width_exponent=None), r"width_exponent: expected a finite float, got None"),
+    (dict(spectral_target=None), r"spectral_target: expected 'unit' or 'muon', got None"),
+    (dict(spectral_target=["unit"]), r"spectral_target: expected 'unit' or 'muon', got \['unit'\]"),
+    (dict(spectral_norm="False"), r"spectral_norm: expected True or False, got 'False'"),
+    (dict(spectral_norm=1), r"spectral_norm: expected True or False, got 1"),
+    (dict(stochastic_round="yes"), r"stochastic_round: expected True or False, got 'yes'"),
+    (dict(fallback_kwargs=0.01), r"fallback_kwargs: expected None or a dict of AdamW settings"),
+    (dict(fallback_kwargs=[("lr", 0.01)]), r"fallback_kwargs: expected None or a dict of AdamW settings"),
+    (dict(fallback_kwargs=dict(lr="1e-3")), r"fallback_kwargs lr: expected a finite float >= 0 or a 0-dim"),
+    (dict(fallback_kwargs=dict(lr=torch.tensor([1e-3]))), r"fallback_kwargs lr: expected a float or a 0-dim"),
+    (dict(fallback_kwargs=dict(eps=None)), r"fallback_kwargs eps: expected a finite float >= 0 for SinkGD's AdamW"),
+    (dict(fallback_kwargs=dict(betas=("0.9", 0.99))), r"fallback_kwargs betas: expected two floats in \[0, 1\)"),
+    (dict(fallback_kwargs=dict(betas=(0.9, None))), r"fallback_kwargs betas: expected two floats in \[0, 1\)"),
     (dict(sinkhorn_iters=2.5), r"sinkhorn_iters: expected an int >= 0, got 2.5"),
     (dict(lr_scale=float("nan")), r"lr_scale: expected a finite float >= 0, got nan"),
     (dict(lr_scale=-1.0), r"lr_scale: expected a finite float >= 0, got -1.0"),
@@ -1063,9 +1105,10 @@ def test_a_use_fallback_groups_own_adamw_settings_are_checked():
     (dict(spectral_iters=2.5), r"spectral_iters: expected an int >= 0, got 2.5"),
     (dict(fallback_kwargs=dict(betas=(0.9,))), r"fallback_kwargs betas: expected two floats in \[0, 1\)"),
     (dict(fallback_kwargs=dict(betas=(1.5, 0.9))), r"fallback_kwargs betas: expected two floats in \[0, 1\)"),
-    (dict(fallback_kwargs=dict(lr=-1.0)), r"fallback_kwargs lr: expected >= 0 for SinkGD's AdamW, got -1.0"),
-    (dict(fallback_kwargs=dict(eps=-1.0)), r"fallback_kwargs eps: expected >= 0 for SinkGD's AdamW, got -1.0"),
-    (dict(fallback_kwargs=dict(weight_decay=float("nan"))), r"fallback_kwargs weight_decay: expected >= 0"),
+    (dict(fallback_kwargs=dict(lr=-1.0)), r"fallback_kwargs lr: expected a finite float >= 0 or .*, got -1.0"),
+    (dict(fallback_kwargs=dict(eps=-1.0)), r"fallback_kwargs eps: expected a finite float >= 0 for SinkGD's AdamW, "
+                                           r"got -1.0"),
+    (dict(fallback_kwargs=dict(weight_decay=float("nan"))), r"fallback_kwargs weight_decay: expected a finite float >= 0"),
 ])
 def test_bad_hyperparameters_raise_naming_them(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -1076,6 +1119,32 @@ def test_bad_hyperparameters_raise_naming_them(kw, msg):
     opt = SinkGD([torch.nn.Parameter(torch.randn(3, 4))])
     with pytest.raises(ValueError, match=msg):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, 5))], **kw})
+
+
+def test_bad_group_flags_and_param_groups_arguments_raise_naming_them():
+    """A group's use_fallback (not a constructor argument) and sinkgd_param_groups' arguments:
+    each error names the argument, as the constructor's do."""
+    p = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match=r"use_fallback: expected True or False, got 'yes'"):
+        SinkGD([{"params": [p], "use_fallback": "yes", "lr": 1e-3}])
+    with pytest.raises(ValueError, match=r"lr: expected a finite float >= 0 or a 0-dim floating-point tensor, got '1'"):
+        SinkGD([{"params": [p], "use_fallback": True, "lr": "1"}])
+    with pytest.raises(ValueError, match=r"param group betas: expected two floats in \[0, 1\) for SinkGD's AdamW"):
+        SinkGD([{"params": [p], "use_fallback": True, "lr": 1e-3, "betas": ("0.9", 0.99)}])
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"model: expected a torch.nn.Module, got list"):
+        sinkgd_param_groups(list(model.parameters()))
+    with pytest.raises(ValueError, match=r"sinkgd_param_groups: the AdamW group takes lr, weight_decay, eps, betas; "
+                                         r"got spectral_norm, weight_decya"):
+        sinkgd_param_groups(model, weight_decya=0.1, spectral_norm=True)
+    with pytest.raises(ValueError, match=r"sinkgd_param_groups lr: expected a finite float >= 0 or a 0-dim"):
+        sinkgd_param_groups(model, lr="3e-4")
+    with pytest.raises(ValueError, match=r"sinkgd_param_groups betas: expected two floats in \[0, 1\)"):
+        sinkgd_param_groups(model, betas=0.9)
+    with pytest.raises(ValueError, match=r"sinkgd_param_groups weight_decay: expected a finite float >= 0"):
+        sinkgd_param_groups(model, weight_decay=-0.1)
+    groups = sinkgd_param_groups(model, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    assert groups[1]["lr"] == 3e-4 and groups[1]["use_fallback"] is True
 
 
 def test_sparse_gradient_on_the_adamw_side_raises_before_any_update():

@@ -642,6 +642,18 @@ MUTANTS: list[Mutant] = [
           "            start = group.get(\"initial_lr\", group.get(\"fallback_lr_base\"))  # MUTANT\n")],
         ["tests/test_sinkgd.py::test_fallback_kwargs_lr_follows_a_scheduler_that_sets_the_lr_at_construction"],
     ),
+    # 49: the optimizer's argument checks: a 1-element 1-D or integer lr tensor taken, a flag
+    #     taken by its truth value (spectral_norm="False" turns the spectral step on)
+    Mutant(
+        "lr-tensor-shape-unchecked", "49 SinkGD arguments taken unchecked", "torch_fused/optim/sinkgd.py", CPU,
+        [("        if lr.dim() != 0 or not lr.is_floating_point():\n", "        if False:  # MUTANT\n")],
+        ["tests/test_sinkgd.py::test_bad_hyperparameters_raise_naming_them"],
+    ),
+    Mutant(
+        "flags-by-truth-value", "49 SinkGD arguments taken unchecked", "torch_fused/optim/sinkgd.py", CPU,
+        [("        if _flag(group[key]) is None:\n", "        if False:  # MUTANT\n")],
+        ["tests/test_sinkgd.py::test_bad_hyperparameters_raise_naming_them"],
+    ),
 ]
 
 
