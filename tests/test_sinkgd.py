@@ -941,6 +941,69 @@ def test_fallback_kwargs_lr_follows_an_lr_scheduler(schedule):
     assert ref.param_groups[0]["lr"] < 1e-4  # the schedule did cut the lr
 
 
+def _schedule(name, opt, peak):
+    """The lr scheduler ``name`` on ``opt`` for a run of 6 steps whose largest lr is ``peak``
+    (the lr the optimizer was constructed with): each of these sets the groups' lr when it is
+    constructed, OneCycleLR and CyclicLR from lrs of their own (max_lr / div_factor, base_lr,
+    also recorded as initial_lr), the rest as a factor of the constructed lr."""
+    S = torch.optim.lr_scheduler
+    if name == "OneCycleLR":  # a warm-up from peak / 25 (initial_lr), then a cosine decay
+        return S.OneCycleLR(opt, max_lr=peak, total_steps=6, pct_start=0.5, cycle_momentum=False)
+    if name == "CyclicLR":  # from peak / 10 up to peak and back
+        return S.CyclicLR(opt, base_lr=peak / 10, max_lr=peak, step_size_up=2, cycle_momentum=False)
+    if name == "LinearLR":
+        return S.LinearLR(opt, start_factor=0.1, total_iters=3)
+    if name == "ConstantLR":
+        return S.ConstantLR(opt, factor=0.25, total_iters=2)
+    if name == "LambdaLR":
+        return S.LambdaLR(opt, lambda k: (k + 1) / 4 if k < 3 else 0.5 ** (k - 2))
+    return S.SequentialLR(opt, [S.LinearLR(opt, start_factor=0.2, total_iters=2),
+                                S.CosineAnnealingLR(opt, T_max=4)], milestones=[2])
+
+
+@pytest.mark.parametrize("schedule", ["OneCycleLR", "CyclicLR", "LinearLR", "ConstantLR", "LambdaLR",
+                                      "SequentialLR"])
+def test_fallback_kwargs_lr_follows_a_scheduler_that_sets_the_lr_at_construction(schedule):
+    """A scheduler that sets the groups' lr when it is constructed (a warm-up's start): the
+    fallback_kwargs lr (biases, here) moves by the group's lr over the lr SinkGD was constructed
+    with (the schedule's peak), from the first step on, as torch.optim.AdamW under the same
+    schedule at its own peak. OneCycleLR and CyclicLR record an initial_lr (peak / 25, peak / 10)
+    below the constructed lr: taken as the base, it would give the biases 25x (10x) their lr at
+    the start of the warm-up."""
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(4, 3)
+    bias_ref = torch.nn.Parameter(lin.bias.detach().clone())
+    opt = SinkGD(lin.parameters(), lr=0.4, fallback_kwargs=dict(lr=0.01))
+    ref = torch.optim.AdamW([bias_ref], lr=0.01, weight_decay=0.0)
+    sched, ref_sched = _schedule(schedule, opt, 0.4), _schedule(schedule, ref, 0.01)
+    lrs = []
+    for _ in range(6):
+        g = torch.randn(3)
+        lin.weight.grad, lin.bias.grad, bias_ref.grad = torch.randn(3, 4), g.clone(), g.clone()
+        lrs.append(ref.param_groups[0]["lr"])
+        before = lin.bias.detach().clone()
+        opt.step()
+        ref.step()
+        torch.testing.assert_close(lin.bias - before, bias_ref.detach() - before, rtol=1e-5, atol=1e-9,
+                                   msg=lambda m: f"step {len(lrs)} at AdamW lr {lrs[-1]:.3g}: {m}")
+        sched.step()
+        ref_sched.step()
+    assert min(lrs) < 0.5 * max(lrs)  # the schedule did move the lr
+
+
+@pytest.mark.parametrize("schedule", ["OneCycleLR", "CyclicLR"])
+def test_a_scheduler_cycling_momentum_is_refused(schedule):
+    """OneCycleLR and CyclicLR cycle momentum by default: they refuse SinkGD (no momentum or
+    betas setting), naming cycle_momentum; docs/SINKGD.md says to pass cycle_momentum=False."""
+    opt = SinkGD(torch.nn.Linear(4, 3).parameters(), lr=0.4, fallback_kwargs=dict(lr=0.01))
+    S = torch.optim.lr_scheduler
+    with pytest.raises(ValueError, match="cycle_momentum"):
+        if schedule == "OneCycleLR":
+            S.OneCycleLR(opt, max_lr=0.4, total_steps=6)
+        else:
+            S.CyclicLR(opt, base_lr=0.04, max_lr=0.4)
+
+
 def test_fallback_lr_base_of_a_checkpoint_saved_without_it():
     """A state_dict saved before the group's lr at construction was recorded: the loaded group
     takes the constructed group's record, so a hand-set lr still scales a fallback_kwargs lr;
@@ -966,14 +1029,25 @@ def test_fallback_lr_base_of_a_checkpoint_saved_without_it():
 
 
 def test_hyperparameters_as_numpy_numbers_and_tensors_are_taken():
-    """Config and sweep tools pass NumPy numbers: integers for the iteration counts, floats for
-    lr_scale (and a 0-dim tensor lr_scale), as the step takes them."""
+    """Config and sweep tools pass NumPy numbers: integers for the iteration counts, floats (or
+    ints) for lr and the other float settings, NumPy bools for the flags; lr and lr_scale also
+    as 0-dim floating-point tensors; as the step takes them."""
     np = pytest.importorskip("numpy")
     w = torch.nn.Parameter(torch.randn(4, 6))
+    b = torch.nn.Parameter(torch.randn(6))
     for kw in (dict(sinkhorn_iters=np.int64(3), spectral_norm=True, spectral_iters=np.int32(2)),
                dict(lr_scale=np.float32(0.05), width_exponent=np.float64(0.5), base_width=4),
-               dict(lr_scale=torch.tensor(0.05))):
-        opt = SinkGD([w], lr=0.1, **kw)
+               dict(lr_scale=torch.tensor(0.05)),
+               dict(lr=np.float32(0.1), weight_decay=np.float64(0.01), eps=np.float32(1e-6)),
+               dict(lr=np.array(0.1), spectral_norm=np.bool_(True), stochastic_round=np.bool_(False)),
+               dict(lr=1, base_width=np.int64(4)),
+               dict(lr=np.int64(0)),
+               dict(lr=torch.tensor(0.1, dtype=torch.float64)),
+               dict(fallback_kwargs=dict(lr=np.float64(1e-3), betas=[np.float32(0.9), 0.95], eps=0, weight_decay=0)),
+               dict(fallback_kwargs=dict(lr=torch.tensor(1e-3)))):
+        kw = {"lr": 0.1, "fallback_kwargs": dict(lr=1e-3), **kw}
+        opt = SinkGD([w, b], **kw)
+        b.grad = torch.randn(6)
         w.grad = torch.randn(4, 6)
         opt.step()
         assert bool(torch.isfinite(w).all())
@@ -989,9 +1063,40 @@ def test_a_use_fallback_groups_own_adamw_settings_are_checked():
 
 @pytest.mark.parametrize("kw,msg", [
     (dict(fallback_kwargs=dict(amsgrad=True)), r"fallback_kwargs: SinkGD's AdamW takes .*; got amsgrad"),
-    (dict(lr=torch.tensor(-0.1)), r"lr: expected >= 0, got a tensor holding -0.1"),
-    (dict(weight_decay=-0.1), r"weight_decay: expected >= 0, got -0.1"),
-    (dict(base_width=0.0), r"base_width: expected None or > 0, got 0.0"),
+    (dict(lr=torch.tensor(-0.1)), r"lr: expected a finite value >= 0, got a tensor holding -0.1"),
+    (dict(lr=torch.tensor(float("inf"))), r"lr: expected a finite value >= 0, got a tensor holding inf"),
+    (dict(lr="1e-3"), r"lr: expected a finite float >= 0 or a 0-dim floating-point tensor, got '1e-3'"),
+    (dict(lr=None), r"lr: expected a finite float >= 0 or a 0-dim floating-point tensor, got None"),
+    (dict(lr=True), r"lr: expected a finite float >= 0 or a 0-dim floating-point tensor, got True"),
+    (dict(lr=float("inf")), r"lr: expected a finite float >= 0 or a 0-dim floating-point tensor, got inf"),
+    (dict(lr=-1e-3), r"lr: expected a finite float >= 0 or a 0-dim floating-point tensor, got -0.001"),
+    (dict(lr=torch.tensor([0.1])), r"lr: expected a float or a 0-dim floating-point tensor, got a tensor of shape \(1,\)"),
+    (dict(lr=torch.tensor(1)), r"lr: expected a float or a 0-dim floating-point tensor, got .* dtype torch.int64"),
+    (dict(weight_decay=-0.1), r"weight_decay: expected a finite float >= 0, got -0.1"),
+    (dict(weight_decay="0.1"), r"weight_decay: expected a finite float >= 0, got '0.1'"),
+    (dict(weight_decay=None), r"weight_decay: expected a finite float >= 0, got None"),
+    (dict(base_width=0.0), r"base_width: expected None or a finite float > 0, got 0.0"),
+    (dict(base_width="256"), r"base_width: expected None or a finite float > 0, got '256'"),
+    (dict(eps=0.0), r"eps: expected a finite float > 0, got 0.0"),
+    (dict(eps="1e-8"), r"eps: expected a finite float > 0, got '1e-8'"),
+    (dict(eps=None), r"eps: expected a finite float > 0, got None"),
+    (dict(sinkhorn_iters=None), r"sinkhorn_iters: expected an int >= 0, got None"),
+    (dict(sinkhorn_iters=True), r"sinkhorn_iters: expected an int >= 0, got True"),
+    (dict(lr_scale=torch.tensor([0.05])), r"lr_scale: expected a finite float >= 0, got tensor\(\[0\.05"),
+    (dict(lr_scale="0.05"), r"lr_scale: expected a finite float >= 0, got '0.05'"),
+    (dict(width_exponent=None), r"width_exponent: expected a finite float, got None"),
+    (dict(spectral_target=None), r"spectral_target: expected 'unit' or 'muon', got None"),
+    (dict(spectral_target=["unit"]), r"spectral_target: expected 'unit' or 'muon', got \['unit'\]"),
+    (dict(spectral_norm="False"), r"spectral_norm: expected True or False, got 'False'"),
+    (dict(spectral_norm=1), r"spectral_norm: expected True or False, got 1"),
+    (dict(stochastic_round="yes"), r"stochastic_round: expected True or False, got 'yes'"),
+    (dict(fallback_kwargs=0.01), r"fallback_kwargs: expected None or a dict of AdamW settings"),
+    (dict(fallback_kwargs=[("lr", 0.01)]), r"fallback_kwargs: expected None or a dict of AdamW settings"),
+    (dict(fallback_kwargs=dict(lr="1e-3")), r"fallback_kwargs lr: expected a finite float >= 0 or a 0-dim"),
+    (dict(fallback_kwargs=dict(lr=torch.tensor([1e-3]))), r"fallback_kwargs lr: expected a float or a 0-dim"),
+    (dict(fallback_kwargs=dict(eps=None)), r"fallback_kwargs eps: expected a finite float >= 0 for SinkGD's AdamW"),
+    (dict(fallback_kwargs=dict(betas=("0.9", 0.99))), r"fallback_kwargs betas: expected two floats in \[0, 1\)"),
+    (dict(fallback_kwargs=dict(betas=(0.9, None))), r"fallback_kwargs betas: expected two floats in \[0, 1\)"),
     (dict(sinkhorn_iters=2.5), r"sinkhorn_iters: expected an int >= 0, got 2.5"),
     (dict(lr_scale=float("nan")), r"lr_scale: expected a finite float >= 0, got nan"),
     (dict(lr_scale=-1.0), r"lr_scale: expected a finite float >= 0, got -1.0"),
@@ -1000,9 +1105,10 @@ def test_a_use_fallback_groups_own_adamw_settings_are_checked():
     (dict(spectral_iters=2.5), r"spectral_iters: expected an int >= 0, got 2.5"),
     (dict(fallback_kwargs=dict(betas=(0.9,))), r"fallback_kwargs betas: expected two floats in \[0, 1\)"),
     (dict(fallback_kwargs=dict(betas=(1.5, 0.9))), r"fallback_kwargs betas: expected two floats in \[0, 1\)"),
-    (dict(fallback_kwargs=dict(lr=-1.0)), r"fallback_kwargs lr: expected >= 0 for SinkGD's AdamW, got -1.0"),
-    (dict(fallback_kwargs=dict(eps=-1.0)), r"fallback_kwargs eps: expected >= 0 for SinkGD's AdamW, got -1.0"),
-    (dict(fallback_kwargs=dict(weight_decay=float("nan"))), r"fallback_kwargs weight_decay: expected >= 0"),
+    (dict(fallback_kwargs=dict(lr=-1.0)), r"fallback_kwargs lr: expected a finite float >= 0 or .*, got -1.0"),
+    (dict(fallback_kwargs=dict(eps=-1.0)), r"fallback_kwargs eps: expected a finite float >= 0 for SinkGD's AdamW, "
+                                           r"got -1.0"),
+    (dict(fallback_kwargs=dict(weight_decay=float("nan"))), r"fallback_kwargs weight_decay: expected a finite float >= 0"),
 ])
 def test_bad_hyperparameters_raise_naming_them(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -1013,6 +1119,32 @@ def test_bad_hyperparameters_raise_naming_them(kw, msg):
     opt = SinkGD([torch.nn.Parameter(torch.randn(3, 4))])
     with pytest.raises(ValueError, match=msg):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, 5))], **kw})
+
+
+def test_bad_group_flags_and_param_groups_arguments_raise_naming_them():
+    """A group's use_fallback (not a constructor argument) and sinkgd_param_groups' arguments:
+    each error names the argument, as the constructor's do."""
+    p = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match=r"use_fallback: expected True or False, got 'yes'"):
+        SinkGD([{"params": [p], "use_fallback": "yes", "lr": 1e-3}])
+    with pytest.raises(ValueError, match=r"lr: expected a finite float >= 0 or a 0-dim floating-point tensor, got '1'"):
+        SinkGD([{"params": [p], "use_fallback": True, "lr": "1"}])
+    with pytest.raises(ValueError, match=r"param group betas: expected two floats in \[0, 1\) for SinkGD's AdamW"):
+        SinkGD([{"params": [p], "use_fallback": True, "lr": 1e-3, "betas": ("0.9", 0.99)}])
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"model: expected a torch.nn.Module, got list"):
+        sinkgd_param_groups(list(model.parameters()))
+    with pytest.raises(ValueError, match=r"sinkgd_param_groups: the AdamW group takes lr, weight_decay, eps, betas; "
+                                         r"got spectral_norm, weight_decya"):
+        sinkgd_param_groups(model, weight_decya=0.1, spectral_norm=True)
+    with pytest.raises(ValueError, match=r"sinkgd_param_groups lr: expected a finite float >= 0 or a 0-dim"):
+        sinkgd_param_groups(model, lr="3e-4")
+    with pytest.raises(ValueError, match=r"sinkgd_param_groups betas: expected two floats in \[0, 1\)"):
+        sinkgd_param_groups(model, betas=0.9)
+    with pytest.raises(ValueError, match=r"sinkgd_param_groups weight_decay: expected a finite float >= 0"):
+        sinkgd_param_groups(model, weight_decay=-0.1)
+    groups = sinkgd_param_groups(model, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    assert groups[1]["lr"] == 3e-4 and groups[1]["use_fallback"] is True
 
 
 def test_sparse_gradient_on_the_adamw_side_raises_before_any_update():
@@ -1086,6 +1218,35 @@ def test_huge_gradients_give_the_finite_normalized_step(device, spectral, gdtype
         # W's own rounding (one fp32 ulp of |W| < 8) is the floor; a skipped step would miss by ~1e-2
         torch.testing.assert_close(d, deltas[0], rtol=1e-4, atol=8 * torch.finfo(torch.float32).eps,
                                    msg=lambda m: f"gradient scale 2^{k}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [48, 80])
+@pytest.mark.parametrize("spectral", [False, True])
+def test_gradients_near_the_fp32_maximum_give_the_normalized_step(device, n, spectral):
+    """Entries up to the fp32 maximum (1e30, 3e38) give the float64 formula's step on every row
+    pass: in the interpreter run rows of 48 take the one-read pass, rows of 80 the two-pass
+    kernels (several 64-wide tiles per row); on the plain CPU run, the reference. A norm a * s
+    (a the largest entry, s up to sqrt(n)) overflows there even scaled, and so does the power
+    pass's G (c v) for a positive G and v (every term of a row's sum the same sign): each must
+    be formed so that it stays finite, or the step comes out 0 (W unchanged) or NaN."""
+    g0 = torch.Generator().manual_seed(11)
+    w = torch.randn(2, 6, n, generator=g0)
+    base = torch.rand(2, 6, n, generator=g0) + 0.25  # positive: the power pass's row sums add up
+    base = base / base.amax()
+    v = torch.rand(2, n, generator=g0) + 0.5
+    v = v / v.norm(dim=1, keepdim=True)
+    for top in (1e30, 3e38):
+        g = (base.double() * top).float()
+        assert bool(torch.isfinite(g).all()) and g.abs().max() > 0.99 * top
+        ref_w, ref_v = ref_sinkgd(w, g, 0.5, iters=3, spectral=spectral, v=v)
+        wd_, vd = w.clone().to(device), v.clone().to(device)
+        sinkgd_step([wd_], [g.to(device)], lr=0.5, sinkhorn_iters=3, spectral_norm=spectral,
+                    spectral_vecs=[vd] if spectral else None)
+        assert bool(torch.isfinite(wd_).all()), f"entries up to {top:g}: a non-finite W"
+        _assert_update_close(wd_, ref_w, w, torch.float32, f"entries up to {top:g}: ")
+        if spectral:
+            torch.testing.assert_close(vd.cpu().double(), ref_v, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

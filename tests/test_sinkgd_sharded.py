@@ -680,7 +680,9 @@ def test_every_check_has_a_test():
 
 def test_row_step_of_huge_gradients_is_finite():
     """The PyTorch path's row step squares the rows scaled: a gradient scaled by 2^100 (its
-    squares past fp32) gives r scaled by 2^-100 and the same column partials."""
+    squares past fp32) gives r scaled by 2^-100 and the same column partials. Near the fp32
+    maximum (entries up to 2.6e38) neither the norm a * s nor G c (c > 1) may be formed: the
+    first iteration (r = c = 1) and a later one (r near 2^-127, c up to 1.5) give the same."""
     from torch_fused.optim import sharded as S
 
     gen = torch.Generator().manual_seed(3)
@@ -692,3 +694,59 @@ def test_row_step_of_huge_gradients_is_finite():
     assert bool(torch.isfinite(r2).all() and torch.isfinite(p2).all())
     torch.testing.assert_close(r2 * 2.0**100, r1, rtol=1e-6, atol=0)
     torch.testing.assert_close(p2, p1, rtol=1e-5, atol=0)
+    g = g / g.abs().amax() * 1.5  # entries up to 1.5 * 2^127 = 2.6e38 below
+    ones_r, ones_c = torch.ones(2, 5), torch.ones(2, 12)
+    for c_k, r_k, r_scale in ((ones_c, ones_r, 1.0), (c, r0, 2.0**-127)):
+        r1, p1 = S._row_values(g, c_k, r_k, 1e-8)
+        r2, p2 = S._row_values(g * 2.0**127, c_k, r_k * r_scale, 1e-8)
+        assert bool(torch.isfinite(r2).all() and torch.isfinite(p2).all())
+        # r near 2^-127 is subnormal in fp32 (about 23 bits at 1e-39)
+        torch.testing.assert_close(r2 * 2.0**127, r1, rtol=1e-5, atol=0)
+        torch.testing.assert_close(p2, p1, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spectral", [False, True])
+def test_world_of_one_step_of_gradients_near_the_fp32_maximum(device, spectral):
+    """The sharded step at a world of 1 (the fake process group: an all-reduce returns its
+    input) on entries up to 2.6e38 (the plain run: its PyTorch ops; on a Triton device: the
+    kernels, rows of 80 on the two-pass path in the interpreter run) is the step of the same
+    gradient scaled by 2^-127 (exact): a normalized step. A positive G and v make the power
+    pass's G (c v) overflow unless r is applied first."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torch_fused.optim import sinkgd_step
+    from torch_fused.optim.sharded import sinkgd_step_sharded
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(6, 48), (6, 80)]
+    ws = [torch.randn(sh, generator=gen).to(device) for sh in shapes]
+    gs = [torch.rand(sh, generator=gen) + 0.25 for sh in shapes]
+    gs = [(g / g.amax() * 1.5).to(device) for g in gs]
+    vs = [torch.rand(1, sh[1], generator=gen) + 0.5 for sh in shapes]
+    vs = [(v / v.norm()).to(device) for v in vs]
+    cfg = dict(lr=0.5, sinkhorn_iters=3, spectral_norm=spectral)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(device, (1,))
+        ps = [DTensor.from_local(w.clone(), mesh, [Shard(0)], run_check=False) for w in ws]
+        dgs = [DTensor.from_local(g * 2.0**127, mesh, [Shard(0)], run_check=False) for g in gs]
+        vecs = [v.clone() for v in vs] if spectral else None
+        sinkgd_step_sharded(ps, dgs, spectral_vecs=vecs, **cfg)
+    finally:
+        dist.destroy_process_group()
+    ref = [w.clone() for w in ws]
+    ref_vecs = [v.clone() for v in vs] if spectral else None
+    sinkgd_step(ref, gs, spectral_vecs=ref_vecs, **cfg)
+    for k, (p, want, w) in enumerate(zip(ps, ref, ws)):
+        got = p.to_local()
+        assert bool(torch.isfinite(got).all()), f"matrix {k}: a non-finite W"
+        # W's own rounding is the floor; a skipped step (W unchanged) misses by the whole step
+        torch.testing.assert_close(got - w, want - w, rtol=1e-4, atol=8 * torch.finfo(torch.float32).eps,
+                                   msg=lambda m: f"matrix {k}: {m}")
+    for k, (v, want) in enumerate(zip(vecs or [], ref_vecs or [])):
+        torch.testing.assert_close(v, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"warm-start vector {k}: {m}")

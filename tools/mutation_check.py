@@ -61,6 +61,8 @@ MASK_TESTS = ["tests/test_mask_reduce.py", "tests/test_masked.py"]
 SINKGD_TESTS = ["tests/test_sinkgd.py"]
 SHARDED_TESTS = ["tests/test_sinkgd_sharded.py"]
 LM_HEAD_TESTS = ["tests/test_linear_logprobs.py"]
+# the one test of a step on entries near the fp32 maximum (every row-pass path, spectral or not)
+FP32_MAX_TEST = "tests/test_sinkgd.py::test_gradients_near_the_fp32_maximum_give_the_normalized_step"
 
 
 @dataclasses.dataclass
@@ -91,8 +93,8 @@ MUTANTS: list[Mutant] = [
              "        stats[a:b, 1] = 0\n"),
             ("g = (torch.gather(d, 1, ib.clamp(0, max(v - 1, 0))) - log2s[:, None]) * LN2",
              "g = (torch.gather(x, 1, ib.clamp(0, max(v - 1, 0))) * c - lse[:, None]) * LN2"),
-            ("lp = ((x2[a:b].double() - st[a:b, :1]) * c - st[a:b, 1:]) * LN2",
-             "lp = (x2[a:b].double() * c - st[a:b, :1] - st[a:b, 1:]) * LN2"),
+            ("lp = ((x2[a:b].double() - st[a:b, :1]) * c - st[a:b, 1:]) * ln2",
+             "lp = (x2[a:b].double() * c - st[a:b, :1] - st[a:b, 1:]) * ln2"),
         ],
         LOGPROBS_TESTS,
     ),
@@ -184,10 +186,10 @@ MUTANTS: list[Mutant] = [
     # 6. SinkGD normalizing columns before rows (every iteration)
     Mutant(
         "sinkgd-cols-first-ref", "6 SinkGD columns normalized before rows", "torch_fused/reference.py", CPU,
-        [("        r = (r * math.sqrt(n) / _scaled_norm(x(), 2).clamp_min(eps)).clamp_max(SCALE_MAX)\n"
-          "        c = (c * math.sqrt(m) / _scaled_norm(x(), 1).clamp_min(eps)).clamp_max(SCALE_MAX)\n",
-          "        c = (c * math.sqrt(m) / _scaled_norm(x(), 1).clamp_min(eps)).clamp_max(SCALE_MAX)\n"
-          "        r = (r * math.sqrt(n) / _scaled_norm(x(), 2).clamp_min(eps)).clamp_max(SCALE_MAX)\n")],
+        [("        r = _rescaled(r, x(), 2, math.sqrt(n), eps)\n"
+          "        c = _rescaled(c, x(), 1, math.sqrt(m), eps)\n",
+          "        c = _rescaled(c, x(), 1, math.sqrt(m), eps)\n"
+          "        r = _rescaled(r, x(), 2, math.sqrt(n), eps)\n")],
         SINKGD_TESTS,
     ),
     Mutant(
@@ -601,6 +603,74 @@ MUTANTS: list[Mutant] = [
         [("    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num))\n",
           "    return num / den.clamp_min(1)  # MUTANT\n")],
         ["tests/test_masked.py"],
+    ),
+    # 49: the overflow of 14 past the one-read row pass: the two-pass kernels' row norms squared
+    # unscaled (rows wider than max_fused_n: 64 in the interpreter run), a norm a * s formed where
+    # it overflows (entries near the fp32 maximum; kernels, reference), the power pass's G (c v)
+    # summed before r is applied (kernels' one-read and two-pass passes, the sharded PyTorch path)
+    Mutant(
+        "sinkgd-two-pass-row-norm-unscaled-triton", "49 SinkGD sums overflowing near the fp32 maximum",
+        "torch_fused/kernels/sinkgd.py", TRITON,
+        [("        if tl.max(s) > SSQ_SCALED:\n", "        if tl.max(s) < 0.0:  # MUTANT: never redone scaled\n")],
+        [FP32_MAX_TEST],
+    ),
+    Mutant(
+        "sinkgd-row-norm-formed-triton", "49 SinkGD sums overflowing near the fp32 maximum",
+        "torch_fused/kernels/sinkgd.py", TRITON,
+        [("tl.minimum(r_old * (target / s) / tl.maximum(a, eps / s), SCALE_MAX)",
+          "tl.minimum(r_old * target / tl.maximum(a * s, eps), SCALE_MAX)  # MUTANT")],
+        [FP32_MAX_TEST],
+    ),
+    Mutant(
+        "sinkgd-row-norm-formed-ref", "49 SinkGD sums overflowing near the fp32 maximum",
+        "torch_fused/reference.py", CPU,
+        [("    return (v * (target / s) / torch.maximum(a, eps / s)).clamp_max(SCALE_MAX)\n",
+          "    return (v * target / (a * s).clamp_min(eps)).clamp_max(SCALE_MAX)  # MUTANT\n")],
+        [FP32_MAX_TEST],
+    ),
+    Mutant(
+        "sinkgd-power-rows-r-last-triton", "49 SinkGD sums overflowing near the fp32 maximum",
+        "torch_fused/kernels/sinkgd.py", TRITON,
+        [("    if over > 0.0:\n", "    if over < 0.0:  # MUTANT: never redone with r first\n")],
+        [FP32_MAX_TEST],
+    ),
+    Mutant(
+        "sinkgd-power-tiles-r-last-triton", "49 SinkGD sums overflowing near the fp32 maximum",
+        "torch_fused/kernels/sinkgd.py", TRITON,
+        [("    b_x = b_g * tl.load(p_r + tl.load(row + R_OFF) + b * m + o_m, mask=m_m, other=0.0)[:, None]\n",
+          "    r_row = tl.load(p_r + tl.load(row + R_OFF) + b * m + o_m, mask=m_m, other=0.0)  # MUTANT: r last\n"
+          "    b_x = b_g\n"),
+         ("        col = tl.sum(b_x * u[:, None], axis=0)\n",
+          "        u = r_row * u\n        col = tl.sum(b_x * (r_row * u)[:, None], axis=0)\n")],
+        [FP32_MAX_TEST],
+    ),
+    Mutant(
+        "sinkgd-sharded-power-r-last", "49 SinkGD sums overflowing near the fp32 maximum",
+        "torch_fused/optim/sharded.py", CPU,
+        [("        out[:, a:e] = torch.einsum(\"bmn,bn->bm\", mat.r[:, a:e, None] * mat.g[:, a:e].to(mat.dt), x.to(mat.dt))\n",
+          "        out[:, a:e] = mat.r[:, a:e] * torch.einsum(\"bmn,bn->bm\", mat.g[:, a:e].to(mat.dt), x.to(mat.dt))  # MUTANT\n")],
+        ["tests/test_sinkgd_sharded.py::test_world_of_one_step_of_gradients_near_the_fp32_maximum"],
+    ),
+    # 50: a fallback_kwargs lr relative to a scheduler's initial_lr before the lr the group was
+    #     constructed with (OneCycleLR's warm-up start: the biases at 25x their lr)
+    Mutant(
+        "fallback-lr-initial-lr-first", "50 a scheduler's initial_lr as the fallback lr's base",
+        "torch_fused/optim/sinkgd.py", CPU,
+        [("            start = group.get(\"fallback_lr_base\", group.get(\"initial_lr\"))\n",
+          "            start = group.get(\"initial_lr\", group.get(\"fallback_lr_base\"))  # MUTANT\n")],
+        ["tests/test_sinkgd.py::test_fallback_kwargs_lr_follows_a_scheduler_that_sets_the_lr_at_construction"],
+    ),
+    # 51: the optimizer's argument checks: a 1-element 1-D or integer lr tensor taken, a flag
+    #     taken by its truth value (spectral_norm="False" turns the spectral step on)
+    Mutant(
+        "lr-tensor-shape-unchecked", "51 SinkGD arguments taken unchecked", "torch_fused/optim/sinkgd.py", CPU,
+        [("        if lr.dim() != 0 or not lr.is_floating_point():\n", "        if False:  # MUTANT\n")],
+        ["tests/test_sinkgd.py::test_bad_hyperparameters_raise_naming_them"],
+    ),
+    Mutant(
+        "flags-by-truth-value", "51 SinkGD arguments taken unchecked", "torch_fused/optim/sinkgd.py", CPU,
+        [("        if _flag(group[key]) is None:\n", "        if False:  # MUTANT\n")],
+        ["tests/test_sinkgd.py::test_bad_hyperparameters_raise_naming_them"],
     ),
 ]
 

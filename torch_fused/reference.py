@@ -397,20 +397,26 @@ def mask_reduce_backward(grad, x, dim, mask=None, scale=None):
 # ---------------------------------------------------------------------------------------------
 # SinkGD
 # ---------------------------------------------------------------------------------------------
-def _scaled_norm(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """l2 norm of x over dim, computed scaled (divided by the largest |x| before squaring), so
-    any finite x gives a finite norm: an fp32 sum of squares overflows past about 1.8e19."""
-    a = x.abs().amax(dim, keepdim=True)
-    a = torch.where(a > 0, a, torch.ones_like(a))
-    return (x / a).square().sum(dim).sqrt() * a.squeeze(dim)
+def _rescaled(v: torch.Tensor, x: torch.Tensor, dim: int, target: float, eps: float) -> torch.Tensor:
+    """v * target / max(|x|, eps) with |x| the l2 norm of x over dim, clamped at SCALE_MAX. The norm
+    is computed scaled (divided by the largest |x| before squaring: an fp32 sum of squares
+    overflows past about 1.8e19) and never formed: with a = max |x| and s = |x / a| in [1, sqrt(len)],
+    v * (target / s) / max(a, eps / s), so that entries near the fp32 maximum, whose norm a * s
+    itself overflows, still give the finite scale. A zero x (a = 0) gives v * target / eps."""
+    a = x.abs().amax(dim)
+    live = a > 0
+    s = (x / torch.where(live, a, 1.0).unsqueeze(dim)).square().sum(dim).sqrt()
+    s = torch.where(live, s, 1.0)
+    return (v * (target / s) / torch.maximum(a, eps / s)).clamp_max(SCALE_MAX)
 
 
 def sinkgd_scales(g: torch.Tensor, iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and column scales r [B, m], c [B, n] with X = diag(r) G diag(c) after ``iters``
     SR-Sinkhorn iterations (rows to l2 norm sqrt(n), then columns to sqrt(m)) on a [B, m, n]
-    gradient; float32 math (float64 for a float64 gradient), norms computed scaled. The scales
-    are clamped at 1e30 so that a (near-)zero row or column, whose scale would grow by
-    sqrt(n)/eps every iteration, never overflows into inf * 0 = NaN."""
+    gradient; float32 math (float64 for a float64 gradient), norms computed scaled (any finite
+    gradient gives finite scales). The scales are clamped at 1e30 so that a (near-)zero row or
+    column, whose scale would grow by sqrt(n)/eps every iteration, never overflows into
+    inf * 0 = NaN."""
     b, m, n = g.shape
     dt = acc_dtype(g.dtype)
     gf = g.to(dt)
@@ -421,8 +427,8 @@ def sinkgd_scales(g: torch.Tensor, iters: int, eps: float) -> tuple[torch.Tensor
         return r[:, :, None] * gf * c[:, None, :]
 
     for _ in range(iters):
-        r = (r * math.sqrt(n) / _scaled_norm(x(), 2).clamp_min(eps)).clamp_max(SCALE_MAX)
-        c = (c * math.sqrt(m) / _scaled_norm(x(), 1).clamp_min(eps)).clamp_max(SCALE_MAX)
+        r = _rescaled(r, x(), 2, math.sqrt(n), eps)
+        c = _rescaled(c, x(), 1, math.sqrt(m), eps)
     return r, c
 
 

@@ -16,9 +16,11 @@ One iteration reads G once (matrices with n <= max_fused_n, all common LLM weigh
 
 So a step is L + 3 passes over the gradient's bytes (L row passes, then the update reads G and W
 and writes W) plus the small partials. Wider matrices (n > max_fused_n) take two passes per
-iteration: ``_sinkgd_sums_kernel`` (AXIS=0) writes row partials of [BM, BN] tiles and
-``_sinkgd_scale_kernel`` (AXIS=0) finishes r, then ``_sinkgd_sums_kernel`` (AXIS=1) writes the
-column partials that the same column scale launch finishes.
+iteration: ``_sinkgd_sums_kernel`` (AXIS=0) writes row partials of [BM, BN] tiles (each tile
+row's norm, squared scaled where it would overflow) and ``_sinkgd_scale_kernel`` (AXIS=0)
+finishes r from them (combined scaled), then ``_sinkgd_sums_kernel`` (AXIS=1) writes the column
+partials that the same column scale launch finishes. Every norm is computed so that any finite
+gradient gives finite scales, as the one-read row pass does.
 
 - ``_sinkgd_update_kernel``: W <- W - coef_x[b] * r_i c_j G_ij - coef_w * W in fp32, stored in
   W's dtype, optionally with stochastic rounding to bf16.
@@ -29,7 +31,7 @@ power iteration one more pass over G and two small launches:
 - ``_sinkgd_power_rows_kernel`` (the row pass's programs and tiles): u_i = r_i sum_j G_ij c_j v_j
   from the rows a program holds, then G_ij (r_i u_i) into per-program column partials and
   sum u_i^2 into one |u|^2 partial per program. Wider matrices: ``_sinkgd_power_tiles_kernel``,
-  AXIS=0 row partials of G (c v), AXIS=1 u and the column partials.
+  AXIS=0 row partials of (r G) (c v), AXIS=1 u and the column partials (r applied to G first).
 - ``_sinkgd_power_cols_kernel``: w_j = c_j sum(partials of j) / max(|u|, eps) = (X^T u)_j with
   u normalized, written into v, and per-block partials of |w|^2.
 - ``_sinkgd_power_norm_kernel``: sigma = |w|, v <- w / sigma, and the scale target / max(sigma,
@@ -304,30 +306,33 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
         r_sq = tl.minimum(r_new, SQRT_FP32_MAX)  # a zero row's r_new = 1e30 meets q = 0: keep r_new^2 finite
         acc += q * (r_sq * r_sq)
     if worst > SSQ_SCALED:
-        # Rare: some row's squares overflowed fp32. The program's rows again, each y scaled by
-        # its largest |y| (a): the row norm a sqrt(sum (y/a)^2) and the column terms
-        # (r_new a)^2 (y/a)^2 stay finite. The big rows finish their r here (the others' r
-        # stand); the column partials are rebuilt from every row. Out of the pipelined loop
-        # above, so the common case pays only the running max of the row sums.
+        # Rare: some row's squares overflowed fp32 (or g c itself did: c > 1 on entries near the
+        # fp32 maximum). The program's rows again as x = (r_old g) c, X's row before this step
+        # (bounded), each scaled by its largest |x| (a): with s = sqrt(sum (x/a)^2) in
+        # [1, sqrt(n)], the row norm a s is never formed (it overflows for entries near the fp32
+        # maximum): r_new = r_old (target / s) / max(a, eps / s), and the column terms
+        # (r_new g c)^2 = (a r_new / r_old)^2 (x/a)^2 stay finite. The big rows finish their r
+        # here (the others' r stand: there x is already the new row); the column partials are
+        # rebuilt from every row. Out of the pipelined loop above, so the common case pays only
+        # the running max of the row sums.
         acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
         for k in range(0, tl.cdiv(n_rows, RB)):
             rows = k * RB + o_r
             m_r = rows < n_rows
-            y = tl.load(p_g + k * RB * n + t_off, mask=m_r & m_ld, other=0.0).to(tl.float32)
-            if not ONES_C:
-                y = y * b_c
-            a = tl.max(tl.abs(y), axis=1, keep_dims=True)
-            a = tl.where(a > 0, a, 1.0)
-            y = y / a
-            q = y * y
-            ssq = tl.sum(q, axis=1, keep_dims=True)
             r_cur = tl.load(p_rb + rows, mask=m_r, other=1.0)
             big = r_cur < 0  # left by the first loop with -r_old
             r_old = tl.abs(r_cur)
-            r_new = tl.minimum(r_old * target / tl.maximum(r_old * (a * tl.sqrt(ssq)), eps), SCALE_MAX)
-            r_new = tl.where(big, r_new, r_cur)
+            x = tl.load(p_g + k * RB * n + t_off, mask=m_r & m_ld, other=0.0).to(tl.float32) * r_old
+            if not ONES_C:
+                x = x * b_c
+            a = tl.max(tl.abs(x), axis=1, keep_dims=True)
+            live = a > 0
+            x = x / tl.where(live, a, 1.0)
+            q = x * x
+            s = tl.where(live, tl.sqrt(tl.sum(q, axis=1, keep_dims=True)), 1.0)
+            r_new = tl.where(big, tl.minimum(r_old * (target / s) / tl.maximum(a, eps / s), SCALE_MAX), r_cur)
             tl.store(p_rb + rows, r_new, mask=m_r)
-            r_sq = tl.minimum(r_new * a, SQRT_FP32_MAX)
+            r_sq = tl.minimum(tl.where(big, r_new / r_old, 1.0) * a, SQRT_FP32_MAX)
             acc += q * (r_sq * r_sq)
     col = tl.sum(acc, axis=0, keep_dims=True)
     tl.store(p_pc + o_n, col, mask=m_n)
@@ -365,9 +370,18 @@ def _sinkgd_sums_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
         b_c = tl.load(p_c + tl.load(row + C_OFF) + b * n + o_n, mask=m_n, other=0.0)
         b_x = b_x * b_c[None, :]
     b_x2 = b_x * b_x
-    if AXIS == 0:  # row sums: partials [B, tiles_n, m]
+    if AXIS == 0:  # row norms: partials [B, tiles_n, m]
+        # each partial is the tile row's l2 norm / sqrt(BN) (at most its largest |x|: finite
+        # for any finite G). Where a square sum passes SSQ_SCALED (entries past about 1.8e19 /
+        # sqrt(BN)), the tile's rows are redone in registers, each x scaled by its largest |x|
+        # before squaring; _sinkgd_scale_kernel (AXIS=0) combines the partials scaled as well.
         s = tl.sum(b_x2, axis=1)
-        tl.store(p_part + tl.load(row + PR_OFF) + (b * tiles_n + t_n) * m + o_m, s, mask=m_m)
+        nrm = tl.sqrt(s * (1.0 / BN))
+        if tl.max(s) > SSQ_SCALED:
+            a = tl.max(tl.abs(b_x), axis=1)
+            y = b_x / tl.where(a > 0, a, 1.0)[:, None]
+            nrm = a * tl.sqrt(tl.sum(y * y, axis=1) * (1.0 / BN))
+        tl.store(p_part + tl.load(row + PR_OFF) + (b * tiles_n + t_n) * m + o_m, nrm, mask=m_m)
     else:  # column sums: partials [B, tiles_m, n]
         s = tl.sum(b_x2, axis=0)
         tl.store(p_part + tl.load(row + PC_OFF) + (b * tiles_m + t_m) * n + o_n, s, mask=m_n)
@@ -404,13 +418,17 @@ def _sum_partials(p_p, p_u, n_parts, length, o, msk, WITH_U: tl.constexpr, BLOCK
 def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
                          AXIS: tl.constexpr, PART_TILE: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
                          ONES: tl.constexpr, SUMMED: tl.constexpr):
-    """AXIS=0: r <- r sqrt(n) / max(row norm, eps), from row partials of PART_TILE-wide tiles;
-    AXIS=1: c <- c sqrt(m) / max(col norm, eps), from the N_PC column partials the meta row
-    names. ONES: the vector is still all ones (first iteration): written, not read. A program
-    finishes BLOCK entries, reading their partials PARTS at a time (a [PARTS, BLOCK] tile per
-    trip: few dependent trips even for a tall matrix's hundreds of partials), summed in a
-    fixed order: deterministic. SUMMED (AXIS=1, sharded rows): p_part is the sums buffer, one
-    finished (all-reduced) sum per column at S_OFF; m is the whole matrix's (MG)."""
+    """AXIS=0: r <- r sqrt(n) / max(row norm, eps), from the row norm partials of PART_TILE-wide
+    tiles (each a tile row's norm / sqrt(PART_TILE), _sinkgd_sums_kernel), combined scaled: with
+    a the largest partial and q = sqrt(PART_TILE sum (p / a)^2), the norm is a q, never formed
+    (it overflows for entries near the fp32 maximum): r <- r (sqrt(n) / q) / max(a, eps / q).
+    AXIS=1: c <- c sqrt(m) / max(col norm, eps), from the N_PC column partials (sums of squares
+    of X's bounded entries) the meta row names. ONES: the vector is still all ones (first
+    iteration): written, not read. A program finishes BLOCK entries, reading their partials
+    PARTS at a time (a [PARTS, BLOCK] tile per trip: few dependent trips even for a tall
+    matrix's hundreds of partials), summed in a fixed order: deterministic. SUMMED (AXIS=1,
+    sharded rows): p_part is the sums buffer, one finished (all-reduced) sum per column at
+    S_OFF; m is the whole matrix's (MG)."""
     mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + M)
     n = tl.load(row + N)
@@ -434,14 +452,36 @@ def _sinkgd_scale_kernel(p_meta, p_first, n_mats, p_vec, p_part, eps,
     b = local // blocks
     o = (local % blocks) * BLOCK + tl.arange(0, BLOCK)
     msk = o < length
-    acc, _ = _sum_partials(p_part + poff + b * n_parts * length, p_part, n_parts, length, o, msk, False, BLOCK,
-                           PARTS)
+    p_p = p_part + poff + b * n_parts * length
+    if AXIS == 0:
+        # the largest partial a of each row, then the sum of (p / a)^2: two loops over the
+        # row's cdiv(n, PART_TILE) partials
+        o_k = tl.arange(0, PARTS)
+        top = tl.zeros([PARTS, BLOCK], dtype=tl.float32)
+        for k in range(0, n_parts, PARTS):
+            ks = k + o_k
+            top = tl.maximum(top, tl.load(p_p + ks[:, None] * length + o[None, :],
+                                          mask=(ks < n_parts)[:, None] & msk[None, :], other=0.0))
+        a = tl.max(top, axis=0)
+        live = a > 0
+        a_div = tl.where(live, a, 1.0)[None, :]
+        acc2 = tl.zeros([PARTS, BLOCK], dtype=tl.float32)
+        for k in range(0, n_parts, PARTS):
+            ks = k + o_k
+            y = tl.load(p_p + ks[:, None] * length + o[None, :], mask=(ks < n_parts)[:, None] & msk[None, :],
+                        other=0.0) / a_div
+            acc2 += y * y
+        q = tl.where(live, tl.sqrt(tl.sum(acc2, axis=0) * PART_TILE), 1.0)
+    else:
+        acc, _ = _sum_partials(p_p, p_part, n_parts, length, o, msk, False, BLOCK, PARTS)
+        a = tl.sqrt(acc)
+        q = 1.0
     p_v = p_vec + off + b * length + o
     if ONES:
-        v = target / tl.maximum(tl.sqrt(acc), eps)
+        v = (target / q) / tl.maximum(a, eps / q)
     else:
         v = tl.load(p_v, mask=msk, other=0.0)
-        v = v * target / tl.maximum(tl.sqrt(acc), eps)
+        v = v * (target / q) / tl.maximum(a, eps / q)
     tl.store(p_v, tl.minimum(v, SCALE_MAX), mask=msk)
 
 
@@ -453,7 +493,10 @@ def _sinkgd_power_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, 
     u_i = r_i sum_j G_ij (c_j v_j) from the row it holds, then the row's column terms
     G_ij (r_i u_i) into a per-program column accumulator (one partial per (program, column),
     the row pass's layout: PC_OFF, N_PC) and sum_i u_i^2 of its rows into one |u|^2 partial
-    (U_OFF). Same tiles and software pipelining as _sinkgd_rows_kernel; r and c are final."""
+    (U_OFF). Same tiles and software pipelining as _sinkgd_rows_kernel; r and c are final.
+    Where some row's d_i = sum_j G_ij (c_j v_j) is not finite (entries past about 1e36 for
+    long rows: G's scale sits in r, not in c v), the program's rows are redone with r applied
+    first, x_ij = r_i G_ij: u_i = sum_j x_ij (c_j v_j) and the column terms x_ij u_i."""
     mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + M)
     n = tl.load(row + N)
@@ -489,6 +532,7 @@ def _sinkgd_power_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, 
     cv = tl.load(p_cb + o_n, mask=m_ld, other=0.0) * tl.load(p_vb + o_n, mask=m_ld, other=0.0)
     acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
     usq = tl.zeros([RB, 1], dtype=tl.float32)
+    over = 0.0  # 1 where some row's d overflowed: the rows are redone below
     if PIPE == 0:
         g_next = tl.load(p_g + t_off, mask=(o_r < n_rows) & m_ld, other=0.0)
     for k in tl.range(0, tl.cdiv(n_rows, RB), num_stages=PIPE if PIPE > 0 else None):
@@ -501,10 +545,25 @@ def _sinkgd_power_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, 
             b_g = tl.load(p_g + k * RB * n + t_off, mask=m_r & m_ld, other=0.0)
         g = b_g.to(tl.float32)
         d = tl.sum(g * cv, axis=1, keep_dims=True)
+        over = tl.maximum(over, tl.max(tl.where(tl.abs(d) < float("inf"), 0.0, 1.0)))  # inf or NaN
         r = tl.load(p_rb + rows, mask=m_r, other=0.0)
         u = r * d  # (X v)_i; r_i (r_i d_i) would overflow for a huge r_i, r_i u_i does not
         usq += u * u
         acc += g * (r * u)
+    if over > 0.0:
+        # Rare: G's entries so large that a row's sum overflowed fp32 (r is tiny there). The
+        # program's rows again with r applied first: x = r G is X's row before c, bounded.
+        # Out of the pipelined loop above: the common case pays one max per trip.
+        acc = tl.zeros([RB, BLOCK_N], dtype=tl.float32)
+        usq = tl.zeros([RB, 1], dtype=tl.float32)
+        for k in range(0, tl.cdiv(n_rows, RB)):
+            rows = k * RB + o_r
+            m_r = rows < n_rows
+            x = (tl.load(p_g + k * RB * n + t_off, mask=m_r & m_ld, other=0.0).to(tl.float32)
+                 * tl.load(p_rb + rows, mask=m_r, other=0.0))
+            u = tl.sum(x * cv, axis=1, keep_dims=True)
+            usq += u * u
+            acc += x * u
     tl.store(p_pc + o_n, tl.sum(acc, axis=0, keep_dims=True), mask=m_n)
     tl.store(p_upart + tl.load(row + U_OFF) + b * tiles_m + t_m, tl.sum(usq))
 
@@ -513,11 +572,12 @@ def _sinkgd_power_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, 
 def _sinkgd_power_tiles_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, p_cpart, p_upart,
                                AXIS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PART_TILE: tl.constexpr,
                                ALIGN: tl.constexpr):
-    """The power pass of rows wider than max_fused_n, over [BM, BN] tiles in two launches.
-    AXIS=0: row partials sum_j G_ij (c_j v_j) of PART_TILE-wide tiles (p_part, the two-pass
-    path's row partial layout). AXIS=1: each program sums its rows' partials in a fixed order
-    into u_i = r_i d_i, writes the tile's column terms G_ij (r_i u_i) as column partials
-    (p_cpart: PC_OFF, N_PC) and, for its first column tile, its rows' |u|^2 partial (U_OFF)."""
+    """The power pass of rows wider than max_fused_n, over [BM, BN] tiles in two launches, on
+    x_ij = r_i G_ij (r applied first: finite sums for any finite G). AXIS=0: row partials
+    sum_j x_ij (c_j v_j) of PART_TILE-wide tiles (p_part, the two-pass path's row partial
+    layout). AXIS=1: each program sums its rows' partials in a fixed order into u_i, writes the
+    tile's column terms x_ij u_i as column partials (p_cpart: PC_OFF, N_PC) and, for its first
+    column tile, its rows' |u|^2 partial (U_OFF)."""
     mat, local, row = _program_matrix(p_meta, p_first, n_mats)
     m = tl.load(row + M)
     n = tl.load(row + N)
@@ -537,20 +597,21 @@ def _sinkgd_power_tiles_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part,
     b_g = tl.load(p_g + (b * m + t_m * BM) * n + t_n * BN + t_off,
                   mask=m_m[:, None] & m_n[None, :], other=0.0).to(tl.float32)
     p_pr = p_part + tl.load(row + PR_OFF)
+    # x = r G, X's rows before c: bounded where G's entries are near the fp32 maximum (r tiny),
+    # so the sums below stay finite (G (c v) itself overflows there)
+    b_x = b_g * tl.load(p_r + tl.load(row + R_OFF) + b * m + o_m, mask=m_m, other=0.0)[:, None]
     if AXIS == 0:
         p_v = tl.load(row + V_PTR).to(tl.pointer_type(tl.float32))
         cv = (tl.load(p_c + tl.load(row + C_OFF) + b * n + o_n, mask=m_n, other=0.0)
               * tl.load(p_v + b * n + o_n, mask=m_n, other=0.0))
-        s = tl.sum(b_g * cv[None, :], axis=1)
+        s = tl.sum(b_x * cv[None, :], axis=1)
         tl.store(p_pr + (b * tl.cdiv(n, BN) + t_n) * m + o_m, s, mask=m_m)
     else:
         n_pr = tl.cdiv(n, PART_TILE)
-        d = tl.zeros([BM], dtype=tl.float32)
+        u = tl.zeros([BM], dtype=tl.float32)
         for k in range(0, n_pr):
-            d += tl.load(p_pr + (b * n_pr + k) * m + o_m, mask=m_m, other=0.0)
-        r = tl.load(p_r + tl.load(row + R_OFF) + b * m + o_m, mask=m_m, other=0.0)
-        u = r * d
-        col = tl.sum(b_g * (r * u)[:, None], axis=0)
+            u += tl.load(p_pr + (b * n_pr + k) * m + o_m, mask=m_m, other=0.0)
+        col = tl.sum(b_x * u[:, None], axis=0)
         tl.store(p_cpart + tl.load(row + PC_OFF) + (b * tiles_m + t_m) * n + o_n, col, mask=m_n)
         tl.store(p_upart + tl.load(row + U_OFF) + b * tiles_m + t_m, tl.sum(u * u), mask=t_n == 0)
 

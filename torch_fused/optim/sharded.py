@@ -333,18 +333,21 @@ def _row_pass(mat: _Mat, eps: float) -> torch.Tensor:
 
 
 def _mv(mat: _Mat, x: torch.Tensor) -> torch.Tensor:
-    """G x over the local rows: [b_loc, m_loc] from [b_loc, n] (mat.dt, chunked)."""
+    """diag(r) G x over the local rows: [b_loc, m_loc] from [b_loc, n] (mat.dt, chunked). Each
+    chunk is scaled by r before the products, so that the sums stay finite for entries near the
+    fp32 maximum (G x alone overflows there)."""
     out = torch.empty(mat.info.b_loc, mat.info.m_loc, dtype=mat.dt, device=mat.w.device)
     for a, e in mat.chunks():
-        out[:, a:e] = torch.einsum("bmn,bn->bm", mat.g[:, a:e].to(mat.dt), x.to(mat.dt))
+        out[:, a:e] = torch.einsum("bmn,bn->bm", mat.r[:, a:e, None] * mat.g[:, a:e].to(mat.dt), x.to(mat.dt))
     return out
 
 
 def _mv_t(mat: _Mat, y: torch.Tensor) -> torch.Tensor:
-    """G^T y over the local rows: [b_loc, n] partials from [b_loc, m_loc]."""
+    """(diag(r) G)^T y over the local rows: [b_loc, n] partials from [b_loc, m_loc] (r applied to
+    each chunk, as in _mv)."""
     out = torch.zeros(mat.info.b_loc, mat.info.n, dtype=mat.dt, device=mat.w.device)
     for a, e in mat.chunks():
-        out += torch.einsum("bmn,bm->bn", mat.g[:, a:e].to(mat.dt), y[:, a:e].to(mat.dt))
+        out += torch.einsum("bmn,bm->bn", mat.r[:, a:e, None] * mat.g[:, a:e].to(mat.dt), y[:, a:e].to(mat.dt))
     return out
 
 
@@ -365,15 +368,21 @@ def _row_values(g, c, r_old, eps: float):
     """Row step of a chunk of rows g [b, s, n]: (new r [b, s], column partials [b, n]), in c's
     dtype (fp32; float64 for a float64 matrix)."""
     target = math.sqrt(g.shape[-1])  # from the shape: one compiled graph for every n
-    y = g.to(c.dtype) * c[:, None, :]  # G_ij c_j: one temporary in c's dtype
-    # scaled by each row's largest |y| before squaring, so that no finite gradient overflows
-    a = y.abs().amax(2)
-    a = torch.where(a > 0, a, torch.ones_like(a))
-    q = y.div_(a[:, :, None]).square_()
-    norm = r_old * a * q.sum(2).sqrt()
-    r_new = (r_old * target / norm.clamp_min(eps)).clamp_max(SCALE_MAX)
-    # a zero row's r_new = 1e30 meets q = 0: (r_new a)^2 kept finite (as the kernels do)
-    return r_new, torch.einsum("bmn,bm->bn", q, (r_new * a).clamp_max(SQRT_FP32_MAX).square())
+    # x = (r_old G_ij) c_j, X's row before this step: bounded, where G c alone overflows for
+    # entries near the fp32 maximum (one temporary in c's dtype)
+    x = g.to(c.dtype) * r_old[:, :, None] * c[:, None, :]
+    # scaled by each row's largest |x| (a) before squaring, so that no finite gradient overflows;
+    # the row norm a s (s = |x / a| in [1, sqrt(n)]) is never formed: it overflows there too
+    a = x.abs().amax(2)
+    live = a > 0
+    q = x.div_(torch.where(live, a, 1.0)[:, :, None]).square_()
+    s = torch.where(live, q.sum(2).sqrt(), 1.0)
+    ratio = (target / s) / torch.maximum(a, eps / s)  # r_new / r_old
+    r_new = (r_old * ratio).clamp_max(SCALE_MAX)
+    # (r_new G c)^2 = (a r_new / r_old)^2 q; a zero row's r_new = 1e30 meets q = 0 (and a = 0):
+    # kept finite (as the kernels do)
+    coef = (r_new / r_old * a).clamp_max(SQRT_FP32_MAX)
+    return r_new, torch.einsum("bmn,bm->bn", q, coef.square())
 
 
 # On CUDA the chunk functions run compiled (torch.compile, dynamic shapes): each becomes a few
@@ -521,8 +530,8 @@ def _torch_step(mats, salts, lr_d, step, stochastic_round, *, lr_scale, weight_d
         for _ in range(spectral_iters):
             parts = []
             for mat in mats:
-                u = mat.r * _mv(mat, mat.c * mat.v)
-                w = mat.c * _mv_t(mat, mat.r * u)
+                u = _mv(mat, mat.c * mat.v)
+                w = mat.c * _mv_t(mat, u)
                 parts.append(torch.cat([w, u.square().sum(1, keepdim=True)], dim=1))
             parts = _reduce_groups(mats, parts)
             for k, (mat, part) in enumerate(zip(mats, parts)):

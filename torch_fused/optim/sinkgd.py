@@ -8,6 +8,7 @@ import math
 import numbers
 import operator
 import warnings
+from collections.abc import Mapping
 
 import torch
 from torch.optim import Optimizer
@@ -87,33 +88,32 @@ _ADAMW = _functional_adamw()
 def _check_group(group) -> None:
     """A param group's settings (the optimizer's defaults filled in), each error naming its
     argument; a tensor lr is read here once, never in a step."""
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"lr: expected a float or a 1-element tensor, got shape {tuple(lr.shape)}")
-        if not float(lr) >= 0:
-            raise ValueError(f"lr: expected >= 0, got a tensor holding {float(lr)}")
-    elif not lr >= 0:
-        raise ValueError(f"lr: expected >= 0, got {lr}")
+    _check_lr(group["lr"], "lr")
     it = _count(group["sinkhorn_iters"])
     if it is None or it < 0:
         raise ValueError(f"sinkhorn_iters: expected an int >= 0, got {group['sinkhorn_iters']!r}")
-    if not group["weight_decay"] >= 0:
-        raise ValueError(f"weight_decay: expected >= 0, got {group['weight_decay']}")
-    if group["base_width"] is not None and not group["base_width"] > 0:
-        raise ValueError(f"base_width: expected None or > 0, got {group['base_width']}")
-    bad = sorted(set(group["fallback_kwargs"] or {}) - set(ADAMW_GROUP_KEYS))
-    if bad:
-        raise ValueError(f"fallback_kwargs: SinkGD's AdamW takes {', '.join(ADAMW_GROUP_KEYS)}; got {', '.join(bad)}")
-    if group["spectral_target"] not in ("unit", "muon"):
-        raise ValueError(f"spectral_target: expected 'unit' or 'muon', got {group['spectral_target']!r}")
-    if not group["eps"] > 0:
-        raise ValueError(f"eps: expected > 0, got {group['eps']}")
+    wd = _finite_float(group["weight_decay"])
+    if wd is None or wd < 0:
+        raise ValueError(f"weight_decay: expected a finite float >= 0, got {group['weight_decay']!r}")
+    if group["base_width"] is not None:
+        width = _finite_float(group["base_width"])
+        if width is None or not width > 0:
+            raise ValueError(f"base_width: expected None or a finite float > 0, got {group['base_width']!r}")
+    _check_fallback_kwargs(group["fallback_kwargs"])
+    target = group["spectral_target"]
+    if not (isinstance(target, str) and target in ("unit", "muon")):
+        raise ValueError(f"spectral_target: expected 'unit' or 'muon', got {target!r}")
+    eps = _finite_float(group["eps"])
+    if eps is None or not eps > 0:
+        raise ValueError(f"eps: expected a finite float > 0, got {group['eps']!r}")
     scale = _finite_float(group["lr_scale"])
     if scale is None or scale < 0:
         raise ValueError(f"lr_scale: expected a finite float >= 0, got {group['lr_scale']!r}")
     if _finite_float(group["width_exponent"]) is None:
         raise ValueError(f"width_exponent: expected a finite float, got {group['width_exponent']!r}")
+    for key in ("spectral_norm", "stochastic_round", "use_fallback"):
+        if _flag(group[key]) is None:
+            raise ValueError(f"{key}: expected True or False, got {group[key]!r}")
     it, least = _count(group["spectral_iters"]), 1 if group["spectral_norm"] else 0
     if it is None or it < least:
         raise ValueError(f"spectral_iters: expected an int >= {least}"
@@ -124,10 +124,45 @@ def _check_group(group) -> None:
         _check_adamw_settings({k: group[k] for k in own}, "param group")
 
 
+def _check_lr(lr, name: str) -> None:
+    """An lr as SinkGD (and its AdamW) takes it: a finite number >= 0 (a Python or NumPy number,
+    not a bool) or a 0-dim floating-point tensor holding one (read here once: a tensor changed
+    in place later is the scheduler's business). ``name`` is the argument named in the error."""
+    if isinstance(lr, torch.Tensor):
+        if lr.dim() != 0 or not lr.is_floating_point():
+            raise ValueError(f"{name}: expected a float or a 0-dim floating-point tensor, got a tensor of shape "
+                             f"{tuple(lr.shape)} and dtype {lr.dtype}")
+        value = float(lr)
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}: expected a finite value >= 0, got a tensor holding {value}")
+        return
+    value = _finite_float(lr)
+    if value is None or value < 0:
+        raise ValueError(f"{name}: expected a finite float >= 0 or a 0-dim floating-point tensor, got {lr!r}")
+
+
+def _check_fallback_kwargs(kw) -> None:
+    """fallback_kwargs: None or a dict of AdamW settings (ADAMW_GROUP_KEYS); the values are
+    checked by _check_adamw_settings."""
+    if kw is None:
+        return
+    if not isinstance(kw, Mapping):
+        raise ValueError(f"fallback_kwargs: expected None or a dict of AdamW settings "
+                         f"({', '.join(ADAMW_GROUP_KEYS)}), got {kw!r}")
+    bad = sorted(map(str, set(kw) - set(ADAMW_GROUP_KEYS)))
+    if bad:
+        raise ValueError(f"fallback_kwargs: SinkGD's AdamW takes {', '.join(ADAMW_GROUP_KEYS)}; got {', '.join(bad)}")
+
+
 def _finite_float(value):
-    """``value`` as a finite float (a Python or NumPy number, not a bool), else None."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+    """``value`` as a finite float (a Python or NumPy number or 0-dim NumPy array, not a bool; a
+    0-dim floating-point tensor, read here once), else None."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or not value.is_floating_point():
+            return None
         value = float(value)  # read once, here (the step takes it as a float too)
+    elif type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and value.dtype.kind in "fiu":
+        value = value.item()  # a 0-dim NumPy array (a NumPy scalar is a numbers.Real already)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     value = float(value)
@@ -141,18 +176,33 @@ def _count(value):
     return operator.index(value)
 
 
+def _flag(value):
+    """``value`` as a bool (a Python or NumPy bool), else None: a string such as "False" or a
+    number is refused, not taken by its truth value."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and value.dtype.kind == "b":
+        return bool(value)
+    return None
+
+
 def _check_adamw_settings(kw, where: str) -> None:
     """The values of AdamW settings (lr, weight_decay, eps, betas) as torch.optim.AdamW takes
     them, each error naming the setting and where it was given."""
-    for key in ("lr", "weight_decay"):
-        if key in kw and not isinstance(kw[key], torch.Tensor) and not kw[key] >= 0:
-            raise ValueError(f"{where} {key}: expected >= 0 for SinkGD's AdamW, got {kw[key]}")
-    if "eps" in kw and not kw["eps"] >= 0:
-        raise ValueError(f"{where} eps: expected >= 0 for SinkGD's AdamW, got {kw['eps']}")
+    if "lr" in kw:
+        _check_lr(kw["lr"], f"{where} lr")
+    for key in ("weight_decay", "eps"):
+        if key in kw:
+            value = _finite_float(kw[key])
+            if value is None or value < 0:
+                raise ValueError(f"{where} {key}: expected a finite float >= 0 for SinkGD's AdamW, got {kw[key]!r}")
     if "betas" in kw:
         b = kw["betas"]
-        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(0.0 <= float(x) < 1.0 for x in b)):
+        vals = [_finite_float(x) for x in b] if isinstance(b, (tuple, list)) else []
+        if not (len(vals) == 2 and all(v is not None and 0.0 <= v < 1.0 for v in vals)):
             raise ValueError(f"{where} betas: expected two floats in [0, 1) for SinkGD's AdamW, got {b!r}")
+
+
 # the keys of a use_fallback group that set its AdamW (SinkGD.add_param_group)
 ADAMW_GROUP_KEYS = ("lr", "weight_decay", "eps", "betas")
 
@@ -198,8 +248,9 @@ class SinkGD(Optimizer):
     ``lr_scale``) and tune: docs/SINKGD.md, "Choosing lr". The AdamW parameters of a group use its
     ``lr``, or ``fallback_kwargs["lr"]`` scaled as the group's lr moves away from the value it had
     when the group was added (an lr scheduler's factor, a hand-set lr: set the lr you train with
-    before constructing, or give it to the constructor). ``fallback_kwargs`` takes ``lr``,
-    ``weight_decay``, ``eps`` and ``betas``.
+    before constructing, or give it to the constructor; for a warm-up schedule, its peak).
+    ``fallback_kwargs`` takes ``lr``, ``weight_decay``, ``eps`` and ``betas``. ``OneCycleLR`` and
+    ``CyclicLR`` need ``cycle_momentum=False`` (SinkGD has no momentum to cycle): docs/SINKGD.md.
 
     ``lr`` may be a float or a 0-dim tensor; under ``torch.compile`` pass a tensor (and change it
     in place with ``fill_``) so a schedule never recompiles the step. A parameter without a
@@ -222,6 +273,7 @@ class SinkGD(Optimizer):
                  spectral_norm=False, spectral_target="unit", spectral_iters=1, base_width=None,
                  width_exponent=1.0, stochastic_round=False, fallback_kwargs=None):
         # every group's settings, these defaults filled in, are checked in add_param_group
+        _check_fallback_kwargs(fallback_kwargs)  # before it is copied into a dict
         defaults = dict(lr=lr, sinkhorn_iters=sinkhorn_iters, lr_scale=lr_scale, weight_decay=weight_decay,
                         eps=eps, spectral_norm=spectral_norm, spectral_target=spectral_target,
                         spectral_iters=spectral_iters, base_width=base_width, width_exponent=width_exponent,
@@ -476,7 +528,7 @@ def sinkgd_param_groups(model: torch.nn.Module, **fallback_group):
     """Two param groups for SinkGD, as in the paper's setup: the matrices of the model's hidden
     layers (SinkGD), and everything else (AdamW, through ``use_fallback=True``). Extra keyword
     arguments go into the AdamW group and set its AdamW (``lr``, ``weight_decay``, ``eps``,
-    ``betas``; e.g. ``lr=3e-4, weight_decay=0.1``).
+    ``betas``, checked here: another keyword raises ValueError; e.g. ``lr=3e-4, weight_decay=0.1``).
 
     AdamW gets every parameter with ndim < 2 and every parameter of the model's embeddings and
     output head, found by module identity, never by a substring of a parameter's name:
@@ -490,6 +542,13 @@ def sinkgd_param_groups(model: torch.nn.Module, **fallback_group):
     So ``attention.output.dense.weight`` of a BERT layer stays with SinkGD. A tied weight
     appears once, in the AdamW group.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    bad = sorted(set(fallback_group) - set(ADAMW_GROUP_KEYS))
+    if bad:
+        raise ValueError(f"sinkgd_param_groups: the AdamW group takes {', '.join(ADAMW_GROUP_KEYS)}; "
+                         f"got {', '.join(bad)}")
+    _check_adamw_settings(fallback_group, "sinkgd_param_groups")
     head = {id(p) for mod in _head_modules(model) for p in mod.parameters()}
     sink, rest = [], []
     for p in model.parameters():  # each tensor once: a tied weight is one object
