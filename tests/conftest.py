@@ -94,9 +94,22 @@ def pytest_unconfigure(config):
         proc.kill()
 
 
+def interpreter_report(lines) -> None:
+    """Keep the interpreter run's output for this run's summary."""
+    _INTERPRETER["report"] = lines
+
+
 def pytest_terminal_summary(terminalreporter):
-    """Skips summarized by cause (one line per reason, with its count), not one per test."""
+    """The interpreter run's report as one section; skips summarized by cause (one line per
+    reason, with its count), not one per test."""
     from collections import Counter
+
+    report = _INTERPRETER.get("report")
+    if report:
+        terminalreporter.write_sep("=", "interpreter run (TRITON_INTERPRET=1): the same tests through the real "
+                                        "Triton kernels, a second pytest process")
+        for line in report:
+            terminalreporter.write(line)
 
     reasons = Counter()
     for rep in terminalreporter.stats.get("skipped", []):

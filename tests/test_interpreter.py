@@ -7,10 +7,9 @@ real kernels instead of the plain-PyTorch reference. Shapes are small there (tes
 shrinks the tiles so that small shapes still reach every kernel branch).
 
 The child process starts when the pytest session starts (tests/conftest.py), so that on a machine with
-two cores it runs beside the plain CPU suite; this test waits for it and streams its progress.
+two cores it runs beside the plain CPU suite; this test waits for it, and its report (progress and
+summary) is printed once, as a section of this run's summary, not inside this run's progress line.
 """
-
-import sys
 
 import pytest
 
@@ -23,15 +22,9 @@ def test_suite_under_triton_interpreter(request):
     import conftest
 
     proc = conftest.interpreter_run(request.config)
-    out = []
-    with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-        sys.stdout.write("\n\n==== interpreter run (TRITON_INTERPRET=1): the same tests through the real Triton "
-                         "kernels, a second pytest process; its own summary follows ====\n")
-        for line in proc.stdout:
-            out.append(line)
-            sys.stdout.write(line)
-            sys.stdout.flush()
+    out = list(proc.stdout)  # its report is printed once, in this run's summary (conftest)
     proc.wait(timeout=60)
+    conftest.interpreter_report(out)
     tail = "".join(out)[-6000:]
     assert proc.returncode == 0, f"interpreter run failed:\n{tail}"
     assert " passed" in tail, tail

@@ -121,10 +121,10 @@ class Tiles:
     row_tile: tuple = (8, 1024, 4)  # two-pass path, row sums: BM, BN, warps
     col_tile: tuple = (128, 64, 4)  # two-pass path, column sums
     upd_tile: tuple = (32, 256, 4)  # [BM, BN] tiles of the update: BN 256 divides the common widths (768, 3072)
-    scale_block: int = 32  # _sinkgd_scale_kernel: entries per program (the faster of 32 and 64 on the sinkgd suite)
+    scale_block: int = 32  # _sinkgd_scale_kernel: entries per program (32 or 64: the sinkgd suite times them)
     scale_parts: int = 64  # and partials per trip
-    # _sinkgd_rows_kernel tiles (rows_config), chosen by a tile sweep on an H200: elements per
-    # thread and row, the most warps a program gets, rows per program, rows per trip
+    # _sinkgd_rows_kernel tiles (rows_config; the sinkgd_tiles setting replaces them for a sweep):
+    # elements per thread and row, the most warps a program gets, rows per program, rows per trip
     rows_elems: int = 32
     rows_max_warps: int = 16
     rows_bm: int = 64
@@ -266,8 +266,7 @@ def _sinkgd_rows_kernel(p_meta, p_first, n_mats, p_gdt, p_r, p_c, p_part, eps,
     worst = 0.0  # the largest row sum of squares: past SSQ_SCALED, the rows are redone scaled
     # software pipelined: with PIPE (rows_pipe) by Triton, PIPE - 1 trips' loads staged through
     # shared memory ahead of this one; else the next trip's rows are loaded into registers
-    # during this trip's reduction (deeper register prefetch, or c re-read every trip instead of
-    # held, were slower on the sinkgd suite). The trip
+    # during this trip's reduction (c is held, not re-read every trip). The trip
     # is issue-bound as much as memory-bound, so per element it does only a convert, y = g c,
     # q = y^2, a sum and one fma: r stays out of the elementwise work, since
     # |r g c| = r |g c| for the row norm and (r_new g c)^2 = r_new^2 q for the column terms.

@@ -10,12 +10,11 @@ Log-probs at ``index`` and the entropy of ``softmax(z / T)``, z = softcap(logit_
   exponentials, entropy sum, the indexed logits), folded over the column tiles here.
   Backward: the tile's d logits from the whole rows' statistics, stored once in the weight's
   dtype into a vocabulary chunk [N, v] (the ``lm_head_chunk_bytes`` setting, of fp32, so v is twice as wide in
-  bf16) that the d weight and d hidden GEMMs (cuBLAS) read. Faster than cuBLAS GEMMs into fp32
-  chunks followed by the statistics kernels (``python -m torch_fused.bench --sweep --only
-  lm_head``; figures in docs/BENCHMARKS.md).
+  bf16) that the d weight and d hidden GEMMs (cuBLAS) read: the logits never make a round trip
+  through memory in fp32 (``python -m torch_fused.bench --sweep --only lm_head`` compares it
+  with cuBLAS GEMMs into fp32 chunks; figures in docs/BENCHMARKS.md).
 - Otherwise, forward: vocabulary chunks over all N tokens (a token chunk would re-read the
-  whole weight per chunk: at N = 8192, V = 151936 that made the forward memory-bound on the
-  weight, 2.1x one GEMM). Each chunk's logits [N, v] come from one GEMM with fp32 output
+  whole weight per chunk, which makes the forward memory-bound on the weight at large V). Each chunk's logits [N, v] come from one GEMM with fp32 output
   (``torch.mm(..., out_dtype=torch.float32)`` on CUDA) and go through one kernel
   (kernels/logprobs.py, _chunk_merge_kernel) that folds the chunk's row statistics (max, sum
   of exponentials, entropy sum, the indexed logit) into running ones, as the log-prob kernels
@@ -67,13 +66,13 @@ _BWD = f"{NAMESPACE}::_linear_logprobs_entropy_backward"
 # lm_head_min_cols: narrowest vocabulary chunk on CUDA. Every backward chunk reads and writes the fp32 [N, H] d
 # hidden accumulator once, so narrow chunks cost that traffic many times over (N = 16384,
 # H = 3584: 470 MB a chunk); at very many tokens the chunks grow past the budget instead
-# (N = 32768: 2048 columns, 256 MiB). Narrower forward chunks were slower too.
+# (N = 32768: 2048 columns, 256 MiB).
 # lm_head_dlogits_min_cols: the same for the fused backward's w.dtype d logits chunks, which hold no fp32
 # logits: from 16384 tokens on its budget would give fewer than 8192 columns, and the d hidden
 # traffic of the extra chunks cost more than the larger chunk (bf16: 256 MiB at N = 16384,
 # 512 MiB at N = 32768; the budget's 8192 columns at N = 8192 are unchanged). The lm_head sweep
-# (python -m torch_fused.bench --sweep --only lm_head) measured 2-4% less forward+backward time
-# at N = 16384 and 32768 with 8192 columns than with 2048.
+# (python -m torch_fused.bench --sweep --only lm_head; benchmarks/results/sweep_lm_head.json)
+# compares 8192 columns with 2048.
 # lm_head_fused_gemm: the passes ("forward", "backward") whose logits GEMMs run inside the Triton kernels
 # (kernels/lm_head.py) for bf16 / fp16 weights without a softcap; the others: cuBLAS GEMMs
 # into fp32 chunks, then the statistics / d logits kernels.

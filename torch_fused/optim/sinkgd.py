@@ -462,7 +462,7 @@ class SinkGD(Optimizer):
             # a later group's matrices: checked here, since earlier groups would have moved when
             # its own step rejected them (a group's own step checks the first group's; the
             # common layouts, sinkgd_param_groups', have SinkGD matrices in one group only, so
-            # no pass of this per step: about 0.8 us per matrix on the host)
+            # no pass of this per step: it would cost host time per matrix)
             plain = [(p, g) for p, g in zip(mats, grads) if not is_dtensor(p)] if gi and mats else ()
             if plain and not _all_valid(*zip(*plain)):  # one cheap pass; names the culprit only on failure
                 where = {id(p): j for j, p in enumerate(group["params"])}
