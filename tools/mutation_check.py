@@ -626,7 +626,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "packed-aggregate-s-tensor", "52 an [S] tensor in the packed aggregate_loss", "torch_fused/masked.py", CPU,
-        [("    s = s.reshape(-1)\n", "    s = s.reshape(-1).narrow(0, 1, s.numel() - 2) * 1  # MUTANT\n")],
+        [("    s = s.reshape(-1)\n", "    s = s.reshape(-1)[1:-1]  # MUTANT: the S sequences' sums\n"),
+         ("    w = w.reshape(-1)\n", "    w = w.reshape(-1)[1:-1]  # MUTANT\n")],
         ["tests/test_packed.py"],
     ),
     Mutant(
