@@ -298,6 +298,45 @@ def test_compiled_every_mode_one_sequence_and_many():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(torch._dynamo.utils.counters["stats"])
 
 
+@pytest.mark.cuda
+def test_cuda_packed_without_a_device_sync_and_compiled_once():
+    """On CUDA the values of cu_seqlens are not read: every helper and packed_targets run without
+    a device sync (torch.cuda.set_sync_debug_mode("error") raises on one), equal to the float64
+    formula; compiled with Inductor, one graph as S and T change."""
+    def on_cuda(d):
+        return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in d.items()}
+
+    def run(g):
+        x, m, cu = g["loss"][None], g["mask"][None], g["cu"]
+        aggs = [torch_fused.aggregate_loss(x, m, mode, cu_seqlens=cu, **_agg_kwargs(mode, g)) for mode in AGG_MODES]
+        return aggs, torch_fused.masked_mean(x, m, 1, cu_seqlens=cu), torch_fused.packed_targets(m, cu, 0)
+
+    run(on_cuda(_data(RUNS[0], 0, "float32")))  # first calls (kernel compiles) outside the sync check
+    torch.cuda.synchronize()
+    before = torch.cuda.get_sync_debug_mode()
+    for i, lengths in enumerate(RUNS):
+        d = _data(lengths, i, "float32")
+        g = on_cuda(d)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            aggs, means, _ = run(g)
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+        for mode, v in zip(AGG_MODES, aggs):
+            _assert_matches(v.cpu(), d, mode, _norm_len(d), mode)
+        _assert_matches(means.cpu()[0], d, "mean", what="masked_mean")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    f = torch.compile(_helpers, fullgraph=True, dynamic=True)
+    for i, lengths in enumerate(RUNS):
+        g = on_cuda(_data(lengths, i, "float32"))
+        got = f(g["loss"][None], g["mask"][None], g["cu"], _norm_len(g))
+        want = _helpers(g["loss"][None], g["mask"][None], g["cu"], _norm_len(g))
+        for name, a, b in zip(COMPILED, got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(torch._dynamo.utils.counters["stats"])
+
+
 # ---------------------------------------------------------------------------------------------
 # errors: eager and compiled, naming the argument
 # ---------------------------------------------------------------------------------------------
