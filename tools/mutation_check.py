@@ -672,6 +672,40 @@ MUTANTS: list[Mutant] = [
         [("        if _flag(group[key]) is None:\n", "        if False:  # MUTANT\n")],
         ["tests/test_sinkgd.py::test_bad_hyperparameters_raise_naming_them"],
     ),
+    # 52-56: packed batches (cu_seqlens): a boundary token put in the sequence before it, an empty
+    # sequence left out of seq-mean-token-sum's count, the log-prob targets scoring across a
+    # boundary, an [S] tensor in aggregate_loss (torch.compile specializes S == 1: a recompile),
+    # and the CPU values of cu_seqlens unchecked in a compiled call
+    Mutant(
+        "packed-boundary-left", "52 a sequence's first token counted in the sequence before it", "torch_fused/packed.py",
+        CPU, [("    return torch.searchsorted(cu_seqlens, pos, right=True)\n",
+               "    return torch.searchsorted(cu_seqlens, pos, right=False)  # MUTANT\n")],
+        ["tests/test_packed.py"],
+    ),
+    Mutant(
+        "packed-empty-not-counted", "53 empty sequences left out of seq-mean-token-sum's S", "torch_fused/masked.py", CPU,
+        [("        return s.sum() / torch.sym_max(cu_seqlens.shape[0] - 1, 1)\n",
+          "        return s.sum() / torch.clamp((cu_seqlens[1:] > cu_seqlens[:-1]).sum(), min=1)  # MUTANT\n")],
+        ["tests/test_packed.py"],
+    ),
+    Mutant(
+        "packed-targets-cross", "54 packed targets that score across a boundary", "torch_fused/packed.py", CPU,
+        [("    return torch.roll(input_ids, -1, -1).masked_fill(last, ignore_index)\n",
+          "    return torch.roll(input_ids, -1, -1).masked_fill(pos == length - 1, ignore_index)  # MUTANT\n")],
+        ["tests/test_packed.py"],
+    ),
+    Mutant(
+        "packed-aggregate-s-tensor", "55 an [S] tensor in the packed aggregate_loss", "torch_fused/masked.py", CPU,
+        [("    s = s.reshape(-1)\n", "    s = s.reshape(-1)[1:-1]  # MUTANT: the S sequences' sums\n"),
+         ("    w = w.reshape(-1)\n", "    w = w.reshape(-1)[1:-1]  # MUTANT\n")],
+        ["tests/test_packed.py"],
+    ),
+    Mutant(
+        "packed-values-unchecked-compiled", "56 cu_seqlens' values unchecked in a compiled CPU call",
+        "torch_fused/packed.py", CPU,
+        [("    ok = (cu_seqlens[0] == 0) &", "    return  # MUTANT\n    ok = (cu_seqlens[0] == 0) &")],
+        ["tests/test_packed.py"],
+    ),
 ]
 
 

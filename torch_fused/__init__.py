@@ -40,6 +40,7 @@ from .meta.logprobs import LogprobOptions as _LogprobOptions, check_sampler as _
 __version__ = "0.1.0"
 
 from .masked import aggregate_loss, mask_reduce, mask_reduce_cost, masked_mean  # noqa: E402
+from .packed import packed_targets  # noqa: E402
 from . import optim  # noqa: E402,F401
 from .optim import sinkgd_step  # noqa: E402
 
@@ -52,6 +53,7 @@ __all__ = [
     "mask_reduce_cost",
     "masked_mean",
     "aggregate_loss",
+    "packed_targets",
     "sinkgd_step",
 ]
 

@@ -7,7 +7,8 @@ import torch
 
 from ._library import acc_dtype, eager_eligible, is_dtensor
 from .ops.mask_reduce import eager_mask_reduce
-from .meta.mask_reduce import _check, check_dim_type, check_mask_reduce
+from .meta.mask_reduce import _check, check_cu_seqlens, check_dim_type, check_mask_reduce
+from .packed import check_cu_values, per_sequence, segment_sums
 from .reference import stored_view
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -39,8 +40,9 @@ def _on_replicated(fn, tensors: dict, *args):
     return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def mask_reduce(x, dim, mask=None, scale=None, *, out_dtype=None):
-    """Sum over ``dim`` of ``x * scale`` where ``mask != 0``.
+def mask_reduce(x, dim, mask=None, scale=None, *, out_dtype=None, cu_seqlens=None):
+    """Sum over ``dim`` of ``x * scale`` where ``mask != 0``; with ``cu_seqlens``, over each
+    packed sequence of ``dim``.
 
     Args:
         x: 1 to 4 dims; float16, bfloat16, float32 or float64.
@@ -54,16 +56,32 @@ def mask_reduce(x, dim, mask=None, scale=None, *, out_dtype=None):
             ``masked_mean`` and ``aggregate_loss`` take for a floating mask ``w``).
         out_dtype: dtype of the result; default ``x.dtype``. Accumulation is float32 (float64
             for float64 x) whatever the output dtype.
+        cu_seqlens: a packed ``dim`` (sequences laid end to end, no padding): int32 (or int64)
+            ``[S+1]``, FlashAttention's cumulative lengths (0 first, non-decreasing,
+            ``x.shape[dim]`` last; a repeated value is an empty sequence). The result is then
+            shaped like ``x`` with ``dim`` replaced by S: the sum over each sequence, equal to
+            ``mask_reduce`` over dim 1 of the padded ``[S, L_max]`` layout of the same data. Its
+            dtype and device are checked, its values on CPU only (a device sync elsewhere: on
+            CUDA, bad values give wrong sums, never a read out of bounds). Computed with plain
+            PyTorch ops (segment sums by ``index_add``: on CUDA their order of additions is not
+            fixed unless ``torch.use_deterministic_algorithms(True)``), compiled once for all S
+            and lengths under ``torch.compile(dynamic=True)``.
 
     Masked-off elements are never read: a NaN or inf there does not reach the result.
     Gradient flows to ``x`` only (``dx = dy`` broadcast over ``dim``, times ``scale``, 0 where
     masked); ``mask`` and ``scale`` get none.
     """
     check_dim_type(dim)
-    out = _on_replicated(lambda x, m, s: mask_reduce(x, dim, m, s, out_dtype=out_dtype),
-                         dict(x=x, mask=mask, scale=scale))
+    out = _on_replicated(lambda x, m, s, c: mask_reduce(x, dim, m, s, out_dtype=out_dtype, cu_seqlens=c),
+                         dict(x=x, mask=mask, scale=scale, cu_seqlens=cu_seqlens))
     if out is not None:
         return out
+    if cu_seqlens is not None:
+        d = check_mask_reduce(x, dim, mask, scale, out_dtype)
+        check_cu_seqlens(cu_seqlens, x, d)
+        check_cu_values(cu_seqlens, x.shape[d], f"x.shape[{d}]")
+        sums, _ = segment_sums(x, d, mask, scale, cu_seqlens)
+        return per_sequence(sums, d).to(out_dtype or x.dtype)
     if eager_eligible(x, mask, scale):
         return eager_mask_reduce(x, dim, mask, scale, out_dtype)
     return torch.ops.fused.mask_reduce(x, dim, mask, scale, out_dtype)
@@ -138,7 +156,8 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None, *,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted mean of ``values`` under ``mask``, over ``dim`` (all elements when None):
     ``(values * w).sum(dim) / w.sum(dim)``, and 0 where ``w.sum(dim) == 0``.
 
@@ -150,6 +169,12 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
             gives NaN, as the plain formula would); 1 where a bool or integer mask is nonzero,
             else 0 (an integer 3 keeps its element at weight 1).
         dim: the dim to average over, or None for all elements.
+        cu_seqlens: a packed ``dim`` (see :func:`mask_reduce`): int32 ``[S+1]``. With ``dim``, the
+            mean of each sequence, shaped like ``values`` with ``dim`` replaced by S (``[1, T]``
+            over dim 1 gives ``[1, S]``), equal to ``masked_mean(padded, padded_mask, 1)`` of the
+            padded ``[S, L_max]`` layout (0 for an empty sequence). With ``dim=None`` the mean of
+            all elements, which the layout does not change: ``cu_seqlens`` is only checked
+            (against the last dim).
 
     float32 result (float64 for float64 values). Where the weights sum to 0 (nothing kept, or
     weights that cancel) the mean is 0, never NaN or inf (TRL's masked_mean would give NaN
@@ -159,7 +184,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     ``Replicate()`` DTensors (the vocab-parallel functions' outputs) are accepted for ``values``
     and ``mask``; the result is then a ``Replicate()`` DTensor (the same for ``aggregate_loss``
     and ``mask_reduce``)."""
-    out = _on_replicated(masked_mean, dict(values=values, mask=mask), dim)
+    out = _on_replicated(lambda v, m, c: masked_mean(v, m, dim, cu_seqlens=c),
+                         dict(values=values, mask=mask, cu_seqlens=cu_seqlens))
     if out is not None:
         return out
     out_dtype = acc_dtype(values.dtype)
@@ -167,7 +193,13 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
         values = values.reshape(1)
         mask = mask.reshape(1) if mask.dim() == 0 else mask
     d = values.dim() - 1 if dim is None else dim
-    check_mask_reduce(values, d, mask, None, None, x_name="values")
+    nd = check_mask_reduce(values, d, mask, None, None, x_name="values")
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, values, nd, x_name="values")
+        check_cu_values(cu_seqlens, values.shape[nd], f"values.shape[{nd}]")
+        if dim is not None:
+            total, weight = segment_sums(values, nd, mask, _scale(mask), cu_seqlens, weights=True)
+            return per_sequence(_ratio(total, weight), nd)
     shape = tuple(values.shape)
     total = mask_reduce(values, d, mask, _scale(mask), out_dtype=out_dtype)
     weight = _weights(mask, shape, d, out_dtype)
@@ -176,8 +208,27 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return _ratio(total, weight)
 
 
-def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Reduce a per-token loss ``[B, L]`` under a ``[B, L]`` (or broadcastable) mask to a scalar.
+def _norm_len(norm_len, mode: str, packed: bool):
+    """aggregate_loss's ``norm_len``, checked (ValueError or TypeError naming it)."""
+    if norm_len is None:
+        if packed and mode == "seq-mean-token-sum-norm":
+            raise ValueError("norm_len: required with cu_seqlens in mode 'seq-mean-token-sum-norm' (a packed row has "
+                             "no padded length: pass the constant the padded layout divides by, its length L)")
+        return None
+    if mode != "seq-mean-token-sum-norm":
+        raise ValueError(f"norm_len: only for mode 'seq-mean-token-sum-norm' (its constant normalizer), got "
+                         f"norm_len={norm_len!r} with mode {mode!r}")
+    if isinstance(norm_len, bool) or not isinstance(norm_len, (int, float, torch.SymInt, torch.SymFloat)):
+        raise TypeError(f"norm_len: expected a positive int or float, got {norm_len!r}")
+    if not (0 < norm_len < float("inf")):
+        raise ValueError(f"norm_len: expected a positive finite number, got {norm_len!r}")
+    return norm_len
+
+
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,
+                   cu_seqlens: torch.Tensor | None = None, norm_len: int | float | None = None) -> torch.Tensor:
+    """Reduce a per-token loss ``[B, L]`` under a ``[B, L]`` (or broadcastable) mask to a scalar;
+    with ``cu_seqlens``, a packed row ``[1, T]`` (or ``[T]``) of S sequences.
 
     ``mask`` is bool, integer or floating, with the weights of :func:`masked_mean`: a floating
     mask's values (``mask.float()`` of a bool mask gives the bool mask's results; 0.5 weighs
@@ -190,17 +241,34 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-me
         seq-mean-token-mean:      the mean of S_b / W_b over the rows with W_b != 0 (rows whose
                                   weights sum to 0 are left out; none left gives 0)
         seq-mean-token-sum:       sum_b S_b / B
-        seq-mean-token-sum-norm:  sum_b S_b / L  (Dr. GRPO / veRL: a constant normalizer)
+        seq-mean-token-sum-norm:  sum_b S_b / L  (Dr. GRPO / veRL: a constant normalizer;
+                                  ``norm_len`` replaces L)
     No mode gives NaN or inf where the weights sum to 0 (an all-zero mask row, or weights that
     cancel); a NaN weight gives NaN, as the plain formula would. Tokens of weight 0 are never
-    read. Gradient flows to ``loss`` only. Errors name ``loss``, ``mask`` and ``mode``
-    (RuntimeError; ValueError for an unknown mode), eagerly and under torch.compile.
+    read. Gradient flows to ``loss`` only. Errors name ``loss``, ``mask``, ``mode``,
+    ``cu_seqlens`` and ``norm_len`` (RuntimeError; ValueError for an unknown mode or a bad
+    ``norm_len``, TypeError for an argument of the wrong type), eagerly and under torch.compile.
+
+    Packed batches: with ``cu_seqlens`` (int32 or int64 ``[S+1]``, FlashAttention's cumulative
+    lengths: 0 first, non-decreasing, T last; a repeated value is an empty sequence) ``loss`` is
+    ``[1, T]`` or ``[T]`` and ``mask`` broadcasts to it. The sequences take the place of the
+    rows: b runs over the S sequences (an empty one counts in B = S, as an all-masked row of the
+    padded layout does), and each mode equals its value on the padded ``[S, L_max]`` layout of the
+    same data. ``seq-mean-token-sum-norm`` then needs ``norm_len``, the padded length L (a packed
+    row has none); without ``cu_seqlens`` it defaults to ``loss.shape[-1]``. ``norm_len`` is
+    refused with the other modes. The values of ``cu_seqlens`` are checked on CPU only (see
+    :func:`mask_reduce`); nothing recompiles as S or T change under
+    ``torch.compile(dynamic=True)``.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"mode: expected one of {AGG_MODES}, got {mode!r}")
-    out = _on_replicated(aggregate_loss, dict(loss=loss, mask=mask), mode)
+    norm_len = _norm_len(norm_len, mode, cu_seqlens is not None)
+    out = _on_replicated(lambda lo, m, c: aggregate_loss(lo, m, mode, cu_seqlens=c, norm_len=norm_len),
+                         dict(loss=loss, mask=mask, cu_seqlens=cu_seqlens))
     if out is not None:
         return out
+    if cu_seqlens is not None:
+        return _aggregate_packed(loss, mask, mode, cu_seqlens, norm_len)
     _check(loss.dim() == 2, lambda: f"loss: expected a [B, L] tensor, got shape {tuple(loss.shape)}")
     check_mask_reduce(loss, 1, mask, None, None, x_name="loss")
     out_dtype = acc_dtype(loss.dtype)
@@ -209,9 +277,32 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-me
     if mode == "seq-mean-token-sum":
         return s.sum() / max(shape[0], 1)
     if mode == "seq-mean-token-sum-norm":
-        return s.sum() / max(shape[1], 1)
+        return s.sum() / (max(shape[1], 1) if norm_len is None else norm_len)
     w = _weights(mask, shape, 1, out_dtype)  # W_b, [B]
     if mode == "token-mean":
         return _ratio(s.sum(), w.sum())
     rows = (w != 0).sum().to(out_dtype)
+    return _ratio(_ratio(s, w).sum(), rows)
+
+
+def _aggregate_packed(loss, mask, mode, cu_seqlens, norm_len):
+    """aggregate_loss over the S sequences of a packed row (its arguments checked here)."""
+    _check(loss.dim() == 1 or (loss.dim() == 2 and loss.shape[0] == 1),
+           lambda: f"loss: with cu_seqlens, expected a packed row [1, T] or [T], got shape {tuple(loss.shape)}")
+    d = loss.dim() - 1
+    check_mask_reduce(loss, d, mask, None, None, x_name="loss")
+    check_cu_seqlens(cu_seqlens, loss, d, x_name="loss")
+    check_cu_values(cu_seqlens, loss.shape[d], "loss.shape[-1]")
+    if mode == "token-mean":  # the layout does not matter: every kept token of the row
+        return aggregate_loss(loss.reshape(1, -1), mask, mode)  # mask broadcasts to [T], so to [1, T]
+    # [S + 2] buckets, sequence s at s + 1, the two outer ones 0: sums over all of them are sums
+    # over the sequences, and no [S] tensor (whose size 1 torch.compile would specialize) is made
+    s, w = segment_sums(loss, d, mask, _scale(mask), cu_seqlens, weights=mode == "seq-mean-token-mean")
+    s = s.reshape(-1)
+    if mode == "seq-mean-token-sum":
+        return s.sum() / torch.sym_max(cu_seqlens.shape[0] - 1, 1)
+    if mode == "seq-mean-token-sum-norm":
+        return s.sum() / norm_len
+    w = w.reshape(-1)
+    rows = (w != 0).sum().to(s.dtype)
     return _ratio(_ratio(s, w).sum(), rows)

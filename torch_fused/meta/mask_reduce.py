@@ -88,3 +88,24 @@ def mask_reduce_backward_fake(grad, x, dim, mask=None, scale=None):
 def mask_weight_fake(mask, shape, dim, dtype):
     d = dim % len(shape)
     return mask.new_empty(tuple(shape[:d]) + tuple(shape[d + 1:]), dtype=dtype)
+
+
+CU_SEQLENS_DTYPES = (torch.int32, torch.int64)
+
+
+def check_cu_seqlens(cu_seqlens, x, dim: int, *, x_name: str = "x") -> None:
+    """What can be checked of ``cu_seqlens`` without reading its values: a 1-D int32 (or int64)
+    tensor ``[S+1]`` on the device of ``x``, whose ``dim`` it splits into S sequences. Its values
+    (0 first, non-decreasing, ``x.shape[dim]`` last) are data: ``torch_fused.packed`` checks them
+    where that costs no device sync."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens: expected an int32 tensor [S+1] (FlashAttention's cumulative sequence "
+                        f"lengths), got {type(cu_seqlens).__name__}")
+    _check(cu_seqlens.dtype in CU_SEQLENS_DTYPES,
+           lambda: f"cu_seqlens: expected dtype int32 (or int64), got {cu_seqlens.dtype}")
+    _check(cu_seqlens.dim() == 1,
+           lambda: f"cu_seqlens: expected a 1-D tensor [S+1], got shape {tuple(cu_seqlens.shape)}")
+    _check(cu_seqlens.shape[0] >= 1,
+           lambda: "cu_seqlens: expected at least one value (S+1 values for S sequences, 0 first), got an empty tensor")
+    _check(cu_seqlens.device == x.device,
+           lambda: f"cu_seqlens: expected device {x.device} (the device of {x_name}), got {cu_seqlens.device}")
