@@ -113,6 +113,19 @@ def _forward_combine(m_r, s_r, t_r, c, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.co
 
 
 @triton.jit
+def _merge_pair(m_a, s_a, t_a, m_b, s_b, t_b, c, EXACT_SHIFT: tl.constexpr):
+    """Two parts' (m, s, t) of one row merged, as _forward_combine merges tile rows: a side with
+    s == 0 (only -inf logits so far) holds the placeholder max 0, so it neither sets the max nor
+    weighs (its factor is 0: no 0 * inf)."""
+    m = tl.where(s_b == 0.0, m_a, tl.where(s_a == 0.0, m_b, tl.maximum(m_a, m_b)))
+    da = _shift_diff(m_a, m, c, EXACT_SHIFT)
+    db = _shift_diff(m_b, m, c, EXACT_SHIFT)
+    ea = tl.where(s_a == 0.0, 0.0, tl.exp2(da))
+    eb = tl.where(s_b == 0.0, 0.0, tl.exp2(db))
+    return m, s_a * ea + s_b * eb, ea * (t_a + da * s_a) + eb * (t_b + db * s_b)
+
+
+@triton.jit
 def _row_statistics(p_row, V, c, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_V: tl.constexpr,
                     EPT: tl.constexpr):
     """(m, s, t) of one row of V logits in one streaming pass: the row max and the sums
@@ -224,15 +237,7 @@ def _chunk_merge_kernel(
         m0 = tl.load(p_run + row * 3)
         s0 = tl.load(p_run + row * 3 + 1)
         t0 = tl.load(p_run + row * 3 + 2)
-        # a side with s == 0 (only -inf logits so far) holds the placeholder max 0: it must not
-        # set the max, and its factor is 0 (no 0 * inf)
-        m = tl.where(s_c == 0.0, m0, tl.where(s0 == 0.0, m_c, tl.maximum(m0, m_c)))
-        da = _shift_diff(m0, m, c, EXACT_SHIFT)
-        db = _shift_diff(m_c, m, c, EXACT_SHIFT)
-        ea = tl.where(s0 == 0.0, 0.0, tl.exp2(da))
-        eb = tl.where(s_c == 0.0, 0.0, tl.exp2(db))
-        t = ea * (t0 + da * s0) + eb * (t_c + db * s_c)
-        s = s0 * ea + s_c * eb
+        m, s, t = _merge_pair(m0, s0, t0, m_c, s_c, t_c, c, EXACT_SHIFT)
     tl.store(p_run + row * 3, m)
     tl.store(p_run + row * 3 + 1, s)
     tl.store(p_run + row * 3 + 2, t)
