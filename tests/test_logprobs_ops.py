@@ -247,15 +247,15 @@ class TestSchemas(expecttest.TestCase):
     def test_pinned_schemas(self):
         self.assertExpectedInline(
             str(OPS.selective_log_softmax.default._schema),
-            """fused::selective_log_softmax(Tensor logits, Tensor index, float temperature=1., int ignore_index=-100, *, bool shift=False, Tensor? temperature_tensor=None) -> Tensor""",
+            """fused::selective_log_softmax(Tensor logits, Tensor index, float temperature=1., int ignore_index=-100, *, bool shift=False, int? top_k=None, float? top_p=None, float? min_p=None, Tensor? temperature_tensor=None) -> Tensor""",
         )
         self.assertExpectedInline(
             str(OPS.entropy_from_logits.default._schema),
-            """fused::entropy_from_logits(Tensor logits, float temperature=1., *, bool shift=False, Tensor? temperature_tensor=None) -> Tensor""",
+            """fused::entropy_from_logits(Tensor logits, float temperature=1., *, bool shift=False, int? top_k=None, float? top_p=None, float? min_p=None, Tensor? temperature_tensor=None) -> Tensor""",
         )
         self.assertExpectedInline(
             str(OPS.logprobs_and_entropy.default._schema),
-            """fused::logprobs_and_entropy(Tensor logits, Tensor index, float temperature=1., int ignore_index=-100, *, bool shift=False, Tensor? temperature_tensor=None) -> (Tensor, Tensor)""",
+            """fused::logprobs_and_entropy(Tensor logits, Tensor index, float temperature=1., int ignore_index=-100, *, bool shift=False, int? top_k=None, float? top_p=None, float? min_p=None, Tensor? temperature_tensor=None) -> (Tensor, Tensor)""",
         )
         self.assertExpectedInline(
             str(OPS._logprobs_entropy_forward.default._schema),
