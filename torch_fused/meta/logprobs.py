@@ -71,8 +71,10 @@ class LogprobOptions:
         return tuple(f for f in dataclasses.fields(cls) if f.metadata.get("core", True))
 
     def values(self) -> tuple:
-        """The core fields in order: the core ops' positional arguments after their tensors."""
-        return tuple(getattr(self, f.name) for f in self.core_fields())
+        """The core fields in order: the core ops' positional arguments after their tensors.
+        Dynamo traces this (the vocabulary-parallel ops under torch.compile) and cannot take
+        ``dataclasses.fields`` of a class: it reads the names listed once below the class."""
+        return tuple(getattr(self, name) for name in _CORE_NAMES)
 
     @classmethod
     def count(cls) -> int:
@@ -99,6 +101,9 @@ class LogprobOptions:
         the tensor temperature."""
         parts = [f"{_PUBLIC_TYPES[f.type]} {f.name}={f.default!r}" for f in cls.public_fields()]
         return "*, " + ", ".join(parts + ["Tensor? temperature_tensor=None"])
+
+
+_CORE_NAMES = tuple(f.name for f in LogprobOptions.core_fields())
 
 
 def check_temperature(temperature: float) -> None:
