@@ -372,16 +372,15 @@ MUTANTS: list[Mutant] = [
     #     functional graph turns into two copies
     Mutant(
         "inline-shift-backward-ref", "19 aliasing launch inlined", "torch_fused/ops/logprobs.py", CPU,
-        [("                         keep_whole=lambda args, kwargs: bool(kwargs.get(\"shift\", args[9] if len(args) > 9 else False)))",
-          "                         keep_whole=None)  # MUTANT")],
+        [("keep_whole=lambda args, kwargs: Options(*args[7:7 + _N_OPTS]).shift)",
+          "keep_whole=None)  # MUTANT")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 20: a traced launch passed one tensor for the written d logits and the unused tail pointer:
     #     the functional graph copies each, and the unwritten copy becomes d logits (None is passed)
     Mutant(
         "inline-aliased-pointers", "20 aliased pointers in a traced launch", "torch_fused/ops/logprobs.py", CPU,
-        [("    tail = dx[..., -1, :] if shift else None  # written with shift only (ZERO_TAIL)",
-          "    tail = dx[..., -1, :] if shift else dx  # MUTANT")],
+        [("tail = dx[..., -1, :] if opts.shift else None", "tail = dx[..., -1, :] if opts.shift else dx  # MUTANT")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 21: the row-mask prefetch (MASK_AHEAD) predicating x on the next trip's mask
@@ -394,9 +393,9 @@ MUTANTS: list[Mutant] = [
     #     a second derivative through the saved logits silently zero instead of an error
     Mutant(
         "create-graph-silent", "22 double backward silently zero", "torch_fused/ops/logprobs.py", CPU,
-        [("            return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward, saved)",
+        [("            return _gradients(ctx, g_logp, g_ent, _backward_op, saved)\n",
           "            with torch.no_grad():  # MUTANT\n"
-          "                return _gradients(ctx, g_logp, g_ent, _eager_backward(saved[0]), saved)")],
+          "                return _gradients(ctx, g_logp, g_ent, _eager_backward(saved[0]), saved)\n")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 23: COMPACT's kept-row count one short (the last kept row of every list left out)
@@ -443,8 +442,8 @@ MUTANTS: list[Mutant] = [
     #     swapped (logprobs_and_entropy: d log-probs taken as d entropy and the reverse)
     Mutant(
         "eager-output-grads-swapped", "28 eager node's output gradients swapped", "torch_fused/ops/logprobs.py", CPU,
-        [("        elif ctx.compute_entropy:\n            g_logp, g_ent = grads\n",
-          "        elif ctx.compute_entropy:\n            g_ent, g_logp = grads  # MUTANT\n")],
+        [("        elif ctx.opts.compute_entropy:\n            g_logp, g_ent = grads\n",
+          "        elif ctx.opts.compute_entropy:\n            g_ent, g_logp = grads  # MUTANT\n")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 29: the vocabulary-parallel logits made local with torch's to_local, whose backward gives d
@@ -458,18 +457,20 @@ MUTANTS: list[Mutant] = [
     #     upstream gradients: an expanded or strided gradient reusing a contiguous one's plan
     # 31: the same keyed without the saved logits' layout: a saved-tensor hook that hands back a
     #     contiguous copy of a sliced logits reusing the slice's plan (or the reverse)
+    # (backward_triton's key: its head, these tensors' keys, is the whole key of the eager path's
+    # plans and the start of the registered op's)
     Mutant(
         "linked-bwd-plan-key-triton", "30 eager backward plan keyed without the gradients",
         "torch_fused/ops/logprobs.py", TRITON,
-        [("    key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key())\n",
-          "    key = (tensor_key(logits), tensor_key(index), _settings_key())  # MUTANT\n")],
+        [("key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index),",
+          "key = (tensor_key(logits), tensor_key(index),  # MUTANT: without the upstream gradients\n          ")],
         ["tests/test_logprobs_ops.py"],
     ),
     Mutant(
         "linked-bwd-plan-saved-layout-triton", "31 eager backward plan keyed without the saved logits' layout",
         "torch_fused/ops/logprobs.py", TRITON,
-        [("    key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key())\n",
-          "    key = (tensor_key(grad_logp), tensor_key(grad_entropy), _settings_key())  # MUTANT\n")],
+        [("key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index),",
+          "key = (tensor_key(grad_logp), tensor_key(grad_entropy),  # MUTANT: without the saved logits and index\n          ")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 32: the backward kernel handed saved row statistics in the layout a saved-tensor hook gave
