@@ -6,7 +6,9 @@ For every mutant (a known, realistic bug written as exact source-text replacemen
 1. extracts torch_fused/, tests/ and pyproject.toml of one commit (``git archive``; HEAD by
    default, resolved once so every mutant sees the same code) into a fresh temporary directory,
 2. applies the mutant's replacements; each ``old`` string must occur exactly once in the file,
-   otherwise the script stops before running anything (a stale mutant never "passes"),
+   otherwise the mutant is STALE: reported (with the text it looks for) and not run, while the
+   others run, and the script exits non-zero (a stale mutant never "passes");
+   tests/test_mutation_anchors.py checks the same on the checkout in the normal test suite,
 3. runs pytest on a small subset of test files in that copy, with PYTHONPATH at the copy, on the
    path the mutant breaks: the CPU reference (plain run) or the Triton kernels (TRITON_INTERPRET=1),
    ``-x -q -rfE -p no:cacheprovider -m "not cuda" --deselect tests/test_interpreter.py``,
@@ -23,7 +25,7 @@ rerun once per path on an unmutated copy (the control): each must pass there, so
 is the mutation's doing and not a test that is red anyway.
 
 Prints a table (mutant | path | file | caught? | first failing test(s) | seconds) and exits
-non-zero if any mutant survives, errors, or its control fails.
+1 if any mutant that ran survives, errors, or its control fails; else 2 if any mutant is STALE.
 
 Not part of CI; dependency-free (standard library + git + the project's own test deps).
 
@@ -773,11 +775,11 @@ def make_copy(dest: Path, sha: str | None) -> None:
             tar.extractall(dest)
 
 
-def apply_edits(root: Path, mutant: Mutant) -> None:
-    f = root / mutant.file
-    if not f.is_file():
-        raise StaleMutant(f"{mutant.name}: {mutant.file} does not exist")
-    text = f.read_text()
+def mutate(text: str, mutant: Mutant) -> str:
+    """``text`` (the mutant's file) with the mutant's replacements applied in order; raises
+    StaleMutant where an ``old`` text does not occur exactly once in the text as the earlier
+    replacements left it, or a replacement changes nothing. tests/test_mutation_anchors.py runs
+    this on the checkout, so that a change that moves an anchor fails the test suite."""
     for i, (old, new) in enumerate(mutant.edits):
         n = text.count(old)
         if n != 1:
@@ -786,7 +788,19 @@ def apply_edits(root: Path, mutant: Mutant) -> None:
         if old == new:
             raise StaleMutant(f"{mutant.name}: replacement {i + 1} changes nothing")
         text = text.replace(old, new)
-    f.write_text(text)
+    return text
+
+
+def mutant_source(root: Path, mutant: Mutant) -> str:
+    """The mutant's file under ``root`` as the mutant leaves it (StaleMutant if it does not apply)."""
+    f = root / mutant.file
+    if not f.is_file():
+        raise StaleMutant(f"{mutant.name}: {mutant.file} does not exist")
+    return mutate(f.read_text(), mutant)
+
+
+def apply_edits(root: Path, mutant: Mutant) -> None:
+    (root / mutant.file).write_text(mutant_source(root, mutant))
 
 
 FAILED_RE = re.compile(r"^FAILED (\S+?::.+?)(?: - .*)?$")
@@ -922,10 +936,15 @@ def main(argv=None) -> int:
     ap.add_argument("-v", "--verbose", action="store_true", help="print every run's pytest output tail")
     args = ap.parse_args(argv)
 
-    if args.list:
+    if args.list:  # STALE: the mutant does not apply to the working tree
         w = max(len(m.name) for m in MUTANTS)
         for m in MUTANTS:
-            print(f"{m.name:<{w}}  {m.path:<18}  {m.file:<34}  bug {m.bug};  tests: {' '.join(m.tests)}")
+            try:
+                mutant_source(ROOT, m)
+                mark = ""
+            except StaleMutant:
+                mark = "STALE  "
+            print(f"{mark}{m.name:<{w}}  {m.path:<18}  {m.file:<34}  bug {m.bug};  tests: {' '.join(m.tests)}")
         return 0
 
     mutants = MUTANTS
@@ -940,25 +959,29 @@ def main(argv=None) -> int:
     source = "working tree (uncommitted edits included)" if sha is None else f"commit {sha[:12]} ({args.rev})"
     print(f"[mutation_check] source: {source}; python: {args.python}", flush=True)
 
-    # every mutant must apply before anything runs: a stale one stops the check here
-    stale = []
-    for m in mutants:
-        with tempfile.TemporaryDirectory(prefix="torch_fused_mut_probe_") as d:
-            make_copy(Path(d), sha)
+    # which mutants still apply, on one copy of the source: a stale one (its text to mutate gone)
+    # is reported STALE and skipped, the others run
+    stale = {}
+    with tempfile.TemporaryDirectory(prefix="torch_fused_mut_probe_") as d:
+        make_copy(Path(d), sha)
+        for m in mutants:
             try:
-                apply_edits(Path(d), m)
+                mutant_source(Path(d), m)
             except StaleMutant as e:
-                stale.append(str(e))
+                stale[m.name] = str(e)
     if stale:
-        print("[mutation_check] STALE MUTANT(S): the source no longer contains the text to mutate\n",
-              file=sys.stderr)
-        for s in stale:
-            print(s + "\n", file=sys.stderr)
-        return 2
+        print(f"[mutation_check] {len(stale)} STALE mutant(s): the source no longer contains the text to mutate; "
+              "update each to the code it targets (the other mutants run)\n", flush=True)
+        for s in stale.values():
+            print(s + "\n", flush=True)
 
     t_start = time.monotonic()
     rows = []  # (mutant, status, failed list, seconds, note)
     for i, m in enumerate(mutants, 1):
+        if m.name in stale:
+            print(f"[mutation_check] ({i}/{len(mutants)}) {m.name}: STALE, not run", flush=True)
+            rows.append([m, "STALE", [], 0.0, "its text to mutate no longer occurs exactly once: update the mutant"])
+            continue
         interpret = m.path == TRITON
         tmp = Path(tempfile.mkdtemp(prefix=f"torch_fused_mut_{m.name}_"))
         copy = tmp / "repo"
@@ -1042,7 +1065,12 @@ def main(argv=None) -> int:
     print(f"\n{len(rows) - n_bad}/{len(rows)} mutants caught; total {total:.0f} s; source {source}")
     if n_bad:
         print("NOT CAUGHT / NOT PROVEN: " + ", ".join(f"{r[0].name} ({r[1]})" for r in rows if r[1] != "caught"))
-    return 1 if n_bad else 0
+    if stale:
+        print(f"STALE (not run; their old texts are printed above): {', '.join(stale)}")
+    # 1: a mutant that ran and was not caught (or its control failed); 2: stale mutants only
+    if any(r[1] not in ("caught", "STALE") for r in rows):
+        return 1
+    return 2 if stale else 0
 
 
 if __name__ == "__main__":
