@@ -6,7 +6,9 @@ For every mutant (a known, realistic bug written as exact source-text replacemen
 1. extracts torch_fused/, tests/ and pyproject.toml of one commit (``git archive``; HEAD by
    default, resolved once so every mutant sees the same code) into a fresh temporary directory,
 2. applies the mutant's replacements; each ``old`` string must occur exactly once in the file,
-   otherwise the script stops before running anything (a stale mutant never "passes"),
+   otherwise the mutant is STALE: reported (with the text it looks for) and not run, while the
+   others run, and the script exits non-zero (a stale mutant never "passes");
+   tests/test_mutation_anchors.py checks the same on the checkout in the normal test suite,
 3. runs pytest on a small subset of test files in that copy, with PYTHONPATH at the copy, on the
    path the mutant breaks: the CPU reference (plain run) or the Triton kernels (TRITON_INTERPRET=1),
    ``-x -q -rfE -p no:cacheprovider -m "not cuda" --deselect tests/test_interpreter.py``,
@@ -22,8 +24,11 @@ NameError, ImportError or SyntaxError (the mutated code does not run: status BRO
 rerun once per path on an unmutated copy (the control): each must pass there, so that a catch
 is the mutation's doing and not a test that is red anyway.
 
+A mutant with ``torch_below`` whose bug only an older torch shows is SKIPPED (not run, not a
+failure) where ``--python``'s torch is newer.
+
 Prints a table (mutant | path | file | caught? | first failing test(s) | seconds) and exits
-non-zero if any mutant survives, errors, or its control fails.
+1 if any mutant that ran survives, errors, or its control fails; else 2 if any mutant is STALE.
 
 Not part of CI; dependency-free (standard library + git + the project's own test deps).
 
@@ -73,6 +78,9 @@ class Mutant:
     path: str  # CPU (plain run, reference path) or TRITON (TRITON_INTERPRET=1, the kernels)
     edits: list[tuple[str, str]]  # exact (old, new) replacements, each old occurring once
     tests: list[str]
+    # only a torch older than this (major, minor) can show the bug (a limitation a later torch
+    # lifted): with a newer one the mutant is SKIPPED, not run; --python an older environment
+    torch_below: tuple[int, int] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,8 +316,8 @@ MUTANTS: list[Mutant] = [
           "    check_mask_reduce(loss, 1, mask, None, None, x_name=\"loss\")\n"
           "    if mask.dtype.is_floating_point:  # MUTANT: strides of a traced view\n"
           "        mask = torch.broadcast_to(stored_view(mask, loss.shape).double(), loss.shape)\n"),
-         ("    check_mask_reduce(values, d, mask, None, None, x_name=\"values\")\n",
-          "    check_mask_reduce(values, d, mask, None, None, x_name=\"values\")\n"
+         ("    nd = check_mask_reduce(values, d, mask, None, None, x_name=\"values\")\n",
+          "    nd = check_mask_reduce(values, d, mask, None, None, x_name=\"values\")\n"
           "    if mask.dtype.is_floating_point:  # MUTANT: strides of a traced view\n"
           "        mask = torch.broadcast_to(stored_view(mask, values.shape).double(), values.shape)\n"),
          ("    return torch.ops.fused._mask_weight(mask, list(shape), dim, dtype)\n",
@@ -372,16 +380,15 @@ MUTANTS: list[Mutant] = [
     #     functional graph turns into two copies
     Mutant(
         "inline-shift-backward-ref", "19 aliasing launch inlined", "torch_fused/ops/logprobs.py", CPU,
-        [("                         keep_whole=lambda args, kwargs: bool(kwargs.get(\"shift\", args[9] if len(args) > 9 else False)))",
-          "                         keep_whole=None)  # MUTANT")],
+        [("keep_whole=lambda args, kwargs: Options(*args[7:7 + _N_OPTS]).shift)",
+          "keep_whole=None)  # MUTANT")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 20: a traced launch passed one tensor for the written d logits and the unused tail pointer:
     #     the functional graph copies each, and the unwritten copy becomes d logits (None is passed)
     Mutant(
         "inline-aliased-pointers", "20 aliased pointers in a traced launch", "torch_fused/ops/logprobs.py", CPU,
-        [("    tail = dx[..., -1, :] if shift else None  # written with shift only (ZERO_TAIL)",
-          "    tail = dx[..., -1, :] if shift else dx  # MUTANT")],
+        [("tail = dx[..., -1, :] if opts.shift else None", "tail = dx[..., -1, :] if opts.shift else dx  # MUTANT")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 21: the row-mask prefetch (MASK_AHEAD) predicating x on the next trip's mask
@@ -394,9 +401,9 @@ MUTANTS: list[Mutant] = [
     #     a second derivative through the saved logits silently zero instead of an error
     Mutant(
         "create-graph-silent", "22 double backward silently zero", "torch_fused/ops/logprobs.py", CPU,
-        [("            return _gradients(ctx, g_logp, g_ent, torch.ops.fused._logprobs_entropy_backward, saved)",
+        [("            return _gradients(ctx, g_logp, g_ent, _backward_op, saved)\n",
           "            with torch.no_grad():  # MUTANT\n"
-          "                return _gradients(ctx, g_logp, g_ent, _eager_backward(saved[0]), saved)")],
+          "                return _gradients(ctx, g_logp, g_ent, _eager_backward(saved[0]), saved)\n")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 23: COMPACT's kept-row count one short (the last kept row of every list left out)
@@ -443,8 +450,8 @@ MUTANTS: list[Mutant] = [
     #     swapped (logprobs_and_entropy: d log-probs taken as d entropy and the reverse)
     Mutant(
         "eager-output-grads-swapped", "28 eager node's output gradients swapped", "torch_fused/ops/logprobs.py", CPU,
-        [("        elif ctx.compute_entropy:\n            g_logp, g_ent = grads\n",
-          "        elif ctx.compute_entropy:\n            g_ent, g_logp = grads  # MUTANT\n")],
+        [("        elif ctx.opts.compute_entropy:\n            g_logp, g_ent = grads\n",
+          "        elif ctx.opts.compute_entropy:\n            g_ent, g_logp = grads  # MUTANT\n")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 29: the vocabulary-parallel logits made local with torch's to_local, whose backward gives d
@@ -458,18 +465,20 @@ MUTANTS: list[Mutant] = [
     #     upstream gradients: an expanded or strided gradient reusing a contiguous one's plan
     # 31: the same keyed without the saved logits' layout: a saved-tensor hook that hands back a
     #     contiguous copy of a sliced logits reusing the slice's plan (or the reverse)
+    # (backward_triton's key: its head, these tensors' keys, is the whole key of the eager path's
+    # plans and the start of the registered op's)
     Mutant(
         "linked-bwd-plan-key-triton", "30 eager backward plan keyed without the gradients",
         "torch_fused/ops/logprobs.py", TRITON,
-        [("    key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key())\n",
-          "    key = (tensor_key(logits), tensor_key(index), _settings_key())  # MUTANT\n")],
+        [("key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index),",
+          "key = (tensor_key(logits), tensor_key(index),  # MUTANT: without the upstream gradients\n          ")],
         ["tests/test_logprobs_ops.py"],
     ),
     Mutant(
         "linked-bwd-plan-saved-layout-triton", "31 eager backward plan keyed without the saved logits' layout",
         "torch_fused/ops/logprobs.py", TRITON,
-        [("    key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key())\n",
-          "    key = (tensor_key(grad_logp), tensor_key(grad_entropy), _settings_key())  # MUTANT\n")],
+        [("key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index),",
+          "key = (tensor_key(grad_logp), tensor_key(grad_entropy),  # MUTANT: without the saved logits and index\n          ")],
         ["tests/test_logprobs_ops.py"],
     ),
     # 32: the backward kernel handed saved row statistics in the layout a saved-tensor hook gave
@@ -568,7 +577,10 @@ MUTANTS: list[Mutant] = [
         ["tests/test_sinkgd.py", "tests/test_sinkgd_sharded.py"],
     ),
     # 44-46: the vocabulary-parallel paths under torch.compile(dynamic=True), and the compiled
-    # CPU head's out-of-range id
+    # CPU head's out-of-range id. 45: the code Dynamo traces there is the ops' forward (the ranks'
+    # partials merged, parallel.merge_partials); their local backwards are registered ops, so the
+    # reference backward is no longer traced. torch 2.14's Dynamo cannot use such a float, first
+    # read in one autograd.Function's trace, in a second one; torch 2.15's lifts it
     Mutant(
         "dynamo-check-closure", "44 torch._check with a message closure inside Dynamo's trace", "torch_fused/_library.py",
         CPU,
@@ -577,10 +589,10 @@ MUTANTS: list[Mutant] = [
         ["tests/test_vocab_parallel.py"],
     ),
     Mutant(
-        "traced-global-float", "45 a module-level float in the traced vocabulary-parallel backward",
-        "torch_fused/reference.py", CPU,
-        [("    log2e, ln2 = traced_constants()  #", "    log2e, ln2 = LOG2E, LN2  # MUTANT")],
-        ["tests/test_vocab_parallel.py"],
+        "traced-global-float", "45 a module-level float in the traced vocabulary-parallel code",
+        "torch_fused/parallel.py", CPU,
+        [("    ln2 = traced_constants()[1]\n", "    ln2 = reference.LN2  # MUTANT\n")],
+        ["tests/test_vocab_parallel.py"], torch_below=(2, 15),
     ),
     Mutant(
         "head-bad-id-triton-only", "46 the head's out-of-range id contained on the Triton path only",
@@ -806,11 +818,11 @@ def make_copy(dest: Path, sha: str | None) -> None:
             tar.extractall(dest)
 
 
-def apply_edits(root: Path, mutant: Mutant) -> None:
-    f = root / mutant.file
-    if not f.is_file():
-        raise StaleMutant(f"{mutant.name}: {mutant.file} does not exist")
-    text = f.read_text()
+def mutate(text: str, mutant: Mutant) -> str:
+    """``text`` (the mutant's file) with the mutant's replacements applied in order; raises
+    StaleMutant where an ``old`` text does not occur exactly once in the text as the earlier
+    replacements left it, or a replacement changes nothing. tests/test_mutation_anchors.py runs
+    this on the checkout, so that a change that moves an anchor fails the test suite."""
     for i, (old, new) in enumerate(mutant.edits):
         n = text.count(old)
         if n != 1:
@@ -819,7 +831,19 @@ def apply_edits(root: Path, mutant: Mutant) -> None:
         if old == new:
             raise StaleMutant(f"{mutant.name}: replacement {i + 1} changes nothing")
         text = text.replace(old, new)
-    f.write_text(text)
+    return text
+
+
+def mutant_source(root: Path, mutant: Mutant) -> str:
+    """The mutant's file under ``root`` as the mutant leaves it (StaleMutant if it does not apply)."""
+    f = root / mutant.file
+    if not f.is_file():
+        raise StaleMutant(f"{mutant.name}: {mutant.file} does not exist")
+    return mutate(f.read_text(), mutant)
+
+
+def apply_edits(root: Path, mutant: Mutant) -> None:
+    (root / mutant.file).write_text(mutant_source(root, mutant))
 
 
 FAILED_RE = re.compile(r"^FAILED (\S+?::.+?)(?: - .*)?$")
@@ -931,6 +955,13 @@ def guard_problem(res: RunResult, copy: Path, interpret: bool) -> str | None:
     return None
 
 
+def torch_version(python: str) -> tuple[int, int] | None:
+    """(major, minor) of the torch that ``python`` imports (None where it does not say)."""
+    out = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
+    m = re.match(r"(\d+)\.(\d+)", out.stdout.strip())
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def tail(text: str, n: int = 40) -> str:
     return "\n".join(text.splitlines()[-n:])
 
@@ -955,10 +986,16 @@ def main(argv=None) -> int:
     ap.add_argument("-v", "--verbose", action="store_true", help="print every run's pytest output tail")
     args = ap.parse_args(argv)
 
-    if args.list:
+    if args.list:  # STALE: the mutant does not apply to the working tree
         w = max(len(m.name) for m in MUTANTS)
         for m in MUTANTS:
-            print(f"{m.name:<{w}}  {m.path:<18}  {m.file:<34}  bug {m.bug};  tests: {' '.join(m.tests)}")
+            try:
+                mutant_source(ROOT, m)
+                mark = ""
+            except StaleMutant:
+                mark = "STALE  "
+            only = f";  torch < {'.'.join(map(str, m.torch_below))} only" if m.torch_below else ""
+            print(f"{mark}{m.name:<{w}}  {m.path:<18}  {m.file:<34}  bug {m.bug};  tests: {' '.join(m.tests)}{only}")
         return 0
 
     mutants = MUTANTS
@@ -973,25 +1010,38 @@ def main(argv=None) -> int:
     source = "working tree (uncommitted edits included)" if sha is None else f"commit {sha[:12]} ({args.rev})"
     print(f"[mutation_check] source: {source}; python: {args.python}", flush=True)
 
-    # every mutant must apply before anything runs: a stale one stops the check here
-    stale = []
-    for m in mutants:
-        with tempfile.TemporaryDirectory(prefix="torch_fused_mut_probe_") as d:
-            make_copy(Path(d), sha)
+    # which mutants still apply, on one copy of the source: a stale one (its text to mutate gone)
+    # is reported STALE and skipped, the others run
+    stale = {}
+    with tempfile.TemporaryDirectory(prefix="torch_fused_mut_probe_") as d:
+        make_copy(Path(d), sha)
+        for m in mutants:
             try:
-                apply_edits(Path(d), m)
+                mutant_source(Path(d), m)
             except StaleMutant as e:
-                stale.append(str(e))
+                stale[m.name] = str(e)
     if stale:
-        print("[mutation_check] STALE MUTANT(S): the source no longer contains the text to mutate\n",
-              file=sys.stderr)
-        for s in stale:
-            print(s + "\n", file=sys.stderr)
-        return 2
+        print(f"[mutation_check] {len(stale)} STALE mutant(s): the source no longer contains the text to mutate; "
+              "update each to the code it targets (the other mutants run)\n", flush=True)
+        for s in stale.values():
+            print(s + "\n", flush=True)
+
+    torch_at = torch_version(args.python) if any(m.torch_below for m in mutants) else None
 
     t_start = time.monotonic()
     rows = []  # (mutant, status, failed list, seconds, note)
     for i, m in enumerate(mutants, 1):
+        if m.name in stale:
+            print(f"[mutation_check] ({i}/{len(mutants)}) {m.name}: STALE, not run", flush=True)
+            rows.append([m, "STALE", [], 0.0, "its text to mutate no longer occurs exactly once: update the mutant"])
+            continue
+        if m.torch_below and (torch_at is None or torch_at >= m.torch_below):
+            below = ".".join(map(str, m.torch_below))
+            have = ".".join(map(str, torch_at)) if torch_at else "unknown"
+            note = f"only torch < {below} shows this bug (this python's torch: {have}); --python an older env runs it"
+            print(f"[mutation_check] ({i}/{len(mutants)}) {m.name}: SKIPPED, {note}", flush=True)
+            rows.append([m, "SKIPPED", [], 0.0, note])
+            continue
         interpret = m.path == TRITON
         tmp = Path(tempfile.mkdtemp(prefix=f"torch_fused_mut_{m.name}_"))
         copy = tmp / "repo"
@@ -1071,11 +1121,20 @@ def main(argv=None) -> int:
     print("-|-".join("-" * w for w in widths))
     for r in table:
         print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
-    n_bad = sum(1 for r in rows if r[1] != "caught")
-    print(f"\n{len(rows) - n_bad}/{len(rows)} mutants caught; total {total:.0f} s; source {source}")
+    skipped = [r[0].name for r in rows if r[1] == "SKIPPED"]
+    n_bad = sum(1 for r in rows if r[1] not in ("caught", "SKIPPED"))
+    print(f"\n{len(rows) - n_bad - len(skipped)}/{len(rows) - len(skipped)} mutants caught"
+          + (f" ({len(skipped)} skipped for this torch: {', '.join(skipped)})" if skipped else "")
+          + f"; total {total:.0f} s; source {source}")
     if n_bad:
-        print("NOT CAUGHT / NOT PROVEN: " + ", ".join(f"{r[0].name} ({r[1]})" for r in rows if r[1] != "caught"))
-    return 1 if n_bad else 0
+        print("NOT CAUGHT / NOT PROVEN: " + ", ".join(f"{r[0].name} ({r[1]})" for r in rows
+                                                      if r[1] not in ("caught", "SKIPPED")))
+    if stale:
+        print(f"STALE (not run; their old texts are printed above): {', '.join(stale)}")
+    # 1: a mutant that ran and was not caught (or its control failed); 2: stale mutants only
+    if any(r[1] not in ("caught", "STALE", "SKIPPED") for r in rows):
+        return 1
+    return 2 if stale else 0
 
 
 if __name__ == "__main__":
