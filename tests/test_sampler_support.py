@@ -9,6 +9,7 @@ from hypothesis import given, strategies as st
 
 import torch_fused
 from _helpers import DEVICES
+from torch_fused._library import INTERPRET
 
 NINF = float("-inf")
 
@@ -44,6 +45,7 @@ def _reference(x, idx, temperature, top_k, top_p, min_p, ignore_index=-100):
     return (lp if idx.dim() == x.dim() else lp[..., 0]), ent, keep
 
 
+@pytest.mark.skipif(INTERPRET, reason="float64 logits take the reference path: the plain CPU run covers it")
 @given(seed=st.integers(0, 2**16), v=st.sampled_from([7, 50, 131]), top_k=st.sampled_from([None, 1, 3, 20, 200]),
        top_p=st.sampled_from([None, 0.3, 0.9, 1.0]), min_p=st.sampled_from([None, 0.0, 0.05, 0.5]),
        temperature=st.sampled_from([0.6, 1.0, 1.7]), k_ids=st.sampled_from([None, 3]), shift=st.booleans())
