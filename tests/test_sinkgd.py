@@ -1203,6 +1203,8 @@ def test_huge_gradients_give_the_finite_normalized_step(device, spectral, gdtype
     change the step: the row and column norms are computed scaled, and a gradient whose squares
     overflow fp32 (entries past about 1.8e19 / sqrt(n)) is neither skipped (W unchanged) nor NaN.
     Rows up to 48 wide take the kernels' one-read row pass (the interpreter's max_fused_n is 64)."""
+    if INTERPRET and (gdtype == torch.float32) == spectral:
+        pytest.skip("the interpreter run takes fp32 plain and bf16 spectral (each kernel load and pass once)")
     g0 = torch.Generator().manual_seed(7)
     w = torch.randn(2, 24, 48, generator=g0).to(device)
     g = torch.randn(2, 24, 48, generator=g0).to(gdtype).to(device)

@@ -9,6 +9,7 @@ import torch
 
 import torch_fused
 from _helpers import DEVICES
+from torch_fused._library import INTERPRET
 
 
 def _packed_logprobs(logits, idx, keep_mask, w):
@@ -39,6 +40,8 @@ def _packed_rows_reduced(logits, idx, keep_mask, w):
             + torch_fused.masked_mean(x, w[keep][:, None]))
 
 
+@pytest.mark.skipif(INTERPRET, reason="tracing with unbacked sizes: the plain CPU run covers it (the ops stay "
+                                       "whole there; the inlined launches are CUDA's)")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", [_packed_logprobs, _two_packings, _packed_rows_reduced],
                          ids=["logprob-ops", "two-packings", "mask-reduce"])
