@@ -66,15 +66,12 @@ def temperature_grad_dtype(logits: torch.Tensor, temperature_t: torch.Tensor | N
     return torch.float32
 
 
-def temperature_grad(xdx_rows: torch.Tensor, temperature_t: torch.Tensor | None,
-                     dtype: torch.dtype | None = None) -> torch.Tensor:
+def temperature_grad(xdx_rows: torch.Tensor, temperature_t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """d T = -(1/T) * sum over rows of sum_j x_j d x_j (the kernels' per-row partials, summed in
     a fixed order, in ``dtype``: temperature_grad_dtype); an empty tensor when the temperature is a float. A positive finite T outside
     [T_MIN, T_MAX] acts as the nearer end, a constant there: d T = 0 (as torch.clamp's gradient)."""
     if temperature_t is None:
         return xdx_rows.new_empty(0)
-    if dtype is None:
-        dtype = torch.float64 if temperature_t.dtype == torch.float64 else torch.float32
     dt = -(xdx_rows.to(dtype).sum() / temperature_t.to(dtype).clamp(T_MIN, T_MAX))
     return torch.where(temperature_clamped(temperature_t), torch.zeros_like(dt), dt)
 

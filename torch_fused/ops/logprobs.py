@@ -346,10 +346,11 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     dx = out if out is not None else new_output(logits.shape, dx_dtype, logits.device)
     has_dt = constexprs["HAS_DT"]
     # without d T: the empty d T (None where the caller does not want it: the eager path)
+    dt_dtype = reference.temperature_grad_dtype(logits, temperature_t)
     xdx = (new_output((rows,), torch.float32, logits.device) if has_dt
-           else logits.new_empty(0, dtype=reference.temperature_grad_dtype(logits, temperature_t)) if want_dt else None)
+           else logits.new_empty(0, dtype=dt_dtype) if want_dt else None)
     if grid == 0:
-        return dx, reference.temperature_grad(xdx, temperature_t) if has_dt else xdx
+        return dx, reference.temperature_grad(xdx, temperature_t, dt_dtype) if has_dt else xdx
     x_copy, idx_copy, glp_copy, gh_copy = copies
     x = (logits[..., :-1, :] if opts.shift else logits).contiguous() if x_copy else logits
     # the upstream gradients are read through their strides (the expanded ones of a .sum(), stride
@@ -366,7 +367,7 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     # the kernel reads the row statistics (and the entropy) as contiguous rows; a saved-tensor
     # hook may hand them back in another layout (contiguous() returns them as they are otherwise)
     go(grid, x, idx, glp, gh, stats.contiguous(), ent, dx, tail, temperature_t, xdx if has_dt else None, *scalars)
-    return dx, reference.temperature_grad(xdx, temperature_t) if has_dt else xdx
+    return dx, reference.temperature_grad(xdx, temperature_t, dt_dtype) if has_dt else xdx
 
 
 @torch.library.custom_op(f"{NAMESPACE}::_logprobs_entropy_slice_backward", mutates_args=(), schema=(
