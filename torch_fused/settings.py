@@ -24,6 +24,8 @@ in ``torch.compiler.config.cache_key_tag`` (a torch setting), written while the 
 | ``lm_head_fused_gemm`` | {"forward", "backward"} | | the lm_head passes whose GEMM tiles are consumed inside Triton kernels (bf16 / fp16, no softcap); the rest use cuBLAS chunks |
 | ``lm_head_tma`` | True | | the fused GEMMs read their operands through TMA on compute capability 9 and later |
 | ``lm_head_part_bytes`` | 64 MiB | | the fused forward's tile statistics buffer, at most |
+| ``lm_head_batch_invariant`` | True | ``TORCH_FUSED_BATCH_INVARIANT`` (0: off) | the fused lm_head's results for a row do not depend on the other rows of the call (log-probs, entropy, d hidden; d weight and d bias sum over rows and are exempt): its GEMMs that cuBLAS would run (the d hidden GEMM; the logits GEMMs of fp32 weights or a softcap) run in a Triton GEMM with fixed tiles and no split of the reduction, and its vocabulary chunks have a fixed width (``lm_head_min_cols`` / ``lm_head_dlogits_min_cols``, 128 without one). Off: cuBLAS, and chunks as wide as ``lm_head_chunk_bytes`` allows. float64 always takes cuBLAS |
+| ``lm_head_promote`` | True | | the fused lm_head's bf16 / fp16 GEMM tiles add each K step's product (64 deep) to their fp32 sum with a rounded add, instead of accumulating the whole reduction inside the tensor-core instructions, which truncate (kernels/lm_head.py ``_accumulate``) |
 | ``logprobs_bwd_segment`` | 32768 | | the log-prob backward splits a row into programs of about this many columns (0: one program per row) |
 | ``reference_chunk_elems`` | 2**21 | | the plain-PyTorch implementations (CPU) work in chunks of rows whose float temporaries stay near this many elements |
 | ``small_tiles`` | False | | every kernel takes its smallest tiles, which still take every code path (full blocks, masked tails, several programs and trips) at small shapes: the interpreter test run |
@@ -96,6 +98,8 @@ DEFAULTS = dict(
     lm_head_fused_gemm=frozenset({"forward", "backward"}),
     lm_head_tma=True,
     lm_head_part_bytes=64 << 20,
+    lm_head_batch_invariant=_env_flag("TORCH_FUSED_BATCH_INVARIANT", True),
+    lm_head_promote=True,
     logprobs_bwd_segment=32768,
     reference_chunk_elems=1 << 21,
     small_tiles=False,

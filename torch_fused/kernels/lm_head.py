@@ -20,9 +20,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from triton.language.extra import libdevice
+
 from ..settings import current as settings
 from .._library import NOMINAL_SMS
-from .logprobs import D_MIN, _shifted
+from .logprobs import D_MIN, _shift_diff, _shifted
 
 
 @triton.jit
@@ -40,10 +42,10 @@ def _tile_of(pid, n_m, n_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n,
                  HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr):
+                 BK: tl.constexpr, PROMOTE: tl.constexpr):
     """(z [BM, BN] fp32, row offsets, column offsets): the logits of rows pid_m * BM .. against
-    weight rows pid_n * BN .., columns past V at -inf. UPCAST: operands to fp32 before the dot
-    (Triton's interpreter, whose dot has no bf16)."""
+    weight rows pid_n * BN .., columns past V at -inf. UPCAST: Triton's interpreter, whose dot has
+    no bf16 (_interpreter_dot). PROMOTE: see _accumulate."""
     o_m = pid_m * BM + tl.arange(0, BM)
     o_n = pid_n * BN + tl.arange(0, BN)
     o_k = tl.arange(0, BK)
@@ -59,12 +61,37 @@ def _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n,
         b_a = tl.load(p_a, mask=o_k[None, :] < k_left, other=0.0)
         b_w = tl.load(p_bw, mask=o_k[None, :] < k_left, other=0.0)
         if UPCAST:
-            b_a = b_a.to(tl.float32)
-            b_w = b_w.to(tl.float32)
-        acc = tl.dot(b_a, tl.trans(b_w), acc)
+            acc += _interpreter_dot(b_a, tl.trans(b_w))
+        else:
+            acc = _accumulate(acc, b_a, tl.trans(b_w), PROMOTE)
         p_a += BK
         p_bw += BK
     return _finish_tile(acc, p_b, o_n, V, HAS_BIAS), o_m, o_n
+
+
+@triton.jit
+def _interpreter_dot(b_a, b_b):
+    """b_a @ b_b in Triton's interpreter: in float64, rounded to fp32. Its dot is numpy's, whose
+    BLAS rounds an output element differently by its place in the tile, which would hide whether
+    the kernels' own order of work depends on the batch; float64 products and sums of a block
+    round to the same fp32 value wherever the element sits."""
+    return tl.dot(b_a.to(tl.float64), b_b.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def _accumulate(acc, b_a, b_b, PROMOTE: tl.constexpr):
+    """acc + b_a @ b_b (fp32 acc). Without PROMOTE: one chain of matrix instructions accumulating
+    into acc (tl.dot(a, b, acc)). With PROMOTE: the block's product from a zero accumulator,
+    then added to acc with a rounded fp32 add. bf16 / fp16 tensor-core instructions add their
+    products into the accumulator without rounding to nearest (the low bits are cut, a bias
+    that grows with the accumulator's size and the number of steps); a block's product starts
+    from zero, so its cut is relative to the block's own sum, and the running sum takes only
+    rounded adds. The add is libdevice's add_rn, not ``+``: Triton's combine pass rewrites
+    ``acc + tl.dot(a, b)`` into ``tl.dot(a, b, acc)``."""
+    if PROMOTE:
+        return libdevice.add_rn(acc, tl.dot(b_a, b_b))
+    else:
+        return tl.dot(b_a, b_b, acc)
 
 
 @triton.jit
@@ -77,14 +104,15 @@ def _finish_tile(acc, p_b, o_n, V, HAS_BIAS: tl.constexpr):
 
 @triton.jit
 def _logits_tile_tma(d_h, d_w, p_b, V, H, pid_m, pid_n,
-                     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     PROMOTE: tl.constexpr):
     """_logits_tile with the operands read through the tensor descriptors d_h [N, H] and d_w
     [V, H] (blocks [BM, BK] and [BN, BK]; out-of-range rows and columns read as zeros)."""
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k in range(tl.cdiv(H, BK)):
         b_a = d_h.load([pid_m * BM, k * BK])
         b_w = d_w.load([pid_n * BN, k * BK])
-        acc = tl.dot(b_a, b_w.T, acc)
+        acc = _accumulate(acc, b_a, b_w.T, PROMOTE)
     o_m = pid_m * BM + tl.arange(0, BM)
     o_n = pid_n * BN + tl.arange(0, BN)
     return _finish_tile(acc, p_b, o_n, V, HAS_BIAS), o_m, o_n
@@ -123,7 +151,7 @@ def _lm_head_stats_kernel(
     N, V, H, K, stride_h, stride_w, n_tiles_n, v_off,
     scale,  # c = log2(e) / T
     HAS_BIAS: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,  # EXACT_SHIFT: the interpreter
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROMOTE: tl.constexpr,
 ):
     """Rows 0 .. N-1 of hidden against weight rows 0 .. V-1 (vocabulary ids v_off ..). Stores
     p_part[3, N, n_tiles_n] = (m, s, t) of each (row, column tile); a tile row of only -inf
@@ -132,7 +160,7 @@ def _lm_head_stats_kernel(
     pid = tl.program_id(0)
     n_m = tl.cdiv(N, BM)
     pid_m, pid_n = _tile_of(pid, n_m, n_tiles_n, GROUP_M)
-    z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, EXACT_SHIFT, BM, BN, BK)
+    z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, EXACT_SHIFT, BM, BN, BK, PROMOTE)
     _stats_epilogue(z, o_m, o_n, pid_n, p_idx, p_part, p_u, p_mo, N, V, K, n_tiles_n, v_off, scale,
                     EXACT_SHIFT, BLOCK_K, BN)
 
@@ -144,13 +172,14 @@ def _lm_head_stats_tma_kernel(
     scale,  # c = log2(e) / T
     HAS_BIAS: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    PROMOTE: tl.constexpr,
 ):
     """_lm_head_stats_kernel with the operands read by TMA (_logits_tile_tma), one persistent
     program per multiprocessor looping over the tiles."""
     n_m = tl.cdiv(N, BM)
     for tile in tl.range(tl.program_id(0), n_m * n_tiles_n, NUM_SMS):
         pid_m, pid_n = _tile_of(tile, n_m, n_tiles_n, GROUP_M)
-        z, o_m, o_n = _logits_tile_tma(d_h, d_w, p_b, V, H, pid_m, pid_n, HAS_BIAS, BM, BN, BK)
+        z, o_m, o_n = _logits_tile_tma(d_h, d_w, p_b, V, H, pid_m, pid_n, HAS_BIAS, BM, BN, BK, PROMOTE)
         _stats_epilogue(z, o_m, o_n, pid_n, p_idx, p_part, p_u, p_mo, N, V, K, n_tiles_n, v_off, scale,
                         EXACT_SHIFT, BLOCK_K, BN)
 
@@ -161,17 +190,17 @@ def _lm_head_dlogits_kernel(
     N, V, H, K, stride_h, stride_w, stride_dz, n_tiles_n, v_off,
     scale,  # c = log2(e) / T
     HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROMOTE: tl.constexpr,
 ):
     """d z of rows 0 .. N-1 against weight rows 0 .. V-1 (ids v_off ..): stored in p_dz [N, V]
     (row stride stride_dz, the output's dtype). p_coef[4, N] = (m, log2 s, a, b) per row:
     d z_j = -p_j (a + b max(d_j, D_MIN)) + g_k at the row's ids, with d_j = z_j c - m c - log2 s
     (log2 p_j). p_g [N, K]: the ids' log-prob gradients, already zero at ignore_index and
-    scaled by 1 / T."""
+    scaled by 1 / T; with HAS_GLP the kernel adds their sum to the a of p_coef."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(N, BM)
     pid_m, pid_n = _tile_of(pid, n_m, n_tiles_n, GROUP_M)
-    z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, EXACT_SHIFT, BM, BN, BK)
+    z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, EXACT_SHIFT, BM, BN, BK, PROMOTE)
     _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz, v_off, scale,
                       HAS_GLP, EXACT_SHIFT, BLOCK_K)
 
@@ -185,6 +214,12 @@ def _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz,
     log2s = tl.load(p_coef + N + rows)
     a = tl.load(p_coef + 2 * N + rows)
     b = tl.load(p_coef + 3 * N + rows)
+    if HAS_GLP:
+        # a += the ids' scaled gradients, added here one id after the other: an order that is the
+        # row's own (a torch reduction over them may split it by the batch's size)
+        for k in tl.static_range(BLOCK_K):
+            if k < K:
+                a += tl.load(p_g + rows * K + k)
     d = _shifted(z, m[:, None], scale, EXACT_SHIFT) - log2s[:, None]
     dz = -tl.exp2(d) * (a[:, None] + b[:, None] * tl.maximum(d, D_MIN))
     if HAS_GLP:
@@ -204,15 +239,103 @@ def _lm_head_dlogits_tma_kernel(
     scale,  # c = log2(e) / T
     HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    PROMOTE: tl.constexpr,
 ):
     """_lm_head_dlogits_kernel with the operands read by TMA, persistent (as
     _lm_head_stats_tma_kernel)."""
     n_m = tl.cdiv(N, BM)
     for tile in tl.range(tl.program_id(0), n_m * n_tiles_n, NUM_SMS):
         pid_m, pid_n = _tile_of(tile, n_m, n_tiles_n, GROUP_M)
-        z, o_m, o_n = _logits_tile_tma(d_h, d_w, p_b, V, H, pid_m, pid_n, HAS_BIAS, BM, BN, BK)
+        z, o_m, o_n = _logits_tile_tma(d_h, d_w, p_b, V, H, pid_m, pid_n, HAS_BIAS, BM, BN, BK, PROMOTE)
         _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz, v_off, scale,
                           HAS_GLP, EXACT_SHIFT, BLOCK_K)
+
+
+@triton.jit
+def _tile_merge_kernel(
+    p_part, p_run, NT, plane, stride_run,
+    scale,  # c = log2(e) / T
+    EXACT_SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """One row per program: its statistics from the forward's per-tile ones, p_part[3, N, NT]
+    (m, s, t of each column tile; a tile with s = 0 saw only -inf logits and holds the
+    placeholder m = 0; plane = N NT), merged as ops.logprobs.merge_row_stats merges them, into
+    p_run[row, 0:3].
+    The tiles are taken BLOCK_T at a time in index order and reduced inside the program: the
+    order is the row's own, whatever N is (a torch reduction over the tiles chooses its split
+    from the number of rows)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = scale
+    o_t = tl.arange(0, BLOCK_T)
+    p_m = p_part + row * NT
+    big = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    for t0 in range(0, NT, BLOCK_T):
+        live = (t0 + o_t < NT)
+        s_b = tl.load(p_m + plane + t0 + o_t, mask=live, other=0.0)
+        m_b = tl.load(p_m + t0 + o_t, mask=live, other=0.0)
+        big = tl.maximum(big, tl.where(s_b > 0.0, m_b, float("-inf")))
+    m = tl.max(big, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    s_acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+    t_acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for t0 in range(0, NT, BLOCK_T):
+        live = (t0 + o_t < NT)
+        m_b = tl.load(p_m + t0 + o_t, mask=live, other=0.0)
+        s_b = tl.load(p_m + plane + t0 + o_t, mask=live, other=0.0)
+        t_b = tl.load(p_m + 2 * plane + t0 + o_t, mask=live, other=0.0)
+        da = _shift_diff(m_b, m, c, EXACT_SHIFT)
+        e = tl.where(s_b > 0.0, tl.exp2(da), 0.0)
+        s_acc += s_b * e
+        t_acc += tl.where(s_b > 0.0, e * (t_b + da * s_b), 0.0)
+    p_out = p_run + row * stride_run
+    tl.store(p_out, m)
+    tl.store(p_out + 1, tl.sum(s_acc, axis=0))
+    tl.store(p_out + 2, tl.sum(t_acc, axis=0))
+
+
+@triton.jit
+def _matmul_kernel(
+    p_a, p_b, p_c, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PROMOTE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """c (+)= a @ b: a [M, K], b [K, N] (any strides; bf16, fp16 or fp32), c [M, N] fp32 with
+    unit column stride. ACCUMULATE: the running sum starts from c's values (the fused head's d
+    hidden over vocabulary chunks), else from zero. Each output tile is one program's
+    accumulation over K in BK steps, in order, with no split of K: an element's result depends
+    on its own row of a and column of b only, never on M (the batch-invariant GEMM of the fused
+    head). IEEE: fp32 operands multiplied in full fp32 (no TF32). UPCAST: the interpreter."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    pid_m, pid_n = _tile_of(pid, n_m, n_n, GROUP_M)
+    o_m = pid_m * BM + tl.arange(0, BM)
+    o_n = pid_n * BN + tl.arange(0, BN)
+    o_k = tl.arange(0, BK)
+    r_m = tl.where(o_m < M, o_m, 0).to(tl.int64)
+    r_n = tl.where(o_n < N, o_n, 0).to(tl.int64)
+    p_ab = p_a + r_m[:, None] * stride_am + o_k[None, :].to(tl.int64) * stride_ak
+    p_bb = p_b + o_k[:, None].to(tl.int64) * stride_bk + r_n[None, :] * stride_bn
+    p_out = p_c + r_m[:, None] * stride_cm + o_n[None, :]
+    keep = (o_m < M)[:, None] & (o_n < N)[None, :]
+    if ACCUMULATE:
+        acc = tl.load(p_out, mask=keep, other=0.0)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        k_left = K - k * BK
+        b_a = tl.load(p_ab, mask=o_k[None, :] < k_left, other=0.0)
+        b_b = tl.load(p_bb, mask=o_k[:, None] < k_left, other=0.0)
+        if UPCAST:
+            acc += _interpreter_dot(b_a, b_b)
+        elif IEEE:
+            acc = tl.dot(b_a, b_b, acc, input_precision="ieee")
+        else:
+            acc = _accumulate(acc, b_a, b_b, PROMOTE)
+        p_ab += BK * stride_ak
+        p_bb += BK * stride_bk
+    tl.store(p_out, acc, mask=keep)
 
 
 # (BM, BN, BK, GROUP_M, num_warps, num_stages) per kernel. CONFIG: the tiles of devices with
@@ -227,6 +350,12 @@ CONFIG = dict.fromkeys(("stats", "dlogits", "stats_tma", "dlogits_tma"), (128, 2
 # 48 KiB pipeline. Chosen to fit, not tuned on those devices. Where neither fits, the fused
 # head makes its logits with cuBLAS GEMMs instead (ops/linear_logprobs.py).
 SMALL_SMEM_CONFIG = dict.fromkeys(CONFIG, (128, 128, 32, 8, 4, 3))
+# The batch-invariant GEMM (_matmul_kernel): 16-bit operands as the fused kernels; fp32 operands
+# (IEEE products on the CUDA cores) with half the depth, the same 96 KiB pipeline as 16-bit ones.
+MATMUL_CONFIG = {"matmul": (128, 256, 64, 16, 8, 3), "matmul32": (128, 128, 32, 8, 8, 3)}
+SMALL_SMEM_MATMUL_CONFIG = {"matmul": (128, 128, 32, 8, 4, 3), "matmul32": (64, 64, 32, 8, 4, 3)}
+# the tile statistics merged BLOCK_T tiles at a time (_tile_merge_kernel)
+MERGE_BLOCK_T = 1024
 SMEM_MARGIN = 16 << 10  # bytes left beside the pipeline (the epilogue's layout conversions)
 
 
@@ -241,8 +370,14 @@ def pick_config(kernel: str, smem_limit: int | None):
     (None: no limit, the interpreter): CONFIG's where it fits with SMEM_MARGIN to spare, else
     SMALL_SMEM_CONFIG's, else None (the caller takes the cuBLAS path). The lm_head_tiles setting
     replaces CONFIG."""
-    for table in (settings.lm_head_tiles or CONFIG, SMALL_SMEM_CONFIG):
-        if smem_limit is None or pipeline_smem(table[kernel]) + SMEM_MARGIN <= smem_limit:
+    if kernel.startswith("matmul"):
+        tables = ((settings.lm_head_tiles or {}).get(kernel) and settings.lm_head_tiles or MATMUL_CONFIG,
+                  SMALL_SMEM_MATMUL_CONFIG)
+    else:
+        tables = (settings.lm_head_tiles or CONFIG, SMALL_SMEM_CONFIG)
+    elem = 4 if kernel == "matmul32" else 2
+    for table in tables:
+        if smem_limit is None or pipeline_smem(table[kernel], elem) + SMEM_MARGIN <= smem_limit:
             return table[kernel]
     return None
 
@@ -255,18 +390,29 @@ def compile_cases():
              "n_tiles_n": "i32", "v_off": "i32", "scale": "fp32"}
     bm, bn, bk, gm, warps, _ = CONFIG["stats"]
     yield ("lm_head_stats", _lm_head_stats_kernel, stats,
-           {"HAS_BIAS": True, "EXACT_SHIFT": False, "BLOCK_K": 2, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": gm}, warps)
+           {"HAS_BIAS": True, "EXACT_SHIFT": False, "BLOCK_K": 2, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": gm,
+            "PROMOTE": True}, warps)
     dl = {"p_h": "*bf16", "p_w": "*bf16", "p_b": "*bf16", "p_idx": "*i64", "p_g": "*fp32", "p_coef": "*fp32",
           "p_dz": "*bf16", "N": "i32", "V": "i32", "H": "i32", "K": "i32", "stride_h": "i32", "stride_w": "i32",
           "stride_dz": "i32", "n_tiles_n": "i32", "v_off": "i32", "scale": "fp32"}
     bm, bn, bk, gm, warps, _ = CONFIG["dlogits"]
     yield ("lm_head_dlogits", _lm_head_dlogits_kernel, dl,
            {"HAS_BIAS": False, "HAS_GLP": True, "EXACT_SHIFT": False, "BLOCK_K": 1, "BM": bm, "BN": bn, "BK": bk,
-            "GROUP_M": gm}, warps)
+            "GROUP_M": gm, "PROMOTE": False}, warps)
     for name, kernel, sig, flags in (("lm_head_stats_tma", _lm_head_stats_tma_kernel, stats, {}),
                                      ("lm_head_dlogits_tma", _lm_head_dlogits_tma_kernel, dl, {"HAS_GLP": True})):
         bm, bn, bk, gm, warps, _ = CONFIG[name[:-4].replace("lm_head_", "") + "_tma"]
         sig = {k: t for k, t in sig.items() if k not in ("p_h", "p_w", "stride_h", "stride_w")}
         sig = {"d_h": f"tensordesc<bf16[{bm},{bk}]>", "d_w": f"tensordesc<bf16[{bn},{bk}]>", **sig}
         yield (name, kernel, sig, {"HAS_BIAS": True, "EXACT_SHIFT": False, "BLOCK_K": 2, "BM": bm, "BN": bn, "BK": bk,
-                                   "GROUP_M": gm, "NUM_SMS": NOMINAL_SMS, **flags}, warps)
+                                   "GROUP_M": gm, "NUM_SMS": NOMINAL_SMS, "PROMOTE": True, **flags}, warps)
+    yield ("lm_head_tile_merge", _tile_merge_kernel,
+           {"p_part": "*fp32", "p_run": "*fp32", "NT": "i32", "plane": "i64", "stride_run": "i32", "scale": "fp32"},
+           {"EXACT_SHIFT": False, "BLOCK_T": MERGE_BLOCK_T}, 4)
+    mm = {"p_a": "*bf16", "p_b": "*bf16", "p_c": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
+          "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32", "stride_cm": "i32"}
+    for name, dtype, ieee in (("matmul", "*bf16", False), ("matmul32", "*fp32", True)):
+        bm, bn, bk, gm, warps, _ = MATMUL_CONFIG[name]
+        yield (f"lm_head_{name}", _matmul_kernel, {**mm, "p_a": dtype, "p_b": dtype},
+               {"ACCUMULATE": True, "UPCAST": False, "IEEE": ieee, "PROMOTE": True, "BM": bm, "BN": bn, "BK": bk,
+                "GROUP_M": gm}, warps)

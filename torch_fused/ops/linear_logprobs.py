@@ -83,9 +83,13 @@ _BWD = f"{NAMESPACE}::_linear_logprobs_entropy_backward"
 _HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
-def _chunk_cols(device: torch.device, n: int, bytes_per_elem: int, budget=None, min_cols: int = 1) -> int:
+def _chunk_cols(device: torch.device, n: int, bytes_per_elem: int, budget=None, min_cols: int = 1,
+                invariant: bool = False) -> int:
     """Vocabulary columns per chunk for n tokens: the budget's (default: the lm_head_chunk_bytes setting), at
-    least min_cols, in multiples of 128."""
+    least min_cols, in multiples of 128. ``invariant`` (the batch-invariant head): min_cols, or 128
+    without one, whatever n is: a chunk's width decides the order of a row's sums."""
+    if invariant:
+        return max(min_cols, 128)
     budget = settings.lm_head_chunk_bytes if budget is None else budget
     step = max(1, budget.get(device.type, budget["cpu"]) // (bytes_per_elem * n), min_cols)
     return step - step % 128 if step > 128 else step
@@ -117,6 +121,37 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
         acc += _mm_f32(a, b)
 
 
+def _invariant(path, *tensors) -> bool:
+    """Whether this call's GEMMs run in the batch-invariant Triton GEMM (kernels/lm_head.py
+    _matmul_kernel): the lm_head_batch_invariant setting, on the Triton path, for 16-bit and
+    fp32 operands (float64 keeps cuBLAS)."""
+    return (path.triton and settings.lm_head_batch_invariant
+            and all(t.dtype in (torch.bfloat16, torch.float16, torch.float32) for t in tensors))
+
+
+def _matmul_into(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """c (+)= a @ b in the batch-invariant Triton GEMM: c fp32 [M, N] with unit column stride, a
+    [M, K] and b [K, N] of one dtype, any strides (operands in another dtype are cast)."""
+    from ..kernels import lm_head as K
+
+    if b.dtype != a.dtype:
+        b = b.to(a.dtype)
+    m, k = a.shape
+    n = b.shape[1]
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        if not accumulate:
+            c.zero_()
+        return
+    wide = a.dtype == torch.float32
+    bm, bn, bk, gm, warps, stages = _tiles("matmul32" if wide else "matmul", a.device)
+    grid = (-(-m // bm) * -(-n // bn),)
+    K._matmul_kernel[grid](a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
+                           ACCUMULATE=accumulate, UPCAST=INTERPRET, IEEE=wide, PROMOTE=settings.lm_head_promote,
+                           BM=bm, BN=bn, BK=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
+
+
 def _gemm_operands(weight, h2, reference_path):
     """(weight, hidden rows) as the GEMMs read them: as they are, except that the CPU reference
     path upcasts bf16/fp16 once (its GEMMs would otherwise upcast per chunk)."""
@@ -137,11 +172,15 @@ def _rows(hidden, index, shift):
     return h2, idx2
 
 
-def _logits_chunk(h2, w, bias, opts):
+def _logits_chunk(h2, w, bias, opts, invariant=False):
     """fp32 logits z of rows h2 against vocabulary rows w, one chunk buffer. With a softcap,
     z = c tanh(s y / c), computed in place (the backward's tanh is z / c); otherwise z = y (the
-    scale is folded into the temperature by the caller)."""
-    z = _mm_f32(h2, w.t())
+    scale is folded into the temperature by the caller). ``invariant``: the batch-invariant GEMM."""
+    if invariant:
+        z = torch.empty(h2.shape[0], w.shape[0], dtype=torch.float32, device=h2.device)
+        _matmul_into(z, h2, w.t(), accumulate=False)
+    else:
+        z = _mm_f32(h2, w.t())
     if bias is not None:
         z += bias.to(z.dtype)
     if opts.softcap is not None:
@@ -279,20 +318,24 @@ def _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c):
             K._lm_head_stats_tma_kernel[(min(sms, tiles),)](
                 TensorDescriptor.from_tensor(h2[r0:r1], [cfg["BM"], cfg["BK"]]), d_w, b_ptr, ids[r0:r1], part,
                 u[r0:r1], m_own[r0:r1], r1 - r0, v, hd, k, nt, 0, c,
-                HAS_BIAS=bias is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k, NUM_SMS=sms, **cfg)
+                HAS_BIAS=bias is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k, NUM_SMS=sms,
+                PROMOTE=settings.lm_head_promote, **cfg)
         else:
             K._lm_head_stats_kernel[(tiles,)](
                 h2[r0:r1], w, b_ptr, ids[r0:r1], part, u[r0:r1], m_own[r0:r1],
                 r1 - r0, v, hd, k, h2.stride(0), w.stride(0), nt, 0, c,
-                HAS_BIAS=bias is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k, **cfg)
-        m_t, s_t, t_t = part.unbind(0)  # per row and vocabulary tile
-        m, s_row, t_row, _, _ = lp_ops.merge_row_stats(m_t, s_t, t_t, c, lp_ops.shift_is_exact(True, m_t.dtype, c), 1)
-        run[r0:r1, 0], run[r0:r1, 1], run[r0:r1, 2] = m, s_row, t_row
+                HAS_BIAS=bias is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k,
+                PROMOTE=settings.lm_head_promote, **cfg)
+        # the tiles' statistics folded per row, in the row's own order (a torch reduction would
+        # choose its split from the number of rows)
+        K._tile_merge_kernel[(r1 - r0,)](part, run[r0:r1], nt, (r1 - r0) * nt, run.stride(0), c,
+                                         EXACT_SHIFT=exact_shift(c), BLOCK_T=K.MERGE_BLOCK_T)
 
 
 def _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total):
     """Per row (m, log2 s, a, b) as a [4, N] fp32 tensor, and the ids' scaled log-prob
-    gradients [N, K] (None without glp), as _logprobs_entropy_backward_kernel forms them."""
+    gradients [N, K] (None without glp), as _logprobs_entropy_backward_kernel forms them, except
+    that a leaves out the sum of the ids' gradients, which the d logits kernel adds."""
     n = st2.shape[0]
     it = 1.0 / t_eff
     coef = torch.empty(4, n, dtype=torch.float32, device=st2.device)
@@ -305,8 +348,7 @@ def _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total
         g = torch.where(ids == ignore_index, torch.zeros_like(g), g)
         bad = (ids != ignore_index) & ((ids < 0) | (ids >= v_total))
         g = torch.where(bad, torch.full_like(g, float("nan")), g)  # an out-of-range id: NaN row
-        a = a + g.sum(1)
-        g = g * it
+        g = g * it  # (their sum joins a in the kernel, _dlogits_epilogue)
     b = torch.zeros_like(a)
     if gh is not None:
         a = a + gh.float() * ent2.float()
@@ -325,7 +367,8 @@ def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c):
     tiles = -(-n // cfg["BM"]) * nt
     k = ids.shape[1]
     args = (bias.contiguous() if bias is not None else w, ids, g if g is not None else coef, coef, dz)
-    flags = dict(HAS_BIAS=bias is not None, HAS_GLP=g is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k, **cfg)
+    flags = dict(HAS_BIAS=bias is not None, HAS_GLP=g is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k,
+                 PROMOTE=settings.lm_head_promote, **cfg)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -354,7 +397,9 @@ def _forward_impl(hidden, weight, index, bias, opts, path):
     w, h2 = _gemm_operands(weight, h2, not path.triton)
     t_eff = effective_temperature(opts)
     c = LOG2E / t_eff
-    step = _chunk_cols(hidden.device, n, 4, min_cols=settings.lm_head_min_cols.get(hidden.device.type, 1))
+    invariant = _invariant(path, h2, w)
+    step = _chunk_cols(hidden.device, n, 4, min_cols=settings.lm_head_min_cols.get(hidden.device.type, 1),
+                       invariant=invariant)
     ids = idx2.reshape(n, -1).contiguous()
     run = torch.empty(n, 3, dtype=dt, device=hidden.device)
     u = torch.zeros(ids.shape, dtype=dt, device=hidden.device)
@@ -364,7 +409,7 @@ def _forward_impl(hidden, weight, index, bias, opts, path):
     else:
         for v0 in range(0, v, step):
             v1 = min(v, v0 + step)
-            z = _logits_chunk(h2, w[v0:v1], bias[v0:v1] if bias is not None else None, opts)
+            z = _logits_chunk(h2, w[v0:v1], bias[v0:v1] if bias is not None else None, opts, invariant)
             path.merge(z, ids, v0, v0 == 0, run, u, m_own, t_eff, c)
             del z
     m, s_run, t_run = run.unbind(1)
@@ -433,8 +478,10 @@ def backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats,
         c = traced_constants()[0] / t_eff  # LOG2E, as above
     # Triton path, bf16 / fp16: d logits written over their own fp32 logits chunk
     in_place = path.triton and softcap is None and w.dtype in (torch.bfloat16, torch.float16)
+    invariant = _invariant(path, hm, w)
     step = _chunk_cols(dev, n, w.element_size() if fused else 4 if in_place else 4 + w.element_size(),
-                       min_cols=(settings.lm_head_dlogits_min_cols if fused else settings.lm_head_min_cols).get(dev.type, 1))
+                       min_cols=(settings.lm_head_dlogits_min_cols if fused else settings.lm_head_min_cols).get(dev.type, 1),
+                       invariant=invariant)
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
         b_c = bias[v0:v1] if bias is not None else None
@@ -442,7 +489,7 @@ def backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats,
             dz = torch.empty(n, v1 - v0, dtype=w.dtype, device=dev)
             _dlogits_fused_gemm(hm, w[v0:v1], b_c, ids, g_ids, coef, dz, v_off + v0, c)
         else:
-            z = _logits_chunk(hm, w[v0:v1], b_c, opts)
+            z = _logits_chunk(hm, w[v0:v1], b_c, opts, invariant)
             if in_place:
                 # row r's w.dtype values in the first bytes of row r's fp32 values (no second
                 # chunk-sized buffer)
@@ -457,7 +504,9 @@ def backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats,
             del z
         if weight_grad:
             torch.mm(dz.t(), hm, out=dw[v0:v1]) if dw.dtype == dz.dtype else dw[v0:v1].copy_(dz.t() @ hm)
-        if hidden_grad:
+        if hidden_grad and invariant and dh.dtype == torch.float32:
+            _matmul_into(dh, dz, w[v0:v1], accumulate=v0 != 0)
+        elif hidden_grad:
             _addmm_f32_(dh, dz, w[v0:v1], first=v0 == 0)
         if bias is not None:
             db[v0:v1] = dz.sum(0, dtype=acc).to(db.dtype)
