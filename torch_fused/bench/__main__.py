@@ -17,7 +17,7 @@ import torch
 
 from . import common
 
-SUITES = ("logprobs", "temperature", "sampler", "small", "model_logits", "lm_head", "vocab_parallel", "mask_reduce", "sinkgd", "step", "step_8b",
+SUITES = ("logprobs", "temperature", "sampler", "small", "model_logits", "lm_head", "agreement", "vocab_parallel", "mask_reduce", "sinkgd", "step", "step_8b",
           "train")
 # run when no suite is named: all but step_8b (an 8B-parameter model: most of an H200's memory) and train
 # (a training-quality sweep of many minutes), which are named explicitly
@@ -45,6 +45,9 @@ Suites:
                shift=True against the [:, :-1] slice, eager and compiled
   lm_head      linear_logprobs_and_entropy against the bare GEMMs of the same run (its floor)
                and the materialized logits; peak memory beyond inputs and returned gradients
+  agreement    the fused lm_head under its batch_invariant / promote settings (time against
+               the bare GEMMs), its log-prob error against float64 beside an fp32 head's, and
+               rows alone against rows inside the batch, bit for bit
   vocab_parallel
                one rank's local work of the vocab-parallel ops (2 ranks, no process group, the
                collectives not timed): the per-row partial statistics and their merge forward,
