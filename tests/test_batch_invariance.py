@@ -160,3 +160,17 @@ def test_fused_head_compiled_rows_equal_eager():
         e_lp, e_ent = f(h_all[:1], idx_all[:1])
         c_lp, c_ent = cf(h_all[:n], idx_all[:n])
         assert torch.equal(c_lp[0], e_lp[0]) and torch.equal(c_ent[0], e_ent[0])
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_on_policy_ratio_is_exactly_one(device):
+    """README's worked check: old log-probs by micro-batches of 2, new ones by one batch of 8
+    (same weights, same inputs): exp(new - old) is exactly 1.0 at every token."""
+    v, hd, _, _ = _sizes(device)
+    gen = torch.Generator().manual_seed(15)
+    h = (torch.randn(8, 5, hd, generator=gen) * 0.5).to(torch.bfloat16).to(device)
+    w = (torch.randn(v, hd, generator=gen) * 0.5).to(torch.bfloat16).to(device)
+    ids = torch.randint(0, v, (8, 5), generator=gen).to(device)
+    old = torch.cat([torch_fused.linear_logprobs_and_entropy(h[i:i + 2], w, ids[i:i + 2])[0] for i in range(0, 8, 2)])
+    new, _ = torch_fused.linear_logprobs_and_entropy(h[:8], w, ids[:8])
+    assert torch.equal(torch.exp(new - old), torch.ones_like(new))
