@@ -718,6 +718,18 @@ MUTANTS: list[Mutant] = [
         [("    ok = (cu_seqlens[0] == 0) &", "    return  # MUTANT\n    ok = (cu_seqlens[0] == 0) &")],
         ["tests/test_packed.py"],
     ),
+    Mutant(
+        "head-chunk-width-follows-n", "70 the batch-invariant head's vocabulary chunks as wide as the budget allows for N",
+        "torch_fused/ops/linear_logprobs.py", TRITON,
+        [("    if invariant:\n        return max(min_cols, 128)\n", "    if False:  # MUTANT\n        return max(min_cols, 128)\n")],
+        ["tests/test_batch_invariance.py"],
+    ),
+    Mutant(
+        "head-invariant-dh-overwritten", "71 the invariant GEMM's d hidden started afresh on every vocabulary chunk",
+        "torch_fused/ops/linear_logprobs.py", TRITON,
+        [("_matmul_into(dh, dz, w[v0:v1], accumulate=v0 != 0)", "_matmul_into(dh, dz, w[v0:v1], accumulate=False)  # MUTANT")],
+        LM_HEAD_TESTS,
+    ),
 ]
 
 
