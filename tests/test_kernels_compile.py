@@ -70,7 +70,7 @@ def test_every_kernel_has_a_compile_case():
     assert not missing, f"kernels without a compile case (add them to their module's compile_cases): {missing}"
 
 
-@pytest.mark.parametrize("table,arch,limit_kib", [("CONFIG", 90, 227), ("CONFIG", 80, 163),
+@pytest.mark.parametrize("table,arch,limit_kib", [("CONFIG", 90, 227), ("CONFIG", 80, 163), ("PROMOTE_CONFIG", 90, 227),
                                                   ("SMALL_SMEM_CONFIG", 86, 99), ("SMALL_SMEM_CONFIG", 75, 64)])
 def test_lm_head_tiles_fit_the_shared_memory_they_are_chosen_for(table, arch, limit_kib):
     """The fused head's GEMM kernels compiled with each tile table for a device it is picked for:
@@ -82,8 +82,9 @@ def test_lm_head_tiles_fit_the_shared_memory_they_are_chosen_for(table, arch, li
     cases = [c for c in KL.compile_cases() if not c[0].endswith("_tma")]
     for kind, (name, fn, sig, constexprs, _) in zip(("stats", "dlogits"), cases):
         bm, bn, bk, gm, warps, stages = getattr(KL, table)[kind]
-        assert KL.pick_config(kind, limit) == getattr(KL, table)[kind]
-        cx = dict(constexprs, BM=bm, BN=bn, BK=bk, GROUP_M=gm)
+        promote = table == "PROMOTE_CONFIG"
+        assert KL.pick_config(kind, limit, promote) == getattr(KL, table)[kind]
+        cx = dict(constexprs, BM=bm, BN=bn, BK=bk, GROUP_M=gm, PROMOTE=promote)
         sig = dict(sig, **{k: "constexpr" for k in cx})
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", arch, 32),
                            options={"num_warps": warps, "num_stages": stages})

@@ -350,9 +350,15 @@ CONFIG = dict.fromkeys(("stats", "dlogits", "stats_tma", "dlogits_tma"), (128, 2
 # 48 KiB pipeline. Chosen to fit, not tuned on those devices. Where neither fits, the fused
 # head makes its logits with cuBLAS GEMMs instead (ops/linear_logprobs.py).
 SMALL_SMEM_CONFIG = dict.fromkeys(CONFIG, (128, 128, 32, 8, 4, 3))
+# With promotion (_accumulate, the lm_head_promote setting) a program holds two fp32 tiles, the
+# running sum and the K step's product: at 128 x 256 over 8 warps that is 256 registers a thread
+# for the two, past the 255 a thread has, so the promoted kernels take 128-column tiles (and a
+# fourth pipeline stage in the shared memory the narrower tile leaves).
+PROMOTE_CONFIG = dict.fromkeys(CONFIG, (128, 128, 64, 16, 8, 4))
 # The batch-invariant GEMM (_matmul_kernel): 16-bit operands as the fused kernels; fp32 operands
 # (IEEE products on the CUDA cores) with half the depth, the same 96 KiB pipeline as 16-bit ones.
 MATMUL_CONFIG = {"matmul": (128, 256, 64, 16, 8, 3), "matmul32": (128, 128, 32, 8, 8, 3)}
+PROMOTE_MATMUL_CONFIG = {"matmul": (128, 128, 64, 16, 8, 4), "matmul32": MATMUL_CONFIG["matmul32"]}
 SMALL_SMEM_MATMUL_CONFIG = {"matmul": (128, 128, 32, 8, 4, 3), "matmul32": (64, 64, 32, 8, 4, 3)}
 # the tile statistics merged BLOCK_T tiles at a time (_tile_merge_kernel)
 MERGE_BLOCK_T = 1024
@@ -365,16 +371,17 @@ def pipeline_smem(cfg, elem_bytes: int = 2) -> int:
     return stages * (bm + bn) * bk * elem_bytes
 
 
-def pick_config(kernel: str, smem_limit: int | None):
+def pick_config(kernel: str, smem_limit: int | None, promote: bool = False):
     """The tiles for ``kernel`` on a device with ``smem_limit`` bytes of shared memory per block
-    (None: no limit, the interpreter): CONFIG's where it fits with SMEM_MARGIN to spare, else
-    SMALL_SMEM_CONFIG's, else None (the caller takes the cuBLAS path). The lm_head_tiles setting
-    replaces CONFIG."""
+    (None: no limit, the interpreter): CONFIG's (PROMOTE_CONFIG's for promoted tiles) where it
+    fits with SMEM_MARGIN to spare, else SMALL_SMEM_CONFIG's, else None (the caller takes the
+    cuBLAS path). The lm_head_tiles setting replaces CONFIG."""
     if kernel.startswith("matmul"):
-        tables = ((settings.lm_head_tiles or {}).get(kernel) and settings.lm_head_tiles or MATMUL_CONFIG,
+        shipped = PROMOTE_MATMUL_CONFIG if promote else MATMUL_CONFIG
+        tables = ((settings.lm_head_tiles or {}).get(kernel) and settings.lm_head_tiles or shipped,
                   SMALL_SMEM_MATMUL_CONFIG)
     else:
-        tables = (settings.lm_head_tiles or CONFIG, SMALL_SMEM_CONFIG)
+        tables = (settings.lm_head_tiles or (PROMOTE_CONFIG if promote else CONFIG), SMALL_SMEM_CONFIG)
     elem = 4 if kernel == "matmul32" else 2
     for table in tables:
         if smem_limit is None or pipeline_smem(table[kernel], elem) + SMEM_MARGIN <= smem_limit:

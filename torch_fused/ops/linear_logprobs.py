@@ -280,7 +280,7 @@ def _tiles(kernel, device):
     """kernels/lm_head.py's tiles for ``kernel`` on ``device`` (None: none fits its shared memory)."""
     from ..kernels import lm_head as K
 
-    return K.pick_config(kernel, _smem_limit(device))
+    return K.pick_config(kernel, _smem_limit(device), settings.lm_head_promote)
 
 
 def _launch_args(h2, w, kernel):
