@@ -157,8 +157,7 @@ class Path:
 
 
 REFERENCE = Path(False, _stats_reference, _divergence_reference, _grad_reference)
-TRITON = REFERENCE  # the kernels (kernels/distill.py) are not wired in yet: every device runs the reference
-_TRITON_KERNELS = Path(True, _stats_triton, _divergence_triton, _grad_triton)
+TRITON = Path(True, _stats_triton, _divergence_triton, _grad_triton)
 
 
 def _path(path, *tensors):
