@@ -195,8 +195,8 @@ def test_distillation_trainer_patched_equals_trl(tmp_path, calls, capsys):
     run = _distillation_run(tmp_path / "ours", patch=True)
     line = [s for s in capsys.readouterr().err.splitlines() if s.startswith("torch_fused.integrations.trl")][-1]
     assert "trl.trainer.distillation_trainer._chunked_divergence_loss" in line, line
-    # the trainer's loss takes the reduced mode, once per step
-    assert [k["reduction"] for k in calls["linear_distill"]] == ["token-mean"] * 2, calls
+    # the trainer's loss takes a reduced mode (the sum over the batch's token count), once per step
+    assert [k["reduction"] for k in calls["linear_distill"]] == ["sum"] * 2, calls
     # a completion ended early: the completion mask dropped positions from the loss
     assert min(h["completions/min_length"] for h in ref[0]) < 8
     _assert_same_training(run, ref, ("loss", "entropy", "grad_norm"))
@@ -205,7 +205,7 @@ def test_distillation_trainer_patched_equals_trl(tmp_path, calls, capsys):
 def test_gkd_trainer_patched_equals_trl(tmp_path, calls):
     ref = _gkd_run(tmp_path / "trl", patch=False)
     run = _gkd_run(tmp_path / "ours", patch=True)
-    assert len(calls["distill"]) == 2 and all(k["reduction"] == "token-mean" for k in calls["distill"]), calls
+    assert len(calls["distill"]) == 2 and all(k["reduction"] == "sum" for k in calls["distill"]), calls
     _assert_same_training(run, ref, ("loss", "grad_norm"))
 
 
@@ -261,7 +261,8 @@ def test_chunked_divergence_loss(beta, case, calls):
     inputs = (hid_s, w_s, b_s)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "bf16_autocast"):
         ours, theirs = ours_fn(*args, **kw), LOSS(*args, **kw)
-    assert len(calls["linear_distill"]) == 1 and calls["linear_distill"][0]["reduction"] == "token-mean"
+    reduction = "sum" if case == "num_items" else "token-mean"  # gradients formed in the forward pass
+    assert len(calls["linear_distill"]) == 1 and calls["linear_distill"][0]["reduction"] == reduction
     assert ours[2].dtype == theirs[2].dtype and torch.equal(ours[2], theirs[2])  # the count of positions
     assert ours[0].dtype == theirs[0].dtype == torch.float32 and ours[0].shape == theirs[0].shape == ()
     assert theirs[0].item() > 0.05  # not a degenerate case

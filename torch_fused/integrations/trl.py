@@ -448,8 +448,9 @@ def _chunked_divergence_loss_14(original):
     completion_mask [B, K], beta, num_items_in_batch=None, ...)`` returning (loss, the sum of the
     student's per-token entropy, the number of masked-in positions): the loss is the divergence
     summed over the masked-in positions, over ``num_items_in_batch`` (or their count, at least 1).
-    Routed to the reduced mode of torch_fused.linear_distill (``reduction="token-mean"``: the
-    gradients are formed in the forward pass, no projection is recomputed in the backward)."""
+    Routed to the reduced modes of torch_fused.linear_distill (``"token-mean"``, or ``"sum"``
+    over ``num_items_in_batch``): the gradients are formed in the forward pass, no projection is
+    recomputed in the backward."""
 
     def _chunked_divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
                                  teacher_lm_head_weight, completion_mask, beta, num_items_in_batch=None,
@@ -482,15 +483,18 @@ def _chunked_divergence_loss_14(original):
                 return original(*args)
         else:
             labels = torch.where(valid, 0, _IGNORE)
-        mean, ent = _linear_distill(h_s, ws, bs, h_t, wt, bt, beta, temperature, student_logit_scale,
+        # TRL's loss without num_items_in_batch: the sum over max(count, 1), token-mean's own
+        # denominator (0 where nothing is kept); with it, the sum over it
+        reduction = "token-mean" if num_items_in_batch is None else "sum"
+        loss, ent = _linear_distill(h_s, ws, bs, h_t, wt, bt, beta, temperature, student_logit_scale,
                                     student_final_logit_softcapping, teacher_logit_scale,
-                                    teacher_final_logit_softcapping, labels=labels, reduction="token-mean")
+                                    teacher_final_logit_softcapping, labels=labels, reduction=reduction)
         entropy_sum = (ent if labels is None else ent.masked_fill(~valid, 0.0)).sum()
-        if num_items_in_batch is None:
-            return mean, entropy_sum, n_valid  # TRL: the sum over max(count, 1), the mean's own denominator
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(mean.device)
-        return mean * n_valid / num_items_in_batch, entropy_sum, n_valid
+        if num_items_in_batch is not None:
+            if isinstance(num_items_in_batch, torch.Tensor):
+                num_items_in_batch = num_items_in_batch.to(loss.device)
+            loss = loss / num_items_in_batch
+        return loss, entropy_sum, n_valid
 
     return _chunked_divergence_loss
 
@@ -504,8 +508,9 @@ def _generalized_jsd_loss_7(original):
     the divergence summed over the positions whose label is not -100, over num_items_in_batch,
     or reduced as ``reduction`` says (batchmean: over the count of those positions, at least 1, or
     over the first dimension without labels; sum; mean: over every element of the [..., V]
-    divergence). Routed to the reduced mode of torch_fused.distill; ``reduction="none"`` (a
-    per-element result) and a teacher that requires a gradient go to TRL."""
+    divergence). Routed to torch_fused.distill's ``reduction="sum"`` (the student's gradient
+    formed in its forward pass); ``reduction="none"`` (a per-element result) and a teacher that
+    requires a gradient go to TRL."""
 
     def generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta=0.5, temperature=1.0,
                              reduction="batchmean", num_items_in_batch=None):
@@ -521,11 +526,9 @@ def _generalized_jsd_loss_7(original):
             return original(*args)
         # TRL's result dtype: its arithmetic runs in the logits' dtypes (and the divisor's)
         dtype = torch.promote_types(s.dtype, t.dtype)
-        mean = _tf.distill(s, t, beta=float(beta), temperature=float(temperature), labels=labels,
-                           ignore_index=_IGNORE, reduction="token-mean")
-        rows = s.shape[:-1].numel()
-        n = rows if labels is None else (labels != _IGNORE).sum()
-        total = mean * n  # the divergence summed over the kept positions
+        total = _tf.distill(s, t, beta=float(beta), temperature=float(temperature), labels=labels,
+                            ignore_index=_IGNORE, reduction="sum")  # over the kept positions
+        n = s.shape[:-1].numel() if labels is None else (labels != _IGNORE).sum()
         if num_items_in_batch is not None:
             if isinstance(num_items_in_batch, torch.Tensor):
                 num_items_in_batch = num_items_in_batch.to(total.device)
