@@ -1,4 +1,4 @@
-"""Route TRL's log-prob and entropy computations to torch_fused.
+"""Route TRL's log-prob, entropy and distillation-divergence computations to torch_fused.
 
     import torch_fused.integrations.trl as tf_trl
     tf_trl.patch()                      # before or after building the trainer
@@ -16,9 +16,20 @@ TRL name                                   routed to                            
 ``entropy_from_logits``                    :func:`torch_fused.entropy_from_logits`          1.13-1.16
 ``selective_log_softmax_and_entropy``      :func:`torch_fused.logprobs_and_entropy`         1.14, 1.16
 (``trl.trainer.utils``, ``trl.kernels``)
-``ChunkedLogProbFunction`` (opt-in:        :func:`torch_fused.linear_logprobs_and_entropy`  1.16
-``patch(fused_lm_head=True)``)
+``ChunkedLogProbFunction`` (the chunked    :func:`torch_fused.linear_logprobs_and_entropy`  1.16
+lm_head; ``fused_lm_head=False`` leaves
+it to TRL)
+``_chunked_divergence_loss``               :func:`torch_fused.linear_distill`, reduced      1.16
+(``DistillationTrainer``'s loss)           (``"token-mean"``, or ``"sum"`` over
+                                           ``num_items_in_batch``)
+``ChunkedDivergenceFunction``              :func:`torch_fused.linear_distill`, per token    1.16
+(``trl.kernels.chunked_divergence``)
+``GKDTrainer.generalized_jsd_loss``        :func:`torch_fused.distill`, ``"sum"``           1.16
+(``trl.experimental.gkd``; where loaded
+before ``patch()``)
 =========================================  ===============================================  ==========
+
+The last three are the distillation route (``distill=False`` leaves them to TRL).
 
 Each replacement keeps TRL's signature (checked against the installed function at patch time)
 and its return conventions: the output dtype TRL's own function would return for those inputs
@@ -55,6 +66,25 @@ DeepSpeed ZeRO-3 parameters (whose backward must re-gather the weight) or a non-
 scale or softcap go to TRL's class. Requested diagnostic outputs (``log_sum_sq_probs``,
 ``mean_logits``, ``is_top1``, no gradient) cost one more forward pass over the lm_head GEMM, in
 the compute dtype as TRL's tiles.
+
+The distillation route. TRL 1.16's ``DistillationTrainer`` computes its loss in
+``_chunked_divergence_loss``: both models' hidden states and lm_heads, the per-token divergence
+from ``ChunkedDivergenceFunction`` (its backward projects both heads again), summed over the
+completion mask and divided by ``num_items_in_batch``. The route replaces that function with a
+reduced-mode call of :func:`torch_fused.linear_distill`: the student's gradients are formed in the
+forward pass, where the loss's weights are known, and the backward only scales them (no GEMM is
+recomputed; the price is an fp32 ``[V, H]`` d-weight buffer held from the forward to the
+backward). On CUDA only the completion positions are projected, as TRL does on a Triton device.
+The logged entropy is the student's, as TRL's. ``ChunkedDivergenceFunction`` itself (for other
+callers) is routed to the per-token mode. ``GKDTrainer.generalized_jsd_loss`` (materialized
+logits, ``labels`` of -100 dropped) goes to :func:`torch_fused.distill` for the reductions
+``batchmean``, ``sum``, ``mean`` and ``num_items_in_batch``; ``reduction="none"`` (a per-element
+result) and a teacher that requires a gradient stay with TRL. ``patch()`` does not import
+``trl.experimental`` (its import prints TRL's notice): import ``GKDTrainer`` before ``patch()``,
+or call ``patch()`` again after importing it. Calls that stay with TRL: DeepSpeed ZeRO-3
+parameters, beta outside [0, 1], a non-positive temperature, logit scale or softcap, compute
+dtypes other than fp16/bf16/fp32, devices other than CPU/CUDA. FSDP2's DTensor lm_heads are
+gathered once into full tensors, as TRL's loss does.
 
 Versions: the TRL versions in ``TESTED_TRL_VERSIONS``. On any other version ``patch()`` raises
 :class:`UnsupportedTRLVersion`; ``patch(strict=False)`` patches anyway, with a warning, every
