@@ -191,7 +191,8 @@ def check_against_materialized(args, student, teacher, h_s, h_t, labels, loss, t
     ref = (per_token * keep).sum() / keep.sum().clamp_min(1)
     ref_dh, ref_dw = torch.autograd.grad(ref, (hs, ws))
     dh, dw = torch.autograd.grad(loss, (h_s, student.lm_head.weight), retain_graph=True)
-    errs = {"loss": rel_err(loss.detach(), ref.detach()), "d_hidden": rel_err(dh, ref_dh), "d_weight": rel_err(dw, ref_dw)}
+    errs = {"loss": rel_err(loss.detach(), ref.detach()), "d_hidden": rel_err(dh, ref_dh),
+            "d_weight": rel_err(dw, ref_dw)}
     print("fused vs materialized relative errors: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
     return errs
 

@@ -46,14 +46,16 @@ def _report(name, res):
 def suite():
     """The suite at a tiny shape, beta 0.3 (a beta whose roles the formulas cannot swap unseen)."""
     torch.set_num_threads(1)
-    return D.measure("cpu", shapes=[(32, 200)], student_h=16, teacher_h=(24,), topk=(1, 4), err_rows=8, reps=1, beta=0.3,
+    return D.measure("cpu", shapes=[(32, 200)], student_h=16, teacher_h=(24,), topk=(1, 4), err_rows=8, reps=1,
+                     beta=0.3,
                      log=lambda s: None)
 
 
 def test_the_suite_runs_every_row_at_tiny_shapes(suite, tmp_path):
     rows = {r["impl"]: r for r in suite["rows"]}
     want = {D.OURS_REDUCED, D.OURS_REDUCED_ENT, D.OURS_PER_TOKEN, D.MATERIALIZED,
-            "torch_fused top-k k=1 (tail bucket)", "torch_fused top-k k=4 (tail bucket)"} | ({D.TRL} if HAS_TRL else set())
+            "torch_fused top-k k=1 (tail bucket)", "torch_fused top-k k=4 (tail bucket)"}
+    want |= {D.TRL} if HAS_TRL else set()
     assert want <= set(rows), sorted(rows)
     assert all("ms" in rows[i] and "error" not in rows[i] for i in want), [rows[i] for i in want]
     # Liger runs where it is installed (and a CUDA device is there); otherwise its row says why
@@ -94,7 +96,8 @@ def test_divergence_formulas():
     """The suite's formulas against direct definitions in float64: TRL's generalized JSD form at
     beta 0, 1 and between; the tail bucket's k + 1 categories."""
     g = torch.Generator().manual_seed(0)
-    zs, zt = torch.randn(5, 13, generator=g, dtype=torch.float64) * 2, torch.randn(5, 13, generator=g, dtype=torch.float64)
+    zs = torch.randn(5, 13, generator=g, dtype=torch.float64) * 2
+    zt = torch.randn(5, 13, generator=g, dtype=torch.float64)
     ps, pt = zs.softmax(-1), zt.softmax(-1)
 
     def kl(p, q):

@@ -178,7 +178,8 @@ def _assert_same_training(run, ref, keys):
         assert torch.equal(before[n], ref_before[n]), f"{n}: the runs started from different weights"
     for step, (a, b) in enumerate(zip(logs, ref_logs)):
         for key in keys:
-            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), f"step {step + 1} {key}: {a[key]} vs TRL's {b[key]}"
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), \
+                f"step {step + 1} {key}: {a[key]} vs TRL's {b[key]}"
     assert all(h["grad_norm"] > 1e-2 for h in ref_logs), "the steps did not train (no gradient)"
     # parameter updates (SGD: lr x the summed gradients), relative to TRL's, less one rounding of
     # the updated fp32 parameter (a norm weight near 1 moved by 1e-5 keeps 2-3 digits of its update)
@@ -371,7 +372,8 @@ def test_patch_options_and_summary(monkeypatch, capsys):
                  "trl.kernels.chunked_divergence.ChunkedDivergenceFunction",
                  "trl.experimental.gkd.gkd_trainer.GKDTrainer.generalized_jsd_loss"):
         assert name in names, names
-    assert "GKDTrainer.generalized_jsd_loss" in line and "_chunked_divergence_loss" in line and "left to TRL" not in line
+    assert "GKDTrainer.generalized_jsd_loss" in line and "_chunked_divergence_loss" in line
+    assert "left to TRL" not in line
     tf_trl.patch(distill=False)  # other options: unpatch, then patch again without the route
     assert "left to TRL: the distillation divergence (distill=False)" in capsys.readouterr().err
     assert not any("ivergence" in n or "jsd" in n for n in tf_trl.patched_names())

@@ -370,7 +370,8 @@ def bars(res) -> dict:
                         why = res["skipped"].get(peer) or (rows.get((shape, peer)) or {}).get("error") or "not measured"
                         put(name, None, why)
                     continue
-                put(name, a["ms"] < b["ms"], f"{a['ms']:.2f} ms vs {b['ms']:.2f} ms (ours {b['ms'] / a['ms']:.2f}x as fast)")
+                put(name, a["ms"] < b["ms"],
+                    f"{a['ms']:.2f} ms vs {b['ms']:.2f} ms (ours {b['ms'] / a['ms']:.2f}x as fast)")
         for impl, extra in ((OURS_REDUCED, True), (OURS_PER_TOKEN, False)):
             r = timed(shape, impl)
             if r is None:
