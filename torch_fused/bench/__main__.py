@@ -70,7 +70,7 @@ Suites:
   distill_step one distillation training step: a student of Llama-3.2-1B's shape against a frozen
                teacher of Llama-3.2-3B's shape, sequences of 4096, random weights, AdamW(fused):
                the materialized loss, TRL's _chunked_divergence_loss (DistillationTrainer's) and
-               linear_distill; step time, tokens/s and peak memory at micro-batch 4, then the
+               linear_distill; step time, tokens/s and peak memory at micro-batch 2, then the
                largest micro-batch each fits and tokens/s there
   step_8b      (not run by default) the step suite at Llama-3-8B's shape (32 layers, hidden 4096,
                vocab 128256, bf16, activation checkpointing per block), eager, SinkGD with

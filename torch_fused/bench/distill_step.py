@@ -24,8 +24,9 @@ Paths (eager):
 
 Before any timing the three losses and the student's lm_head gradients are computed on one batch
 from the same weights and compared (``agreement`` in the results). Reported: step time, tokens/s
-and peak memory (``max_memory_allocated`` over one step) at micro-batch 4; then the largest
-micro-batch each path fits (doubling, then bisection) and tokens/s there.
+and peak memory (``max_memory_allocated`` over one step) at micro-batch 2 (the materialized
+loss's fp32 logits of both models at 4 x 4096 tokens would be near 100 GB); then the largest
+micro-batch each path fits (doubling from 1, then bisection) and tokens/s there.
 
 ``python -m torch_fused.bench distill_step`` (``--quick``: 4 layers per model, sequences of 2048,
 the largest batch by doubling only); ``python -m torch_fused.bench.distill_step --device cpu
@@ -56,12 +57,12 @@ OOM = step.OOM
 
 def _student_1b():
     return step.Config(vocab=128256, layers=16, hidden=2048, heads=32, kv_heads=8, intermediate=8192, seq=4096,
-                       prompt=256, batch=4, rope_theta=5e5, lr=1e-6)
+                       prompt=256, batch=2, rope_theta=5e5, lr=1e-6)
 
 
 def _teacher_3b():
     return step.Config(vocab=128256, layers=28, hidden=3072, heads=24, kv_heads=8, intermediate=8192, seq=4096,
-                       prompt=256, batch=4, rope_theta=5e5)
+                       prompt=256, batch=2, rope_theta=5e5)
 
 
 @dataclass
@@ -304,7 +305,7 @@ def measure(cfg: DistillConfig, device, *, paths=PATHS, warmup=2, reps=5, max_ba
                 stepper.step(step.make_batch(s, 1, device))  # the optimizer state, before the search
                 student.zero_grad(set_to_none=True)
                 step._free(device)
-                b, tries, cut = step.largest_batch(stepper, s, device, s.batch, max_batch_cap, bisect, deadline)
+                b, tries, cut = step.largest_batch(stepper, s, device, 1, max_batch_cap, bisect, deadline)
                 r = dict(batch=b, tries=tries, capped=b >= max_batch_cap, cut_short=cut)
                 while b > 0:
                     try:
