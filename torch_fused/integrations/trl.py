@@ -19,12 +19,12 @@ TRL name                                   routed to                            
 ``ChunkedLogProbFunction`` (the chunked    :func:`torch_fused.linear_logprobs_and_entropy`  1.16
 lm_head; ``fused_lm_head=False`` leaves
 it to TRL)
-``_chunked_divergence_loss``               :func:`torch_fused.linear_distill`, reduced      1.16
+``_chunked_divergence_loss``               :func:`torch_fused.linear_distill`, reduced      1.13-1.16
 (``DistillationTrainer``'s loss)           (``"token-mean"``, or ``"sum"`` over
                                            ``num_items_in_batch``)
 ``ChunkedDivergenceFunction``              :func:`torch_fused.linear_distill`, per token    1.16
 (``trl.kernels.chunked_divergence``)
-``GKDTrainer.generalized_jsd_loss``        :func:`torch_fused.distill`, ``"sum"``           1.16
+``GKDTrainer.generalized_jsd_loss``        :func:`torch_fused.distill`, ``"sum"``           1.13-1.16
 (``trl.experimental.gkd``; where loaded
 before ``patch()``)
 =========================================  ===============================================  ==========
@@ -67,10 +67,12 @@ scale or softcap go to TRL's class. Requested diagnostic outputs (``log_sum_sq_p
 ``mean_logits``, ``is_top1``, no gradient) cost one more forward pass over the lm_head GEMM, in
 the compute dtype as TRL's tiles.
 
-The distillation route. TRL 1.16's ``DistillationTrainer`` computes its loss in
+The distillation route. TRL's ``DistillationTrainer`` computes its loss in
 ``_chunked_divergence_loss``: both models' hidden states and lm_heads, the per-token divergence
-from ``ChunkedDivergenceFunction`` (its backward projects both heads again), summed over the
-completion mask and divided by ``num_items_in_batch``. The route replaces that function with a
+(TRL 1.16: from ``ChunkedDivergenceFunction``, whose backward projects both heads again; 1.13 and
+1.14: a checkpointed loop over chunks of materialized logits, rounded to the compute dtype, with
+a ``chunk_size`` argument that the route accepts and ignores), summed over the completion mask
+and divided by ``num_items_in_batch``. The route replaces that function with a
 reduced-mode call of :func:`torch_fused.linear_distill`: the student's gradients are formed in the
 forward pass, where the loss's weights are known, and the backward only scales them (no GEMM is
 recomputed; the price is an fp32 ``[V, H]`` d-weight buffer held from the forward to the
@@ -128,9 +130,10 @@ __all__ = [
 TESTED_TRL_VERSIONS = ("1.13.0", "1.14.2", "1.16.0")
 # Versions whose chunked lm_head (ChunkedLogProbFunction, 5 outputs) `fused_lm_head=True` routes.
 FUSED_LM_HEAD_TRL_VERSIONS = ("1.16.0",)
-# Versions whose DistillationTrainer divergence (trl.kernels.chunked_divergence, the trainer's
-# _chunked_divergence_loss) and GKDTrainer.generalized_jsd_loss the distillation route adapts.
-DISTILL_TRL_VERSIONS = ("1.16.0",)
+# Versions whose DistillationTrainer loss (_chunked_divergence_loss: 1.13 and 1.14 with a chunk_size
+# argument) and GKDTrainer.generalized_jsd_loss the distillation route adapts; TRL 1.16 also has
+# trl.kernels.chunked_divergence.ChunkedDivergenceFunction.
+DISTILL_TRL_VERSIONS = ("1.13.0", "1.14.2", "1.16.0")
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LM_HEAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -472,6 +475,45 @@ def _full_head(weight, bias, dtype):
     return weight, bias
 
 
+def _divergence_loss(fallback, hs, ht, ws, wt, mask, beta, num_items_in_batch, bs, bt, s_scale, t_scale, s_cap,
+                     t_cap, temperature):
+    """DistillationTrainer's ``_chunked_divergence_loss`` on torch_fused.linear_distill's reduced
+    modes; ``fallback(*the same arguments)`` runs TRL's own function."""
+    if not (_plain_tensor(hs, _FLOAT) and _plain_tensor(ht, _FLOAT)):
+        return fallback(hs, ht, ws, wt, mask, beta, num_items_in_batch, bs, bt, s_scale, t_scale, s_cap, t_cap,
+                        temperature)
+    ws, bs = _full_head(ws, bs, hs.dtype)
+    wt, bt = _full_head(wt, bt, ht.dtype)
+    args = (hs, ht, ws, wt, mask, beta, num_items_in_batch, bs, bt, s_scale, t_scale, s_cap, t_cap, temperature)
+    if not (_routable_heads(hs, ws, bs, ht, wt, bt, beta, temperature, (s_scale, t_scale), (s_cap, t_cap), flat=False)
+            and isinstance(mask, torch.Tensor) and not _is_dtensor(mask) and mask.device == hs.device
+            and mask.numel() == hs.shape[:-1].numel() and mask.numel() > 0
+            and (num_items_in_batch is None or isinstance(num_items_in_batch, (int, float, torch.Tensor)))):
+        return fallback(*args)
+    valid = mask.reshape(-1) != 0
+    n_valid = valid.sum()
+    h_s, h_t = hs.reshape(-1, hs.shape[-1]), ht.reshape(-1, ht.shape[-1])
+    labels = None
+    if h_s.device.type == "cuda":
+        # as TRL 1.16 on a Triton device: only the masked-in positions are projected
+        h_s, h_t = h_s[valid], h_t[valid]
+        if h_s.shape[0] == 0:
+            return fallback(*args)
+    else:
+        labels = torch.where(valid, 0, _IGNORE)
+    # TRL's loss without num_items_in_batch: the sum over max(count, 1), token-mean's own
+    # denominator (0 where nothing is kept); with it, the sum over it
+    reduction = "token-mean" if num_items_in_batch is None else "sum"
+    loss, ent = _linear_distill(h_s, ws, bs, h_t, wt, bt, beta, temperature, s_scale, s_cap, t_scale, t_cap,
+                                labels=labels, reduction=reduction)
+    entropy_sum = (ent if labels is None else ent.masked_fill(~valid, 0.0)).sum()
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss, entropy_sum, n_valid
+
+
 def _chunked_divergence_loss_14(original):
     """TRL 1.16 ``trl.trainer.distillation_trainer._chunked_divergence_loss(student_hidden_states
     [B, K, Hs], teacher_hidden_states [B, K, Ht], student_lm_head_weight, teacher_lm_head_weight,
@@ -487,44 +529,31 @@ def _chunked_divergence_loss_14(original):
                                  student_lm_head_bias=None, teacher_lm_head_bias=None, student_logit_scale=1.0,
                                  teacher_logit_scale=1.0, student_final_logit_softcapping=None,
                                  teacher_final_logit_softcapping=None, temperature=1.0):
-        hs, ht, mask = student_hidden_states, teacher_hidden_states, completion_mask
-        if not (_plain_tensor(hs, _FLOAT) and _plain_tensor(ht, _FLOAT)):
-            return original(hs, ht, student_lm_head_weight, teacher_lm_head_weight, mask, beta, num_items_in_batch,
-                            student_lm_head_bias, teacher_lm_head_bias, student_logit_scale, teacher_logit_scale,
-                            student_final_logit_softcapping, teacher_final_logit_softcapping, temperature)
-        ws, bs = _full_head(student_lm_head_weight, student_lm_head_bias, hs.dtype)
-        wt, bt = _full_head(teacher_lm_head_weight, teacher_lm_head_bias, ht.dtype)
-        args = (hs, ht, ws, wt, mask, beta, num_items_in_batch, bs, bt, student_logit_scale, teacher_logit_scale,
-                student_final_logit_softcapping, teacher_final_logit_softcapping, temperature)
-        if not (_routable_heads(hs, ws, bs, ht, wt, bt, beta, temperature, (student_logit_scale, teacher_logit_scale),
-                                (student_final_logit_softcapping, teacher_final_logit_softcapping), flat=False)
-                and isinstance(mask, torch.Tensor) and not _is_dtensor(mask) and mask.device == hs.device
-                and mask.numel() == hs.shape[:-1].numel() and mask.numel() > 0
-                and (num_items_in_batch is None or isinstance(num_items_in_batch, (int, float, torch.Tensor)))):
-            return original(*args)
-        valid = mask.reshape(-1) != 0
-        n_valid = valid.sum()
-        h_s, h_t = hs.reshape(-1, hs.shape[-1]), ht.reshape(-1, ht.shape[-1])
-        labels = None
-        if h_s.device.type == "cuda":
-            # as TRL on a Triton device: only the masked-in positions are projected
-            h_s, h_t = h_s[valid], h_t[valid]
-            if h_s.shape[0] == 0:
-                return original(*args)
-        else:
-            labels = torch.where(valid, 0, _IGNORE)
-        # TRL's loss without num_items_in_batch: the sum over max(count, 1), token-mean's own
-        # denominator (0 where nothing is kept); with it, the sum over it
-        reduction = "token-mean" if num_items_in_batch is None else "sum"
-        loss, ent = _linear_distill(h_s, ws, bs, h_t, wt, bt, beta, temperature, student_logit_scale,
-                                    student_final_logit_softcapping, teacher_logit_scale,
-                                    teacher_final_logit_softcapping, labels=labels, reduction=reduction)
-        entropy_sum = (ent if labels is None else ent.masked_fill(~valid, 0.0)).sum()
-        if num_items_in_batch is not None:
-            if isinstance(num_items_in_batch, torch.Tensor):
-                num_items_in_batch = num_items_in_batch.to(loss.device)
-            loss = loss / num_items_in_batch
-        return loss, entropy_sum, n_valid
+        return _divergence_loss(original, student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                                teacher_lm_head_weight, completion_mask, beta, num_items_in_batch,
+                                student_lm_head_bias, teacher_lm_head_bias, student_logit_scale, teacher_logit_scale,
+                                student_final_logit_softcapping, teacher_final_logit_softcapping, temperature)
+
+    return _chunked_divergence_loss
+
+
+def _chunked_divergence_loss_15(original):
+    """TRL 1.13 / 1.14 ``_chunked_divergence_loss``: 1.16's form with ``chunk_size`` (the rows of
+    its checkpointed chunk loop) after ``beta``, accepted and ignored (the fused op never holds a
+    chunk of logits); the same results."""
+
+    def _chunked_divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                                 teacher_lm_head_weight, completion_mask, beta, chunk_size, num_items_in_batch=None,
+                                 student_lm_head_bias=None, teacher_lm_head_bias=None, student_logit_scale=1.0,
+                                 teacher_logit_scale=1.0, student_final_logit_softcapping=None,
+                                 teacher_final_logit_softcapping=None, temperature=1.0):
+        def fallback(hs, ht, ws, wt, mask, beta, *rest):
+            return original(hs, ht, ws, wt, mask, beta, chunk_size, *rest)
+
+        return _divergence_loss(fallback, student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                                teacher_lm_head_weight, completion_mask, beta, num_items_in_batch,
+                                student_lm_head_bias, teacher_lm_head_bias, student_logit_scale, teacher_logit_scale,
+                                student_final_logit_softcapping, teacher_final_logit_softcapping, temperature)
 
     return _chunked_divergence_loss
 
@@ -719,12 +748,14 @@ def _plan_distill(plan, distill, version, left):
     if cls is None and loss is None:
         if distill:
             raise ValueError(f"patch(distill=True): TRL {version} has no DistillationTrainer divergence "
-                             "(trl.kernels.chunked_divergence); TRL 1.16 has it")
+                             "(trl.trainer.distillation_trainer._chunked_divergence_loss); TRL "
+                             f"{', '.join(DISTILL_TRL_VERSIONS)} have it")
         return
     if loss is not None:
-        adapter = _chunked_divergence_loss_14(loss)
         label = "trl.trainer.distillation_trainer._chunked_divergence_loss"
-        if _same_signature(adapter, loss):
+        adapter = next((a for a in (_chunked_divergence_loss_14(loss), _chunked_divergence_loss_15(loss))
+                        if _same_signature(a, loss)), None)
+        if adapter is not None:
             plan.append((adapter, loss, label))
         else:
             _distill_mismatch(distill, version, f"{label}{inspect.signature(loss)}", left)
@@ -800,7 +831,7 @@ def patch(*, fused_lm_head: bool | None = None, distill: bool | None = None, str
             ``ValueError`` where TRL has no such form); False: left to TRL. Its speed and memory
             against TRL's, measured in one run: docs/BENCHMARKS.md, "Fused lm_head".
         distill: route the distillation divergence, ``DistillationTrainer``'s
-            (``_chunked_divergence_loss`` and ``ChunkedDivergenceFunction``, TRL 1.16) to
+            (``_chunked_divergence_loss``, TRL 1.13-1.16, and ``ChunkedDivergenceFunction``, 1.16) to
             :func:`torch_fused.linear_distill` and ``GKDTrainer.generalized_jsd_loss`` (where
             ``trl.experimental.gkd`` is imported before ``patch()``) to :func:`torch_fused.distill`.
             None (default): wherever the installed TRL has the form the route adapts, else left to
