@@ -464,3 +464,15 @@ def test_chunked_divergence_loss_cuda(beta, calls):
     assert _rel(ours[0], theirs[0]) < tol and _rel(ours[1], theirs[1]) < tol, (ours, theirs)
     for a, b in zip(_grads(ours[0], (hid_s, w_s)), _grads(theirs[0], (hid_s, w_s))):
         assert _rel(a, b) < 2e-2, _rel(a, b)
+
+
+def test_an_untested_version(monkeypatch):
+    """Another TRL version: patch() refuses; patch(strict=False) routes what has a known form."""
+    monkeypatch.setattr(trl, "__version__", "0.0.1")
+    with pytest.raises(tf_trl.UnsupportedTRLVersion, match="0.0.1"):
+        tf_trl.patch()
+    with pytest.warns(UserWarning, match="0.0.1"):
+        tf_trl.patch(strict=False, verbose=False)
+    names = tf_trl.patched_names()
+    assert "trl.trainer.distillation_trainer._chunked_divergence_loss" in names
+    assert "trl.experimental.gkd.gkd_trainer.GKDTrainer.generalized_jsd_loss" in names
