@@ -279,20 +279,26 @@ def chunk_plan(device: torch.device, n: int, v: int, dz_bytes: int) -> tuple[int
     """(rows per logits chunk, rows per d logits group) for n token rows of a vocabulary of v.
 
     A chunk holds both models' fp32 logits [rows, v] (8 bytes per column pair): the
-    ``distill_chunk_bytes`` setting's budget, at most n / 32 rows (so both chunks stay within 1/16
-    of one [n, v] fp32 logits tensor), at least the ``distill_min_rows`` setting's rows (GEMMs of
-    fewer rows re-read the weights too often; that floor wins below 32 times its rows). A group
-    holds the d logits of whole chunks in the student weight's dtype (dz_bytes each): the
-    ``distill_group_bytes`` budget, also within 1/16 of the fp32 logits (at most n / (4 dz_bytes)
-    rows). The two together: at most 1/8 of one [n, v] fp32 logits tensor past that floor."""
+    ``distill_chunk_bytes`` setting's budget. A group holds the d logits of whole chunks in the
+    student weight's GEMM dtype (dz_bytes each): the ``distill_group_bytes`` budget. Where the
+    ``distill_max_extra`` setting names the device type (CUDA: 1/8), the chunk pair and the group
+    each take at most half that fraction of one [n, v] fp32 logits tensor (at most n / 32 chunk
+    rows and n / (4 dz_bytes) group rows at 1/8), and a chunk at least the ``distill_min_rows``
+    setting's rows (GEMMs of fewer rows re-read the weights too often; below 32 times that floor
+    the floor wins over the fraction)."""
     kind = device.type
-    floor = min(n, settings.distill_min_rows.get(kind, 1))
     budget = settings.distill_chunk_bytes.get(kind, settings.distill_chunk_bytes["cpu"])
-    rows = max(floor, min(budget // (8 * v), n // 32), 1)
-    rows = rows - rows % 16 if rows > 16 else rows
     gbudget = settings.distill_group_bytes.get(kind, settings.distill_group_bytes["cpu"])
-    group = max(rows, min(gbudget // (dz_bytes * v), n // (4 * dz_bytes)) // rows * rows)
-    return min(rows, n), min(group, max(n, 1))
+    frac = settings.distill_max_extra.get(kind)
+    rows = budget // (8 * v)
+    group = gbudget // (dz_bytes * v)
+    if frac is not None:
+        rows = min(rows, int(frac * n * 4 / 2 / 8))
+        group = min(group, int(frac * n * 4 / 2 / dz_bytes))
+    rows = max(rows, settings.distill_min_rows.get(kind, 1), 1)
+    rows = min(rows - rows % 16 if rows > 16 else rows, max(n, 1))
+    group = max(rows, group // rows * rows)
+    return rows, min(group, max(n, 1))
 
 
 def _head_rows(hidden, shift):
