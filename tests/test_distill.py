@@ -39,10 +39,11 @@ GRAD_REL = {torch.float16: 2e-3, torch.bfloat16: 8e-3, torch.float32: 4e-6, torc
 def small_chunks():
     """Head chunks of a few rows and d logits groups of a few chunks, so small shapes take several
     ragged chunks and groups (the fp32 d weight accumulator over groups): at V = 40, chunks of 4
-    rows; groups of 8 rows in bf16 (the kernel path's d logits), one chunk in fp32."""
+    rows; groups of 8 rows in bf16 (the kernel path's d logits), one chunk in fp32; the kernels'
+    rows in segments of 32 columns where the rows are few (the head's chunks)."""
     with override(distill_chunk_bytes={"cpu": 8 * 40 * 4, "cuda": 8 * 40 * 4},
                   distill_group_bytes={"cpu": 2 * 40 * 8, "cuda": 2 * 40 * 8}, distill_min_rows={},
-                  distill_max_extra={}):
+                  distill_max_extra={}, distill_segment=32):
         yield
 
 

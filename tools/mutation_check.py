@@ -776,6 +776,15 @@ MUTANTS: list[Mutant] = [
                "    valid = ids != opts.ignore_index  # MUTANT\n")],
         ["tests/test_distill.py::test_topk_teacher_logits_and_head"],
     ),
+    # 65: the distillation passes' row segments (the head's chunks): the statistics of the first
+    #     segment taken for the whole row
+    Mutant(
+        "distill-segments-first-only-triton", "65 a row's first segment taken for the whole row",
+        "torch_fused/ops/distill.py", TRITON,
+        [("    m_s, s_s, t_s, _, _ = lp_ops.merge_row_stats(part[..., 0], part[..., 1], part[..., 2], cs, exact, 1)\n",
+          "    m_s, s_s, t_s = part[:, 0, 0], part[:, 0, 1], part[:, 0, 2]  # MUTANT\n")],
+        ["tests/test_distill.py::test_head_kernels"],
+    ),
 ]
 
 
