@@ -659,23 +659,25 @@ def _recompile_check(fn, make, lengths):
 
 
 @plain_cpu_only
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("what", ["logits", "head-none", "head-token-mean", "topk-head"])
-def test_compile_fullgraph_dynamic_no_recompile(what):
-    w = torch.randn(40, 8, requires_grad=True)
-    tw = torch.randn(40, 6)
+def test_compile_fullgraph_dynamic_no_recompile(what, device):
+    w = torch.randn(40, 8, device=device, requires_grad=True)
+    tw = torch.randn(40, 6, device=device)
 
     def make(length):
         g = torch.Generator().manual_seed(length)
         lab = torch.randint(0, 40, (2, length), generator=g)
         lab[0, 0] = -100
+        lab = lab.to(device)
         if what == "logits":
-            s = torch.randn(2, length + 1, 40, generator=g, requires_grad=True)
-            return (s, torch.randn(2, length + 1, 40, generator=g), lab), (s,)
-        h = torch.randn(2, length + 1, 8, generator=g, requires_grad=True)
+            s = torch.randn(2, length + 1, 40, generator=g).to(device).requires_grad_(True)
+            return (s, torch.randn(2, length + 1, 40, generator=g).to(device), lab), (s,)
+        h = torch.randn(2, length + 1, 8, generator=g).to(device).requires_grad_(True)
         if what == "topk-head":
             ids = torch.randint(0, 40, (2, length, 7), generator=g)  # (k = 7: no size of L or L+1, so no duck sizing)
-            return (h, ids, torch.randn(2, length, 7, generator=g) - 4, lab), (h, w)
-        return (h, torch.randn(2, length + 1, 6, generator=g), lab), (h, w)
+            return (h, ids.to(device), (torch.randn(2, length, 7, generator=g) - 4).to(device), lab), (h, w)
+        return (h, torch.randn(2, length + 1, 6, generator=g).to(device), lab), (h, w)
 
     def fn(*args):
         if what == "logits":
@@ -791,3 +793,80 @@ def test_nonfinite_rows_stay_in_their_rows():
     assert torch.isnan(div[1]) and torch.isfinite(div[[0, 2]]).all()
     div = torch_fused.distill(s, t, labels=torch.tensor([0, -100, 0]))
     assert div[1] == 0 and torch.isfinite(div).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA at the shipped settings
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def shipped_settings():
+    """The shipped distill_* settings (instead of this module's small chunks)."""
+    with override(**{k: v for k, v in DEFAULTS.items() if k.startswith("distill_")}):
+        yield
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("reduction", ["none", "token-mean"])
+def test_cuda_head_at_shipped_settings(beta, reduction, shipped_settings):
+    """bf16 heads of a realistic width at the shipped chunk, group and segment sizes (several chunks
+    and segments at N = 4096): the per-token divergence within 1e-5 nats of the float64
+    materialized formula of the same bf16 inputs, the gradients within about one bf16 rounding."""
+    gen = torch.Generator().manual_seed(21)
+    n, v, hs, ht = 4096, 32000, 256, 384
+    dev = "cuda"
+    sh = (torch.randn(n, hs, generator=gen)).to(dev, torch.bfloat16).requires_grad_(True)
+    sw = (torch.randn(v, hs, generator=gen) / hs ** 0.5 * 3).to(dev, torch.bfloat16).requires_grad_(True)
+    th = torch.randn(n, ht, generator=gen).to(dev, torch.bfloat16)
+    tw = (torch.randn(v, ht, generator=gen) / ht ** 0.5 * 3).to(dev, torch.bfloat16)
+    lab = _labels(gen, (n,), dev)
+    out = torch_fused.linear_distill(sh, sw, th, tw, beta=beta, labels=lab, reduction=reduction)
+    loss = out.sum() if reduction == "none" else out
+    dh, dw = torch.autograd.grad(loss, (sh, sw))
+    hd, wd = sh.detach().double().requires_grad_(True), sw.detach().double().requires_grad_(True)
+    rdiv, _ = ref_head(hd, wd, th, tw, beta, 1.0, False)
+    rdiv = torch.where(lab != -100, rdiv, torch.zeros_like(rdiv))
+    rout = rdiv if reduction == "none" else rdiv.sum() / (lab != -100).sum()
+    rdh, rdw = torch.autograd.grad(rout.sum(), (hd, wd))
+    assert (out.double() - rout).abs().max().item() <= 1e-5
+    assert_grad_rel(dh, rdh, torch.bfloat16, "d hidden")
+    assert_grad_rel(dw, rdw, torch.bfloat16, "d weight")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("reduction", ["none", "token-mean"])
+def test_cuda_head_peak_memory(reduction, shipped_settings):
+    """Peak memory of a forward and backward beyond the inputs and the gradients it returns: at
+    most 1/8 of one [N, V] fp32 logits tensor (the chunk pair and the d logits group), plus the
+    fp32 d weight accumulator [V, H] and the fp32 d hidden rows [N, H] (the reduced mode keeps
+    both until its backward, and its fp32 d hidden in the input's shape), plus 16 MiB of O(N)
+    statistics and allocator rounding."""
+    gen = torch.Generator().manual_seed(22)
+    n, v, hs, ht = 8192, 32000, 512, 768
+    dev = "cuda"
+    sh = torch.randn(n, hs, generator=gen).to(dev, torch.bfloat16).requires_grad_(True)
+    sw = (torch.randn(v, hs, generator=gen) / 8).to(dev, torch.bfloat16).requires_grad_(True)
+    th = torch.randn(n, ht, generator=gen).to(dev, torch.bfloat16)
+    tw = (torch.randn(v, ht, generator=gen) / 8).to(dev, torch.bfloat16)
+    for warm in (True, False):  # the first call: cuBLAS workspaces and kernel compiles, outside the measure
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = torch_fused.linear_distill(sh, sw, th, tw, beta=0.5, reduction=reduction)
+        grads = torch.autograd.grad(out.sum(), (sh, sw))
+        if warm:
+            del out, grads
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base - sum(g.numel() * g.element_size() for g in grads)
+    bound = n * v * 4 / 8 + v * hs * 4 + 2 * n * hs * 4 + (16 << 20)
+    assert peak <= bound, f"peak extra {peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_cuda_logits_bf16_vocabulary_size(beta):
+    """The logits kernels on bf16 rows of a 151936-token vocabulary (a full block prefix and a
+    ragged tail), strided (shifted) and against a float32 teacher: per-token divergence within
+    1e-5 nats of float64, the gradient written once in bf16."""
+    _check_logits("cuda", torch.bfloat16, beta, 1.0, True, True, v=151936, b=2, l=9, teacher_dtype=torch.float32)
