@@ -233,11 +233,16 @@ def _check_head(device, dtype, beta, reduction, *, t=0.9, shift=True, bias=True,
         assert bool((grads[0][:, :l][lab == -100] == 0).all()), "ignored positions got a d hidden"
 
 
+# every beta with every reduction in float32; bf16 (the d logits rounded once) and float64 (the
+# reference kept in float64) on a covering subset
+HEAD_CASES = ([(torch.float32, beta, red) for beta in BETAS for red in ("none", "token-mean", "sum")]
+              + [(torch.bfloat16, 0.0, "none"), (torch.bfloat16, 0.3, "token-mean"), (torch.bfloat16, 1.0, "sum"),
+                 (torch.bfloat16, 0.5, "none"), (torch.float64, 0.5, "none"), (torch.float64, 1.0, "token-mean")])
+
+
 @plain_cpu_only
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("beta", BETAS)
-@pytest.mark.parametrize("reduction", ["none", "token-mean", "sum"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype,beta,reduction", HEAD_CASES, ids=[f"{str(d)[6:]}-{b}-{r}" for d, b, r in HEAD_CASES])
 def test_head_matches_float64(device, beta, reduction, dtype):
     _check_head(device, dtype, beta, reduction)
     _check_head(device, dtype, beta, reduction, shift=False, bias=False, with_labels=False, ss=1.3, sc=4.0, tc=6.0,
@@ -581,6 +586,36 @@ def test_head_property(c):
        seed=st.integers(0, 2**16))
 def test_logits_property(dtype, beta, t, shift, lab, v, seed):
     _check_logits("cpu", dtype, beta, t, shift, lab, v=v, seed=seed)
+
+
+@plain_cpu_only
+@hsettings(max_examples=10)
+@given(k=st.integers(1, 6), v=st.sampled_from([6, 23]), beta=st.sampled_from([0.0, 1.0, 0.5, 0.2]),
+       tail=st.sampled_from(["bucket", "renormalize"]), t=st.sampled_from([1.0, 0.7]), unused=st.booleans(),
+       head=st.booleans(), seed=st.integers(0, 2**16))
+def test_topk_property(k, v, beta, tail, t, unused, head, seed):
+    """A top-k teacher (k up to V, unused slots) against the float64 formula, from logits or from
+    the student's head: per-token divergence and d student."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, lp_t = _topk_inputs(gen, (2, 3), v, min(k, v), "cpu", unused=unused)
+    lab = _labels(gen, (2, 3), "cpu")
+    g = torch.randn(2, 3, generator=gen)
+    if head:
+        hs, ws = torch.randn(2, 3, 8, generator=gen, requires_grad=True), torch.randn(v, 8, generator=gen)
+        out = torch_fused.linear_distill(hs, ws, teacher_topk_ids=ids, teacher_topk_logprobs=lp_t, beta=beta,
+                                         temperature=t, labels=lab, tail=tail)
+        x, zs = hs, lambda a: (a.double() @ ws.double().t()) / t
+    else:
+        x = (torch.randn(2, 3, v, generator=gen) * 2).requires_grad_(True)
+        out = torch_fused.distill(x, teacher_topk_ids=ids, teacher_topk_logprobs=lp_t, beta=beta, temperature=t,
+                                  labels=lab, tail=tail)
+        zs = lambda a: a.double() / t  # noqa: E731
+    (dx,) = torch.autograd.grad((out * g).sum(), x)
+    xd = x.detach().double().requires_grad_(True)
+    ref = _topk_ref(zs(xd), ids, lp_t, beta, tail, lab)
+    (rdx,) = torch.autograd.grad((ref * g.double()).sum(), xd)
+    assert_div_close(out, ref, v, f"top-k k={k} beta={beta} {tail}")
+    assert_grad_rel(dx, rdx, torch.float32, f"top-k d student k={k} beta={beta} {tail}")
 
 
 # ---------------------------------------------------------------------------------------------
