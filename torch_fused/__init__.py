@@ -372,6 +372,9 @@ def distill(
         A top-k id outside ``[0, V)`` raises ``IndexError`` on CPU and gives a NaN divergence at
         its position (and a NaN gradient row) on CUDA.
     """
+    if _is_dtensor(student_logits) or _is_dtensor(teacher_logits):
+        raise NotImplementedError("distill: DTensor (vocabulary-parallel) logits are not supported yet; call it with "
+                                  "local tensors")
     div, ent = torch.ops.fused.distill(
         student_logits, teacher_logits, teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs,
         beta=float(beta), temperature=float(temperature), labels=labels, ignore_index=_ignore_index(ignore_index),

@@ -639,11 +639,18 @@ def distill_logits_backward(grad_div, student, teacher, labels, stats, opts):
     return out
 
 
-def _with_tail(lp):
+def _row_logsumexp(x, live):
+    """logsumexp over the last dim, -inf for rows without a used slot (``live`` False), made
+    without a 0 * NaN in its gradient there (a dead row's logsumexp is taken of zeros)."""
+    return torch.where(live, torch.logsumexp(torch.where(live, x, torch.zeros_like(x)), -1, keepdim=True),
+                       torch.full_like(x[..., :1], float("-inf")))
+
+
+def _with_tail(lp, live):
     """lp [..., k] (log-probs of k ids, -inf at unused slots) with a (k+1)-th category holding
     1 - sum p, its log clamped as TRL's _add_tail_bucket clamps it (log sum p <= -1e-7: the tail
     keeps at least about 1e-7; past the clamp it has no gradient)."""
-    log_sum = torch.logsumexp(lp, -1, keepdim=True).clamp(max=-1e-7)
+    log_sum = _row_logsumexp(lp, live).clamp(max=-1e-7)
     return torch.cat([lp, torch.log(-torch.expm1(log_sum))], -1)
 
 
@@ -651,23 +658,24 @@ def distill_topk(lp_s, lp_t, valid, beta: float, tail: str):
     """The per-position divergence [...] over a top-k support (differentiable in lp_s): lp_s the
     student's full-vocabulary log-probs at the k ids, lp_t the teacher's as given, ``valid`` the
     used slots (the others take no part on either side). tail "bucket": a (k+1)-th category with
-    1 - sum p on each side; "renormalize": both sides renormalized over the used ids. Then the
-    divergence of ``beta`` (see above) over the categories, a category of zero probability
-    contributing 0. In lp_s's dtype."""
+    1 - sum p on each side; "renormalize": both sides renormalized over the used ids (a position
+    without one gives 0). Then the divergence of ``beta`` (see above) over the categories, a
+    category of zero probability contributing 0. In lp_s's dtype. Every transcendental function
+    sees finite stand-ins at unused slots, so no NaN enters the gradient of a used one."""
     ninf = torch.full((), float("-inf"), dtype=lp_s.dtype, device=lp_s.device)
+    zero = torch.zeros((), dtype=lp_s.dtype, device=lp_s.device)
+    live = valid.any(-1, keepdim=True)
     a = torch.where(valid, lp_s, ninf)
     b = torch.where(valid, lp_t.to(lp_s.dtype), ninf)
     if tail == "bucket":
-        a, b = _with_tail(a), _with_tail(b)
+        a, b = _with_tail(a, live), _with_tail(b, live)
         mask = torch.cat([valid, torch.ones_like(valid[..., :1])], -1)
     else:
-        a = a - torch.logsumexp(a, -1, keepdim=True)
-        b = b - torch.logsumexp(b, -1, keepdim=True)
+        a, b = a - _row_logsumexp(a, live), b - _row_logsumexp(b, live)
         mask = valid
-    zero = torch.zeros((), dtype=a.dtype, device=a.device)
-    pa = torch.where(mask, a.exp(), zero)
-    pb = torch.where(mask, b.exp(), zero)
     sa, sb = torch.where(mask, a, zero), torch.where(mask, b, zero)
+    pa = torch.where(mask, sa.exp(), zero)
+    pb = torch.where(mask, sb.exp(), zero)
 
     def plogq(p, u):
         return torch.where(p > 0, p * u, zero)
@@ -677,6 +685,6 @@ def distill_topk(lp_s, lp_t, valid, beta: float, tail: str):
     elif beta == 1.0:
         terms = plogq(pa, sa - sb)
     else:
-        lm = torch.where(mask, torch.logaddexp(a + math.log1p(-beta), b + math.log(beta)), zero)
+        lm = torch.logaddexp(sa + math.log1p(-beta), sb + math.log(beta))
         terms = beta * plogq(pb, sb - lm) + (1.0 - beta) * plogq(pa, sa - lm)
     return terms.sum(-1)

@@ -39,13 +39,14 @@ from typing import Callable
 
 import torch
 
-from .._library import (LIB, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, kernel_temperature, new_output,
+from .._library import (LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, kernel_temperature, new_output,
                         no_forward_mode, rows_strides, under_forward_settings)
 from .. import reference
 from ..meta import distill as meta
 from ..meta.linear_logprobs import HeadOptions
 from ..meta.logprobs import LogprobOptions, row_shape
 from ..settings import current as settings
+from . import logprobs as lp_ops
 from .linear_logprobs import _addmm_f32_, _gemm_operands, _mm_f32
 
 Options = meta.DistillOptions
@@ -113,10 +114,40 @@ def _stats_triton(xs, xt, lab, ignore_index, stats, ent, cs, ct):
     (xs, ls), (xt, lt) = _layout(xs), _layout(xt)
     n, v = stats.shape[0], xs.shape[-1]
     block, warps = K.pick_block(v, "stats")
-    K._distill_stats_kernel[(n,)](
-        xs, xt, lab, stats, ent, v, *ls, *lt, cs, ct, ignore_index,
-        HAS_LABELS=lab is not None, HAS_ENT=ent is not None, EXACT_SHIFT=K.exact(cs, ct), BLOCK_V=block,
-        EPT_S=16 // xs.element_size(), EPT_T=16 // xt.element_size(), num_warps=warps)
+    segs, seg_len = K.segments(n, v, block, xs.device)
+    exact = K.exact(cs, ct)
+    part = torch.empty(n, segs, 5, dtype=torch.float32, device=xs.device) if segs > 1 else None
+    K._distill_stats_kernel[(n * segs,)](
+        xs, xt, lab, stats, ent, part, v, *ls, *lt, cs, ct, ignore_index, segs, seg_len,
+        HAS_LABELS=lab is not None, HAS_ENT=ent is not None, SEGMENTED=part is not None, EXACT_SHIFT=exact,
+        BLOCK_V=block, EPT_S=16 // xs.element_size(), EPT_T=16 // xt.element_size(), num_warps=warps)
+    if part is None:
+        return
+    # the segments' (m, s, t) merged as the kernels merge tile rows (ops/logprobs.py merge_row_stats)
+    m_s, s_s, t_s, _, _ = lp_ops.merge_row_stats(part[..., 0], part[..., 1], part[..., 2], cs, exact, 1)
+    m_t, s_t, _, _, _ = lp_ops.merge_row_stats(part[..., 3], part[..., 4], torch.zeros_like(part[..., 4]), ct, exact, 1)
+    l_s = torch.log2(s_s)
+    st = torch.stack([m_s, l_s, m_t, torch.log2(s_t)], 1)
+    if ent is not None:
+        ent.copy_((l_s - t_s / s_s) * LN2)
+    elif lab is not None:  # ignored rows were skipped: zero statistics, as on one segment
+        st = torch.where((lab != ignore_index)[:, None], st, torch.zeros_like(st))
+    stats[:, :4] = st
+
+
+def _partial_sums(n, segs, div, stats, device):
+    """(div target, its row stride, aux target, its row stride, partial buffers or None): one
+    segment writes div [n] and stats[:, 4] itself; several write [n, segs] partials."""
+    if segs == 1:
+        return div, 1, stats[:, 4], stats.stride(0), None
+    part = torch.empty(2, n, segs, dtype=torch.float32, device=device)
+    return part[0], segs, part[1], segs, part
+
+
+def _finish_partials(part, div, stats):
+    if part is not None:
+        div.copy_(part[0].sum(1))
+        stats[:, 4] = part[1].sum(1)
 
 
 def _divergence_triton(xs, xt, lab, ignore_index, stats, div, beta, cs, ct):
@@ -125,10 +156,14 @@ def _divergence_triton(xs, xt, lab, ignore_index, stats, div, beta, cs, ct):
     (xs, ls), (xt, lt) = _layout(xs), _layout(xt)
     n, v = stats.shape[0], xs.shape[-1]
     block, warps = K.pick_block(v, "div")
+    segs, seg_len = K.segments(n, v, block, xs.device)
     lb_s, lb_t = K.mixture_logs(beta)
-    K._distill_divergence_kernel[(n,)](
-        xs, xt, lab, stats, div, v, *ls, *lt, cs, ct, beta, lb_s, lb_t, ignore_index,
-        HAS_LABELS=lab is not None, MODE=K.mode(beta), EXACT_SHIFT=K.exact(cs, ct), BLOCK_V=block, num_warps=warps)
+    p_div, div_rs, p_aux, aux_rs, part = _partial_sums(n, segs, div, stats, xs.device)
+    K._distill_divergence_kernel[(n * segs,)](
+        xs, xt, lab, stats, p_div, p_aux, v, *ls, *lt, cs, ct, beta, lb_s, lb_t, ignore_index, segs, seg_len,
+        div_rs, aux_rs, HAS_LABELS=lab is not None, MODE=K.mode(beta), EXACT_SHIFT=K.exact(cs, ct), BLOCK_V=block,
+        num_warps=warps)
+    _finish_partials(part, div, stats)
 
 
 def _grad_triton(xs, xt, lab, ignore_index, stats, w, out, beta, cs, ct, k, softcap=None, div=None):
@@ -138,12 +173,19 @@ def _grad_triton(xs, xt, lab, ignore_index, stats, w, out, beta, cs, ct, k, soft
     n, v = stats.shape[0], xs.shape[-1]
     lo = rows_strides(out)
     block, warps = K.pick_block(v, "grad")
+    segs, seg_len = K.segments(n, v, block, xs.device)
     lb_s, lb_t = K.mixture_logs(beta)
-    K._distill_grad_kernel[(n,)](
-        xs, xt, lab, stats, w, out, div, v, *ls, *lt, *lo, cs, ct, k, 1.0 if softcap is None else softcap,
-        beta, lb_s, lb_t, ignore_index, 0 if w.numel() == 1 else w.stride(0),
+    p_div = p_aux = part = None
+    div_rs = aux_rs = 0
+    if div is not None:
+        p_div, div_rs, p_aux, aux_rs, part = _partial_sums(n, segs, div, stats, xs.device)
+    K._distill_grad_kernel[(n * segs,)](
+        xs, xt, lab, stats, w, out, p_div, p_aux, v, *ls, *lt, *lo, cs, ct, k, 1.0 if softcap is None else softcap,
+        beta, lb_s, lb_t, ignore_index, 0 if w.numel() == 1 else w.stride(0), segs, seg_len, div_rs, aux_rs,
         HAS_LABELS=lab is not None, MODE=K.mode(beta), WITH_DIV=div is not None, HAS_CAP=softcap is not None,
         EXACT_SHIFT=K.exact(cs, ct), BLOCK_V=block, num_warps=warps)
+    if div is not None:
+        _finish_partials(part, div, stats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,20 +321,26 @@ def chunk_plan(device: torch.device, n: int, v: int, dz_bytes: int) -> tuple[int
     """(rows per logits chunk, rows per d logits group) for n token rows of a vocabulary of v.
 
     A chunk holds both models' fp32 logits [rows, v] (8 bytes per column pair): the
-    ``distill_chunk_bytes`` setting's budget, at most n / 32 rows (so both chunks stay within 1/16
-    of one [n, v] fp32 logits tensor), at least the ``distill_min_rows`` setting's rows (GEMMs of
-    fewer rows re-read the weights too often; that floor wins below 32 times its rows). A group
-    holds the d logits of whole chunks in the student weight's dtype (dz_bytes each): the
-    ``distill_group_bytes`` budget, also within 1/16 of the fp32 logits (at most n / (4 dz_bytes)
-    rows). The two together: at most 1/8 of one [n, v] fp32 logits tensor past that floor."""
+    ``distill_chunk_bytes`` setting's budget. A group holds the d logits of whole chunks in the
+    student weight's GEMM dtype (dz_bytes each): the ``distill_group_bytes`` budget. Where the
+    ``distill_max_extra`` setting names the device type (CUDA: 1/8), the chunk pair and the group
+    each take at most half that fraction of one [n, v] fp32 logits tensor (at most n / 32 chunk
+    rows and n / (4 dz_bytes) group rows at 1/8), and a chunk at least the ``distill_min_rows``
+    setting's rows (GEMMs of fewer rows re-read the weights too often; below 32 times that floor
+    the floor wins over the fraction)."""
     kind = device.type
-    floor = min(n, settings.distill_min_rows.get(kind, 1))
     budget = settings.distill_chunk_bytes.get(kind, settings.distill_chunk_bytes["cpu"])
-    rows = max(floor, min(budget // (8 * v), n // 32), 1)
-    rows = rows - rows % 16 if rows > 16 else rows
     gbudget = settings.distill_group_bytes.get(kind, settings.distill_group_bytes["cpu"])
-    group = max(rows, min(gbudget // (dz_bytes * v), n // (4 * dz_bytes)) // rows * rows)
-    return min(rows, n), min(group, max(n, 1))
+    frac = settings.distill_max_extra.get(kind)
+    rows = budget // (8 * v)
+    group = gbudget // (dz_bytes * v)
+    if frac is not None:
+        rows = min(rows, int(frac * n * 4 / 2 / 8))
+        group = min(group, int(frac * n * 4 / 2 / dz_bytes))
+    rows = max(rows, settings.distill_min_rows.get(kind, 1), 1)
+    rows = min(rows - rows % 16 if rows > 16 else rows, max(n, 1))
+    group = max(rows, group // rows * rows)
+    return rows, min(group, max(n, 1))
 
 
 def _head_rows(hidden, shift):
