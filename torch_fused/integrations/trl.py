@@ -77,7 +77,8 @@ reduced-mode call of :func:`torch_fused.linear_distill`: the student's gradients
 forward pass, where the loss's weights are known, and the backward only scales them (no GEMM is
 recomputed; the price is an fp32 ``[V, H]`` d-weight buffer held from the forward to the
 backward). On CUDA only the completion positions are projected, as TRL does on a Triton device.
-The logged entropy is the student's, as TRL's. ``ChunkedDivergenceFunction`` itself (for other
+The logged entropy is the student's, as TRL's. An lm_head bias enters in the compute dtype
+(TRL adds it in fp32). ``ChunkedDivergenceFunction`` itself (for other
 callers) is routed to the per-token mode. ``GKDTrainer.generalized_jsd_loss`` (materialized
 logits, ``labels`` of -100 dropped) goes to :func:`torch_fused.distill` for the reductions
 ``batchmean``, ``sum``, ``mean`` and ``num_items_in_batch``; ``reduction="none"`` (a per-element
@@ -379,7 +380,7 @@ def _chunked_logprob_5(original, optional_outputs):
 
 
 # ------------------------------------------------------------------------------------------------
-# the distillation divergence: DistillationTrainer (TRL 1.16) and GKDTrainer
+# the distillation divergence: DistillationTrainer (TRL 1.13-1.16) and GKDTrainer
 
 
 def _number_in_unit(x) -> bool:
