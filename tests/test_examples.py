@@ -2,8 +2,9 @@
 
 Each example checks its own result and raises when it is wrong (the GRPO loop: finite losses and
 a rising reward; the packed GRPO loop: also the padded layout's loss at every step; the fused
-head: values and gradients equal to the materialized logits'; the TRL example: a finite loss at
-every step); these tests call each script's main() with tiny sizes,
+head: values and gradients equal to the materialized logits'; the distillation loop: the first
+step's loss and gradients equal to the materialized formula's and a falling divergence; the TRL
+example: a finite loss at every step); these tests call each script's main() with tiny sizes,
 assert on what it returns, and show that its check raises on a wrong result. One test runs a
 script as a program (python examples/x.py), another the 2-rank example under torchrun.
 
@@ -137,6 +138,46 @@ def test_fused_head_example_runs_as_a_script():
                          timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "fused vs materialized relative errors" in out.stdout
+
+
+# --- examples/distill.py: a student distilled from a frozen teacher ---------------------------
+
+DISTILL_TINY = ["--device", "cpu", "--steps", "12", "--batch", "4", "--seq", "12", "--prompt", "3", "--vocab", "64",
+                "--student-hidden", "16", "--teacher-hidden", "24", "--lr", "1e-2"]
+
+
+@SLOW_UNDER_INTERPRETER
+@pytest.mark.parametrize("extra", [[], ["--teacher", "topk", "--k", "4"], ["--beta", "0", "--temperature", "2"],
+                                   ["--beta", "1", "--dtype", "bfloat16"]], ids=["jsd", "topk", "forward_kl", "reverse_kl_bf16"])
+def test_distill_example_learns_and_matches(extra):
+    mod = load("distill")
+    hist = mod.main(DISTILL_TINY + extra)
+    assert len(hist["loss"]) == 12 and all(math.isfinite(x) for x in hist["loss"])
+    tol = mod.TOL["bfloat16" if "bfloat16" in extra else "float32"]
+    assert set(hist["check"]) == {"loss", "d_hidden", "d_weight"} and max(hist["check"].values()) <= tol, hist["check"]
+    assert sum(hist["loss"][-3:]) < sum(hist["loss"][:3])  # the student moved toward the teacher
+
+
+def test_distill_example_check_raises():
+    check = load("distill").check
+    ok = dict(loss=[0.5, 0.4, 0.3, 0.2], check=dict(loss=0.0, d_hidden=1e-6, d_weight=1e-6))
+    check(ok, 1e-4)
+    with pytest.raises(RuntimeError, match="non-finite loss at steps \\[2\\]"):
+        check(dict(ok, loss=[0.5, 0.4, float("nan"), 0.2]), 1e-4)
+    with pytest.raises(RuntimeError, match="fused and materialized differ.*d_weight"):
+        check(dict(ok, check=dict(ok["check"], d_weight=float("nan"))), 1e-4)
+    with pytest.raises(RuntimeError, match="did not fall"):
+        check(dict(ok, loss=[0.2, 0.3, 0.4, 0.5]), 1e-4)
+
+
+def test_distill_example_rejects_bad_arguments(capsys):
+    mod = load("distill")
+    for argv, msg in ((["--beta", "1.5"], "--beta: expected a value in [0, 1]"),
+                      (["--prompt", "40", "--seq", "32"], "--prompt: expected 0 <= prompt < seq - 1"),
+                      (["--teacher", "topk", "--k", "600"], "--k: expected at most --vocab")):
+        with pytest.raises(SystemExit):
+            mod.parse_args(argv)
+        assert msg in capsys.readouterr().err
 
 
 # --- examples/vocab_parallel.py: 2 ranks under torchrun (gloo) -------------------------------

@@ -718,6 +718,73 @@ MUTANTS: list[Mutant] = [
         [("    ok = (cu_seqlens[0] == 0) &", "    return  # MUTANT\n    ok = (cu_seqlens[0] == 0) &")],
         ["tests/test_packed.py"],
     ),
+    # 57-64: distillation (fused::distill, fused::linear_distill): the JSD's weights swapped (beta
+    # on the student's KL to the mixture), reverse KL's gradient without its -D term, the
+    # student's entropy skipped at ignored rows, token-mean counting ignored positions, d weight
+    # restarted at every group of the head's chunks, the reduced mode's backward not scaled by the
+    # upstream gradient, the softcap's chain factor dropped in the kernel, a -inf teacher slot of
+    # a top-k teacher left in the support
+    Mutant(
+        "distill-jsd-weights-swapped", "57 the generalized JSD's weights swapped", "torch_fused/reference.py", CPU,
+        [("    return beta * _plogq(pt, b - lm) * LN2 + (1.0 - beta) * kl_s, kl_s\n",
+          "    return (1.0 - beta) * _plogq(pt, b - lm) * LN2 + beta * kl_s, kl_s  # MUTANT\n")],
+        ["tests/test_distill.py::test_logits_match_float64"],
+    ),
+    Mutant(
+        "distill-reverse-kl-grad-no-aux-triton", "58 reverse KL's gradient without its -D term",
+        "torch_fused/kernels/distill.py", TRITON,
+        [("                b_dz = tl.where(b_pa > 0.0, b_pa * ((b_a - b_b) * LN2 - aux), 0.0)\n",
+          "                b_dz = tl.where(b_pa > 0.0, b_pa * ((b_a - b_b) * LN2), 0.0)  # MUTANT\n")],
+        ["tests/test_distill.py::test_logits_kernels", "tests/test_distill.py::test_head_kernels"],
+    ),
+    Mutant(
+        "distill-entropy-skipped-at-ignored-triton", "59 the student's entropy skipped at ignored rows",
+        "torch_fused/kernels/distill.py", TRITON,
+        [("        if not HAS_ENT:  # the entropy is made for every row; without it ignored rows are skipped\n",
+          "        if True:  # MUTANT\n")],
+        ["tests/test_distill.py::test_logits_kernels"],
+    ),
+    Mutant(
+        "distill-token-mean-counts-ignored", "60 token-mean counting ignored positions", "torch_fused/ops/distill.py",
+        CPU, [("    count = torch.full((1,), n, dtype=dt, device=dev) if lab is None else \\\n",
+               "    count = torch.full((1,), n, dtype=dt, device=dev) if True else \\\n")],
+        ["tests/test_distill.py::test_head_matches_float64"],
+    ),
+    Mutant(
+        "distill-dweight-restarted-per-group", "61 d weight restarted at every group of chunks",
+        "torch_fused/ops/distill.py", CPU,
+        [("                _addmm_f32_(self.dw_acc, dz.t(), h[g0:g1], first=g0 == 0)\n",
+          "                _addmm_f32_(self.dw_acc, dz.t(), h[g0:g1], first=True)  # MUTANT\n")],
+        ["tests/test_distill.py::test_head_matches_float64"],
+    ),
+    Mutant(
+        "distill-reduced-backward-unscaled", "62 the reduced mode's backward not scaled by the upstream gradient",
+        "torch_fused/ops/distill.py", CPU,
+        [("    return torch.mul(saved, g.to(saved.dtype), out=out)\n",
+          "    return out.copy_(saved)  # MUTANT\n")],
+        ["tests/test_distill.py::test_head_matches_float64"],
+    ),
+    Mutant(
+        "distill-softcap-chain-dropped-triton", "63 the softcap's chain factor dropped in the gradient kernel",
+        "torch_fused/kernels/distill.py", TRITON,
+        [("                b_dx = b_dx * (1.0 - b_th * b_th)\n", "                b_dx = b_dx  # MUTANT\n")],
+        ["tests/test_distill.py::test_head_kernels"],
+    ),
+    Mutant(
+        "distill-topk-ninf-slot-kept", "64 a top-k teacher's -inf slot left in the support", "torch_fused/ops/distill.py",
+        CPU, [("    valid = (ids != opts.ignore_index) & (logprobs != float(\"-inf\"))\n",
+               "    valid = ids != opts.ignore_index  # MUTANT\n")],
+        ["tests/test_distill.py::test_topk_teacher_logits_and_head"],
+    ),
+    # 65: the distillation passes' row segments (the head's chunks): the statistics of the first
+    #     segment taken for the whole row
+    Mutant(
+        "distill-segments-first-only-triton", "65 a row's first segment taken for the whole row",
+        "torch_fused/ops/distill.py", TRITON,
+        [("    m_s, s_s, t_s, _, _ = lp_ops.merge_row_stats(part[..., 0], part[..., 1], part[..., 2], cs, exact, 1)\n",
+          "    m_s, s_s, t_s = part[:, 0, 0], part[:, 0, 1], part[:, 0, 2]  # MUTANT\n")],
+        ["tests/test_distill.py::test_head_kernels"],
+    ),
     Mutant(
         "head-chunk-width-follows-n", "70 the batch-invariant head's vocabulary chunks as wide as the budget allows for N",
         "torch_fused/ops/linear_logprobs.py", TRITON,

@@ -49,6 +49,8 @@ __all__ = [
     "entropy_from_logits",
     "logprobs_and_entropy",
     "linear_logprobs_and_entropy",
+    "distill",
+    "linear_distill",
     "mask_reduce",
     "mask_reduce_cost",
     "masked_mean",
@@ -312,6 +314,140 @@ def linear_logprobs_and_entropy(
     return torch.ops.fused.linear_logprobs_and_entropy(
         hidden, weight, index, bias=bias, temperature=temperature, ignore_index=_ignore_index(ignore_index),
         shift=_shift(shift), logit_scale=logit_scale, softcap=softcap)
+
+
+def distill(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | None = None,
+    *,
+    teacher_topk_ids: torch.Tensor | None = None,
+    teacher_topk_logprobs: torch.Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift: bool = False,
+    reduction: str = "none",
+    return_entropy: bool = False,
+    tail: str = "bucket",
+):
+    """The per-token divergence between a student's and a teacher's next-token distributions,
+    from their logits, without a softmax or log-softmax of either held in memory.
+
+    With p_s = softmax(student_logits / T) and p_t = softmax(teacher_logits / T) per position:
+    ``beta`` 0 gives KL(p_t || p_s) (forward KL), 1 gives KL(p_s || p_t) (reverse KL), and a value
+    between them the generalized Jensen-Shannon divergence
+    ``beta * KL(p_t || m) + (1 - beta) * KL(p_s || m)`` with ``m = (1 - beta) p_s + beta p_t``,
+    as TRL's ``generalized_jsd_loss`` and ``ChunkedDivergenceFunction`` define them.
+
+    Args:
+        student_logits: ``[..., L, V]`` float16/bfloat16/float32/float64 (``[..., L+1, V]`` with
+            ``shift=True``); any strides.
+        teacher_logits: the teacher's logits, the student's shape (any float dtype). No gradient
+            flows to them.
+        teacher_topk_ids, teacher_topk_logprobs: instead of ``teacher_logits``, a top-k teacher:
+            ``[..., L, k]`` ids (int64 or int32) and the teacher's log-probs at them (taken as
+            given: no temperature is applied to them). The student's side is its
+            full-vocabulary log-probs at the k ids (temperature applied). A slot whose id equals
+            ``ignore_index`` or whose teacher log-prob is ``-inf`` is unused (on both sides).
+        tail: for a top-k teacher: ``"bucket"`` (default) adds a (k+1)-th category holding
+            ``1 - sum p`` on each side (as TRL's ``_add_tail_bucket``, its log clamped at
+            ``log(1 - exp(-1e-7))``); ``"renormalize"`` renormalizes both sides over the k ids.
+        beta: in [0, 1], see above.
+        temperature: > 0, divides both models' logits.
+        labels: ``[..., L]`` int; positions whose label is ``ignore_index`` give 0 and no
+            gradient (their entropy is still computed). None: every position counts.
+        shift: the model's call pattern: logits ``[..., L+1, V]``, labels and top-k tensors
+            ``[..., L]`` / ``[..., L, k]``; position t is scored, the last position is dropped and
+            gets zero gradient.
+        reduction: ``"none"`` (per position), ``"sum"``, or ``"token-mean"`` (the sum over the
+            kept positions divided by their count, 0 when none is kept).
+        return_entropy: also return the student's entropy (nats) per position (a by-product of
+            the same pass; no gradient flows through it).
+
+    Returns:
+        float32 (float64 for float64 student logits): ``[..., L]`` with ``reduction="none"``, a
+        0-dim tensor otherwise; with ``return_entropy`` the pair ``(divergence, entropy)``.
+        Differentiable in ``student_logits`` only: the gradient is written once, in their dtype.
+        A top-k id outside ``[0, V)`` raises ``IndexError`` on CPU and gives a NaN divergence at
+        its position (and a NaN gradient row) on CUDA.
+    """
+    if _is_dtensor(student_logits) or _is_dtensor(teacher_logits):
+        raise NotImplementedError("distill: DTensor (vocabulary-parallel) logits are not supported yet; call it with "
+                                  "local tensors")
+    div, ent = torch.ops.fused.distill(
+        student_logits, teacher_logits, teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs,
+        beta=float(beta), temperature=float(temperature), labels=labels, ignore_index=_ignore_index(ignore_index),
+        shift=_shift(shift), reduction=reduction, return_entropy=bool(return_entropy), tail=tail)
+    return (div, ent) if return_entropy else div
+
+
+def linear_distill(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift: bool = False,
+    reduction: str = "none",
+    return_entropy: bool = False,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    teacher_topk_ids: torch.Tensor | None = None,
+    teacher_topk_logprobs: torch.Tensor | None = None,
+    tail: str = "bucket",
+):
+    """:func:`distill` from both models' hidden states and lm_heads, never holding either model's
+    ``[N, V]`` logits: z = softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) (no
+    tanh without a softcap) per model, then the divergence of ``softmax(z / T)``.
+
+    Args:
+        student_hidden: ``[..., L, H_s]`` (``[..., L+1, H_s]`` with ``shift=True``),
+            float16/bfloat16/float32 (float64 for validation).
+        student_weight: ``[V, H_s]`` (``lm_head.weight``'s layout), the hidden states' dtype;
+            ``student_bias``: optional ``[V]``.
+        teacher_hidden, teacher_weight, teacher_bias: the teacher's, the same leading shape and
+            vocabulary; its hidden size and dtype may differ from the student's. No gradient
+            flows to them.
+        teacher_topk_ids, teacher_topk_logprobs, tail: a top-k teacher instead of its hidden
+            states and head, as in :func:`distill`; only the student's head is computed.
+        student_logit_scale, teacher_logit_scale, student_softcap, teacher_softcap: each head's
+            logit scale and softcap (Gemma-style ``c * tanh(z / c)``), before the temperature.
+        beta, temperature, labels, ignore_index, shift, return_entropy: as in :func:`distill`.
+        reduction: ``"none"``: the per-token divergence; the forward keeps only O(N) row
+            statistics and the backward recomputes both models' logits chunk by chunk.
+            ``"sum"`` / ``"token-mean"``: a 0-dim loss whose gradients are computed in the
+            forward (its weights are known there) and kept in fp32 (d hidden, d weight
+            ``[V, H_s]``, d bias) until the backward, which only scales them by the upstream
+            gradient: no GEMM is recomputed. For a full teacher; a top-k teacher's loss
+            is reduced after the head's log-probs (its backward recomputes the student's head).
+
+    Returns:
+        as :func:`distill`. Gradients flow to ``student_hidden``, ``student_weight`` and
+        ``student_bias`` only: exact (nothing filtered), d logits rounded once to the student
+        weight's dtype (on CUDA; the CPU path keeps them in fp32), every GEMM accumulating in fp32.
+    """
+    if _is_dtensor(student_weight) or _is_dtensor(student_hidden) or _is_dtensor(teacher_weight):
+        raise NotImplementedError("linear_distill: DTensor (vocabulary-parallel) heads are not supported yet; "
+                                  "call it with local tensors")
+    div, ent = torch.ops.fused.linear_distill(
+        student_hidden, student_weight, teacher_hidden, teacher_weight, beta=float(beta),
+        temperature=float(temperature), labels=labels, ignore_index=_ignore_index(ignore_index), shift=_shift(shift),
+        reduction=reduction, return_entropy=bool(return_entropy), student_bias=student_bias,
+        teacher_bias=teacher_bias, student_logit_scale=float(student_logit_scale),
+        teacher_logit_scale=float(teacher_logit_scale),
+        student_softcap=None if student_softcap is None else float(student_softcap),
+        teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
+        teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs, tail=tail)
+    return (div, ent) if return_entropy else div
 
 
 def __dir__():

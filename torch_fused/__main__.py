@@ -1,6 +1,6 @@
 """``python -m torch_fused``: self-check and demo on whatever device is present.
 
-For each shipped op: run it at a realistic small shape, compare with a float64 reference, time
+For each shipped op (the distillation ops as the generalized JSD): run it at a realistic small shape, compare with a float64 reference, time
 it, and count graph breaks when it is traced by ``torch.compile(fullgraph=True)``. Then run a
 few steps of a tiny compiled policy-gradient (PG) training loop that uses the ops forward and
 backward. Prints one row per check: what is measured, the value, the bound it must meet, and
@@ -33,6 +33,13 @@ def _time_ms(fn, device, iters=5) -> float:
 def _graph_breaks(fn, *args) -> int:
     torch._dynamo.reset()
     return torch._dynamo.explain(fn)(*args).graph_break_count
+
+
+def _ref_jsd(zs, zt, beta=0.5):
+    """The generalized JSD per row of float64 logits (TRL's definition)."""
+    ls, lt = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    lm = torch.logaddexp(ls + torch.log1p(torch.tensor(-beta)).item(), lt + torch.log(torch.tensor(beta)).item())
+    return beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
 
 
 def _checks(device):
@@ -75,6 +82,19 @@ def _checks(device):
     add("linear_logprobs_and_entropy",
         lambda a, w_, i: torch_fused.linear_logprobs_and_entropy(a, w_, i, shift=True), (ref_hl, ref_hh),
         (hid, wt, idx), nats, 1e-3)
+
+    # distillation (beta 0.5: the generalized JSD) against a teacher, from the logits and from both
+    # models' heads (the teacher twice as wide), shift=True; reduction "none" (per token)
+    teacher = (torch.randn(b, l + 1, v, generator=g) * 3).to(device, torch.bfloat16)
+    add("distill", lambda s_, t_: torch_fused.distill(s_, t_, shift=True),
+        _ref_jsd(x64, teacher[:, :-1].double()), (full, teacher), nats, 1e-5)
+    t_hid = torch.randn(b, l + 1, 2 * hd, generator=g).to(device, torch.bfloat16)
+    t_wt = (torch.randn(v, 2 * hd, generator=g) / (2 * hd) ** 0.5 * 2).to(device, torch.bfloat16)
+    ref_jh = _ref_jsd(hid[:, :-1].double() @ wt.double().t(), t_hid[:, :-1].double() @ t_wt.double().t())
+    # fp32 GEMM accumulation over H terms, as the fused lm_head
+    add("linear_distill", lambda a, w_, c, d: torch_fused.linear_distill(a, w_, c, d, shift=True), ref_jh,
+        (hid, wt, t_hid, t_wt), nats, 1e-3)
+    del ref_jh
 
     t, k, h = (4096, 4, 1024) if device.type == "cuda" else (256, 4, 256)
     hs = torch.randn(t, k, h, generator=g).to(device, torch.bfloat16)

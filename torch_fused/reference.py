@@ -489,3 +489,202 @@ def sinkgd_update_(w, g, r, c, coef_x, coef_w) -> None:
     wf = w.to(dt)
     new = wf - coef_x[:, None, None].to(dt) * x - coef_w.to(dt) * wf
     w.copy_(new.to(w.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Distillation (fused::distill, fused::linear_distill)
+# ---------------------------------------------------------------------------------------------
+# Rows of both models' logits x (student) and y (teacher), [n, V]; c = log2(e) k with k the
+# factor that turns a row's logits into z = x k (k = logit_scale / T, or 1 / T where the head
+# has applied its softcap to the chunk already). As the log-prob kernels: m the row max of the
+# raw logits, d = (x - m) c, s = sum 2^d; stats = (m, log2 s) per model, and log2 p = d - log2 s.
+# The divergence per row (nats), with a = log2 p_s, b = log2 p_t:
+#   beta 0 (mode 0): KL(t || s) = ln2 sum p_t (b - a);
+#   beta 1 (mode 1): KL(s || t) = ln2 sum p_s (a - b);
+#   else   (mode 2): with log2 m = log2((1 - beta) 2^a + beta 2^b), the generalized JSD
+#                    ln2 sum [beta p_t (b - log2 m) + (1 - beta) p_s (a - log2 m)]
+#                    (TRL's generalized_jsd_loss and ChunkedDivergenceFunction).
+# Its gradient in the student's z (softmax chain rule):
+#   mode 0: p_s - p_t;  mode 1: p_s (ln p_s - ln p_t - D);
+#   mode 2: (1 - beta) p_s (ln p_s - ln m - KL(s || m)),
+# so the backward needs D (mode 1) or KL(s || m) (mode 2) per row: ``aux``, the fifth row
+# statistic. Terms of zero probability contribute 0 (never 0 * inf).
+
+
+def distill_stats(xs, xt, cs: float, ct: float, want_entropy: bool):
+    """(stats [n, 4] = (m_s, log2 s_s, m_t, log2 s_t), student entropy [n] or None), float64."""
+    out = []
+    ent = None
+    for x, c, is_student in ((xs, cs, True), (xt, ct, False)):
+        x = x.double()
+        m = x.amax(-1, keepdim=True)
+        m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+        d = (x - m) * c
+        e = torch.exp2(d)
+        s = e.sum(-1)
+        log2s = torch.log2(s)
+        out += [m.squeeze(-1), log2s]
+        if is_student and want_entropy:
+            t = torch.where(e > 0, e * d, torch.zeros_like(d)).sum(-1)
+            ent = (log2s - t / s) * LN2
+    return torch.stack(out, -1), ent
+
+
+def _distill_log2p(xs, xt, st, cs, ct):
+    a = (xs.double() - st[:, 0:1]) * cs - st[:, 1:2]
+    b = (xt.double() - st[:, 2:3]) * ct - st[:, 3:4]
+    return a, b
+
+
+def _log2_mixture(a, b, beta):
+    return torch.logaddexp2(a + math.log2(1.0 - beta), b + math.log2(beta))
+
+
+def _plogq(p, u):
+    """sum of p * u over the row, 0 where p == 0."""
+    return torch.where(p > 0, p * u, torch.zeros_like(u)).sum(-1)
+
+
+def distill_divergence(xs, xt, st, beta: float, cs: float, ct: float):
+    """(divergence [n], aux [n]) in nats, float64, from the rows and their stats [n, >= 4]."""
+    a, b = _distill_log2p(xs, xt, st.double(), cs, ct)
+    ps, pt = torch.exp2(a), torch.exp2(b)
+    if beta == 0.0:
+        div = _plogq(pt, b - a) * LN2
+        return div, torch.zeros_like(div)
+    if beta == 1.0:
+        div = _plogq(ps, a - b) * LN2
+        return div, div
+    lm = _log2_mixture(a, b, beta)
+    kl_s = _plogq(ps, a - lm) * LN2
+    return beta * _plogq(pt, b - lm) * LN2 + (1.0 - beta) * kl_s, kl_s
+
+
+def distill_grad(xs, xt, st, w, beta: float, cs: float, ct: float, k: float, softcap=None):
+    """d (w_r D_r) / d x_s [n, V], float64: the student's z = x k (k = logit_scale / T), times
+    (1 - (x / softcap)^2) where the rows hold softcapped logits. w [n] the rows' weights, st [n, 5]."""
+    st = st.double()
+    a, b = _distill_log2p(xs, xt, st, cs, ct)
+    ps, pt = torch.exp2(a), torch.exp2(b)
+    aux = st[:, 4:5]
+    if beta == 0.0:
+        dz = ps - pt
+    elif beta == 1.0:
+        dz = torch.where(ps > 0, ps * ((a - b) * LN2 - aux), torch.zeros_like(a))
+    else:
+        lm = _log2_mixture(a, b, beta)
+        dz = (1.0 - beta) * torch.where(ps > 0, ps * ((a - lm) * LN2 - aux), torch.zeros_like(a))
+    dx = dz * (w.double() * k)[:, None]
+    if softcap is not None:
+        dx = dx * (1.0 - (xs.double() / softcap) ** 2)
+    return dx
+
+
+def _distill_rows(logits, shift):
+    """[rows, V] of the scored positions (a copy where a view cannot express them)."""
+    x = logits[..., :-1, :] if shift else logits
+    return x.reshape(-1, x.shape[-1])
+
+
+def _distill_keep(labels, rows, ignore_index, device):
+    if labels is None:
+        return torch.ones(rows, dtype=torch.bool, device=device)
+    return labels.reshape(rows) != ignore_index
+
+
+def distill_logits_forward(student, teacher, labels, opts):
+    """(divergence [lead], entropy [lead] or empty, stats [lead, 5]) of the logits core op
+    (meta.distill.DistillOptions ``opts``; the logits path has no logit_scale or softcap)."""
+    lead = (student[..., :-1, :] if opts.shift else student).shape[:-1]
+    rows, v = math.prod(lead), student.shape[-1]
+    dt = acc_dtype(student.dtype)
+    div = torch.empty(lead, dtype=dt, device=student.device)
+    ent = torch.empty(lead if opts.compute_entropy else (0,), dtype=dt, device=student.device)
+    stats = torch.empty(tuple(lead) + (5,), dtype=dt, device=student.device)
+    xs, xt = _distill_rows(student, opts.shift), _distill_rows(teacher, opts.shift)
+    keep = _distill_keep(labels, rows, opts.ignore_index, student.device)
+    c = LOG2E / kernel_temperature(opts.temperature)
+    d2, e2, s2 = div.view(rows), ent.view(-1), stats.view(rows, 5)
+    for a, b in _chunks(rows, 2 * v):
+        st, h = distill_stats(xs[a:b], xt[a:b], c, c, opts.compute_entropy)
+        d, aux = distill_divergence(xs[a:b], xt[a:b], st, opts.beta, c, c)
+        kb = keep[a:b]
+        s2[a:b, :4] = torch.where(kb[:, None], st, torch.zeros_like(st)).to(dt) if not opts.compute_entropy else st.to(dt)
+        s2[a:b, 4] = torch.where(kb, aux, torch.zeros_like(aux)).to(dt)
+        d2[a:b] = torch.where(kb, d, torch.zeros_like(d)).to(dt)
+        if opts.compute_entropy:
+            e2[a:b] = h.to(dt)
+    return div, ent, stats
+
+
+def distill_logits_backward(grad_div, student, teacher, labels, stats, opts):
+    """d student_logits of sum(grad_div * divergence): [..., L(+1), V] in the student's dtype,
+    zero at ignored positions (and at the last position with shift)."""
+    out = torch.zeros(student.shape, dtype=student.dtype, device=student.device)
+    rows_view = out[..., :-1, :] if opts.shift else out
+    lead = rows_view.shape[:-1]
+    rows, v = math.prod(lead), student.shape[-1]
+    xs, xt = _distill_rows(student, opts.shift), _distill_rows(teacher, opts.shift)
+    keep = _distill_keep(labels, rows, opts.ignore_index, student.device)
+    t = kernel_temperature(opts.temperature)
+    c = LOG2E / t
+    g = grad_div.reshape(rows)
+    st = stats.reshape(rows, 5)
+    dx = torch.empty(rows, v, dtype=student.dtype, device=student.device)
+    for a, b in _chunks(rows, 2 * v):
+        kb = keep[a:b]
+        d = distill_grad(xs[a:b], xt[a:b], st[a:b], g[a:b], opts.beta, c, c, 1.0 / t)
+        dx[a:b] = torch.where(kb[:, None], d, torch.zeros_like(d)).to(student.dtype)
+    rows_view.copy_(dx.view(rows_view.shape))
+    return out
+
+
+def _row_logsumexp(x, live):
+    """logsumexp over the last dim, -inf for rows without a used slot (``live`` False), made
+    without a 0 * NaN in its gradient there (a dead row's logsumexp is taken of zeros)."""
+    return torch.where(live, torch.logsumexp(torch.where(live, x, torch.zeros_like(x)), -1, keepdim=True),
+                       torch.full_like(x[..., :1], float("-inf")))
+
+
+def _with_tail(lp, live):
+    """lp [..., k] (log-probs of k ids, -inf at unused slots) with a (k+1)-th category holding
+    1 - sum p, its log clamped as TRL's _add_tail_bucket clamps it (log sum p <= -1e-7: the tail
+    keeps at least about 1e-7; past the clamp it has no gradient)."""
+    log_sum = _row_logsumexp(lp, live).clamp(max=-1e-7)
+    return torch.cat([lp, torch.log(-torch.expm1(log_sum))], -1)
+
+
+def distill_topk(lp_s, lp_t, valid, beta: float, tail: str):
+    """The per-position divergence [...] over a top-k support (differentiable in lp_s): lp_s the
+    student's full-vocabulary log-probs at the k ids, lp_t the teacher's as given, ``valid`` the
+    used slots (the others take no part on either side). tail "bucket": a (k+1)-th category with
+    1 - sum p on each side; "renormalize": both sides renormalized over the used ids (a position
+    without one gives 0). Then the divergence of ``beta`` (see above) over the categories, a
+    category of zero probability contributing 0. In lp_s's dtype. Every transcendental function
+    sees finite stand-ins at unused slots, so no NaN enters the gradient of a used one."""
+    ninf = torch.full((), float("-inf"), dtype=lp_s.dtype, device=lp_s.device)
+    zero = torch.zeros((), dtype=lp_s.dtype, device=lp_s.device)
+    live = valid.any(-1, keepdim=True)
+    a = torch.where(valid, lp_s, ninf)
+    b = torch.where(valid, lp_t.to(lp_s.dtype), ninf)
+    if tail == "bucket":
+        a, b = _with_tail(a, live), _with_tail(b, live)
+        mask = torch.cat([valid, torch.ones_like(valid[..., :1])], -1)
+    else:
+        a, b = a - _row_logsumexp(a, live), b - _row_logsumexp(b, live)
+        mask = valid
+    sa, sb = torch.where(mask, a, zero), torch.where(mask, b, zero)
+    pa = torch.where(mask, sa.exp(), zero)
+    pb = torch.where(mask, sb.exp(), zero)
+
+    def plogq(p, u):
+        return torch.where(p > 0, p * u, zero)
+
+    if beta == 0.0:
+        terms = plogq(pb, sb - sa)
+    elif beta == 1.0:
+        terms = plogq(pa, sa - sb)
+    else:
+        lm = torch.logaddexp(sa + math.log1p(-beta), sb + math.log(beta))
+        terms = beta * plogq(pb, sb - lm) + (1.0 - beta) * plogq(pa, sa - lm)
+    return terms.sum(-1)

@@ -26,6 +26,11 @@ in ``torch.compiler.config.cache_key_tag`` (a torch setting), written while the 
 | ``lm_head_part_bytes`` | 64 MiB | | the fused forward's tile statistics buffer, at most |
 | ``lm_head_batch_invariant`` | True | ``TORCH_FUSED_BATCH_INVARIANT`` (0: off) | the fused lm_head's results for a row do not depend on the other rows of the call (log-probs, entropy, d hidden; d weight and d bias sum over rows and are exempt): its GEMMs that cuBLAS would run (the d hidden GEMM; the logits GEMMs of fp32 weights or a softcap) run in a Triton GEMM with fixed tiles and no split of the reduction, and its vocabulary chunks have a fixed width (``lm_head_min_cols`` / ``lm_head_dlogits_min_cols``, 128 without one). Off: cuBLAS, and chunks as wide as ``lm_head_chunk_bytes`` allows. float64 always takes cuBLAS |
 | ``lm_head_promote`` | True | | the fused lm_head's bf16 / fp16 GEMM tiles add each K step's product (64 deep) to their fp32 sum with a rounded add, instead of accumulating the whole reduction inside the tensor-core instructions, which truncate (kernels/lm_head.py ``_accumulate``) |
+| ``distill_chunk_bytes`` | {"cuda": 256 MiB, "cpu": 4 MiB} | | the distillation head's token-row chunk: bytes of both models' fp32 logits [rows, V], per device type; at most N / 32 rows (the two chunks within 1/16 of one [N, V] fp32 logits tensor), at least ``distill_min_rows`` |
+| ``distill_group_bytes`` | {"cuda": 512 MiB, "cpu": 4 MiB} | | the distillation head's d logits group: bytes of the student weight's-dtype d logits of whole chunks that one d hidden and one d weight GEMM take, per device type; within 1/16 of one [N, V] fp32 logits tensor |
+| ``distill_max_extra`` | {"cuda": 0.125} | | per device type, the most extra memory of the distillation head's chunk and group buffers, as a fraction of one [N, V] fp32 logits tensor (half of it each; ``distill_min_rows`` wins over it below 32 times its rows); a device type not named: the byte budgets alone |
+| ``distill_segment`` | 4096 | | the distillation row passes split each row into segments of at least this many columns (one program each) where the rows alone would not fill the device (the head's chunks); 0: one program per row |
+| ``distill_min_rows`` | {"cuda": 128} | | the fewest token rows of a distillation head chunk, per device type (fewer rows re-read both heads' weights per chunk) |
 | ``logprobs_bwd_segment`` | 32768 | | the log-prob backward splits a row into programs of about this many columns (0: one program per row) |
 | ``reference_chunk_elems`` | 2**21 | | the plain-PyTorch implementations (CPU) work in chunks of rows whose float temporaries stay near this many elements |
 | ``small_tiles`` | False | | every kernel takes its smallest tiles, which still take every code path (full blocks, masked tails, several programs and trips) at small shapes: the interpreter test run |
@@ -100,6 +105,11 @@ DEFAULTS = dict(
     lm_head_part_bytes=64 << 20,
     lm_head_batch_invariant=_env_flag("TORCH_FUSED_BATCH_INVARIANT", True),
     lm_head_promote=True,
+    distill_chunk_bytes={"cuda": 256 << 20, "cpu": 4 << 20},
+    distill_group_bytes={"cuda": 512 << 20, "cpu": 4 << 20},
+    distill_max_extra={"cuda": 0.125},
+    distill_min_rows={"cuda": 128},
+    distill_segment=4096,
     logprobs_bwd_segment=32768,
     reference_chunk_elems=1 << 21,
     small_tiles=False,

@@ -17,8 +17,8 @@ import torch
 
 from . import common
 
-SUITES = ("logprobs", "temperature", "sampler", "small", "model_logits", "lm_head", "agreement", "vocab_parallel", "mask_reduce", "sinkgd", "step", "step_8b",
-          "train")
+SUITES = ("logprobs", "temperature", "sampler", "small", "model_logits", "lm_head", "agreement", "vocab_parallel", "mask_reduce",
+          "sinkgd", "step", "step_8b", "train", "distill", "distill_step")
 # run when no suite is named: all but step_8b (an 8B-parameter model: most of an H200's memory) and train
 # (a training-quality sweep of many minutes), which are named explicitly
 DEFAULT_SUITES = tuple(s for s in SUITES if s not in ("step_8b", "train"))
@@ -63,6 +63,18 @@ Suites:
                aggregate_loss + SinkGD; step time, tokens/s and peak memory at one micro-batch,
                then the largest micro-batch each path fits (eager) and tokens/s there; PASS/FAIL
                against its targets. About 5 minutes on an H200, compilation included
+  distill      the distillation heads, forward+backward (linear_distill reduced and per-token, a
+               top-k teacher at k 1 / 20 / 100) against the four bare GEMMs of the same run (the
+               student's three for a top-k teacher), TRL's ChunkedDivergenceFunction, Liger's
+               LigerFusedLinearJSD (skipped without liger_kernel) and the materialized formula, at
+               N 8192 / 16384 / 32768 with V 151936 / 128256 / 32000, student hidden 2048, teacher
+               4096 and 2048, bf16: time, multiple of the GEMMs, peak extra memory, error against
+               float64; PASS/FAIL against its targets
+  distill_step one distillation training step: a student of Llama-3.2-1B's shape against a frozen
+               teacher of Llama-3.2-3B's shape, sequences of 4096, random weights, AdamW(fused):
+               the materialized loss, TRL's _chunked_divergence_loss (DistillationTrainer's) and
+               linear_distill; step time, tokens/s and peak memory at micro-batch 2, then the
+               largest micro-batch each fits and tokens/s there
   step_8b      (not run by default) the step suite at Llama-3-8B's shape (32 layers, hidden 4096,
                vocab 128256, bf16, activation checkpointing per block), eager, SinkGD with
                stochastic rounding on the torch_fused path: memory held between steps
@@ -85,6 +97,7 @@ examples:
   python -m torch_fused.bench --only mask_reduce --out /tmp/r  one suite, results in /tmp/r
   python -m torch_fused.bench step                             one suite, named as an argument
   python -m torch_fused.bench step --quick                     2 layers, S 2048, eager only: about a minute
+  python -m torch_fused.bench distill distill_step             the distillation suites
   python -m torch_fused.bench --quick                          a fast smoke run over fewer shapes
   python -m torch_fused.bench --sweep --only logprobs          block-size sweep of the log-prob kernels
   bash benchmarks/device_run.sh                                CUDA tests, then every suite
@@ -139,8 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--quick", action="store_true",
         help="fewer shapes: the first shape of logprobs and mask_reduce, sinkgd without its "
-             "4-layer case, step with 2 layers at S 2048, eager only; a fast smoke run, not the "
-             "published figures")
+             "4-layer case, step with 2 layers at S 2048, eager only, distill at its first shape with "
+             "the wider teacher, distill_step with 4 layers per model at S 2048; a fast smoke run, not "
+             "the published figures")
     ap.add_argument(
         "--sweep", action="store_true",
         help="instead of the benchmark tables, time each kernel configuration (block size, warps) "

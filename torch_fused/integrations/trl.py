@@ -1,4 +1,4 @@
-"""Route TRL's log-prob and entropy computations to torch_fused.
+"""Route TRL's log-prob, entropy and distillation-divergence computations to torch_fused.
 
     import torch_fused.integrations.trl as tf_trl
     tf_trl.patch()                      # before or after building the trainer
@@ -16,9 +16,20 @@ TRL name                                   routed to                            
 ``entropy_from_logits``                    :func:`torch_fused.entropy_from_logits`          1.13-1.16
 ``selective_log_softmax_and_entropy``      :func:`torch_fused.logprobs_and_entropy`         1.14, 1.16
 (``trl.trainer.utils``, ``trl.kernels``)
-``ChunkedLogProbFunction`` (opt-in:        :func:`torch_fused.linear_logprobs_and_entropy`  1.16
-``patch(fused_lm_head=True)``)
+``ChunkedLogProbFunction`` (the chunked    :func:`torch_fused.linear_logprobs_and_entropy`  1.16
+lm_head; ``fused_lm_head=False`` leaves
+it to TRL)
+``_chunked_divergence_loss``               :func:`torch_fused.linear_distill`, reduced      1.13-1.16
+(``DistillationTrainer``'s loss)           (``"token-mean"``, or ``"sum"`` over
+                                           ``num_items_in_batch``)
+``ChunkedDivergenceFunction``              :func:`torch_fused.linear_distill`, per token    1.16
+(``trl.kernels.chunked_divergence``)
+``GKDTrainer.generalized_jsd_loss``        :func:`torch_fused.distill`, ``"sum"``           1.13-1.16
+(``trl.experimental.gkd``; where loaded
+before ``patch()``)
 =========================================  ===============================================  ==========
+
+The last three are the distillation route (``distill=False`` leaves them to TRL).
 
 Each replacement keeps TRL's signature (checked against the installed function at patch time)
 and its return conventions: the output dtype TRL's own function would return for those inputs
@@ -56,6 +67,28 @@ scale or softcap go to TRL's class. Requested diagnostic outputs (``log_sum_sq_p
 ``mean_logits``, ``is_top1``, no gradient) cost one more forward pass over the lm_head GEMM, in
 the compute dtype as TRL's tiles.
 
+The distillation route. TRL's ``DistillationTrainer`` computes its loss in
+``_chunked_divergence_loss``: both models' hidden states and lm_heads, the per-token divergence
+(TRL 1.16: from ``ChunkedDivergenceFunction``, whose backward projects both heads again; 1.13 and
+1.14: a checkpointed loop over chunks of materialized logits, rounded to the compute dtype, with
+a ``chunk_size`` argument that the route accepts and ignores), summed over the completion mask
+and divided by ``num_items_in_batch``. The route replaces that function with a
+reduced-mode call of :func:`torch_fused.linear_distill`: the student's gradients are formed in the
+forward pass, where the loss's weights are known, and the backward only scales them (no GEMM is
+recomputed; the price is an fp32 ``[V, H]`` d-weight buffer held from the forward to the
+backward). On CUDA only the completion positions are projected, as TRL does on a Triton device.
+The logged entropy is the student's, as TRL's. An lm_head bias enters in the compute dtype
+(TRL adds it in fp32). ``ChunkedDivergenceFunction`` itself (for other
+callers) is routed to the per-token mode. ``GKDTrainer.generalized_jsd_loss`` (materialized
+logits, ``labels`` of -100 dropped) goes to :func:`torch_fused.distill` for the reductions
+``batchmean``, ``sum``, ``mean`` and ``num_items_in_batch``; ``reduction="none"`` (a per-element
+result) and a teacher that requires a gradient stay with TRL. ``patch()`` does not import
+``trl.experimental`` (its import prints TRL's notice): import ``GKDTrainer`` before ``patch()``,
+or call ``patch()`` again after importing it. Calls that stay with TRL: DeepSpeed ZeRO-3
+parameters, beta outside [0, 1], a non-positive temperature, logit scale or softcap, compute
+dtypes other than fp16/bf16/fp32, devices other than CPU/CUDA. FSDP2's DTensor lm_heads are
+gathered once into full tensors, as TRL's loss does.
+
 Versions: the TRL versions in ``TESTED_TRL_VERSIONS``. On any other version ``patch()`` raises
 :class:`UnsupportedTRLVersion`; ``patch(strict=False)`` patches anyway, with a warning, every
 function whose signature matches a tested form (for a TRL patch release, say), and skips the rest.
@@ -86,6 +119,7 @@ __all__ = [
     "UnsupportedTRLVersion",
     "TESTED_TRL_VERSIONS",
     "FUSED_LM_HEAD_TRL_VERSIONS",
+    "DISTILL_TRL_VERSIONS",
 ]
 
 # The TRL versions this module is tested against (tests/test_trl_integration.py runs GRPOTrainer on
@@ -97,6 +131,10 @@ __all__ = [
 TESTED_TRL_VERSIONS = ("1.13.0", "1.14.2", "1.16.0")
 # Versions whose chunked lm_head (ChunkedLogProbFunction, 5 outputs) `fused_lm_head=True` routes.
 FUSED_LM_HEAD_TRL_VERSIONS = ("1.16.0",)
+# Versions whose DistillationTrainer loss (_chunked_divergence_loss: 1.13 and 1.14 with a chunk_size
+# argument) and GKDTrainer.generalized_jsd_loss the distillation route adapts; TRL 1.16 also has
+# trl.kernels.chunked_divergence.ChunkedDivergenceFunction.
+DISTILL_TRL_VERSIONS = ("1.13.0", "1.14.2", "1.16.0")
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LM_HEAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -342,6 +380,232 @@ def _chunked_logprob_5(original, optional_outputs):
 
 
 # ------------------------------------------------------------------------------------------------
+# the distillation divergence: DistillationTrainer (TRL 1.13-1.16) and GKDTrainer
+
+
+def _number_in_unit(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 <= x <= 1.0
+
+
+def _zero3(t) -> bool:
+    return hasattr(t, "ds_id")  # a DeepSpeed ZeRO-3 parameter: TRL gathers it around each use
+
+
+def _compute_dtype(t):
+    """TRL's compute dtype of a head: the autocast dtype where autocast is on, else the hidden
+    states' dtype."""
+    dev = t.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
+
+
+def _routable_heads(hs, ws, bs, ht, wt, bt, beta, temperature, scales, softcaps, *, flat: bool) -> bool:
+    """Whether a two-head divergence call has the semantics of torch_fused.linear_distill: plain
+    float tensors on one CPU/CUDA device (2-D hidden states where ``flat``), no ZeRO-3
+    parameters, beta in [0, 1], a positive temperature and logit scales, softcaps None or
+    positive, compute dtypes fp16/bf16/fp32."""
+    if not (_plain_tensor(hs, _FLOAT) and hs.device.type in _DEVICES and hs.dim() >= 1):
+        return False
+    for t in (ws, ht, wt) + tuple(b for b in (bs, bt) if b is not None):
+        if not _plain_tensor(t, _FLOAT) or t.device != hs.device or _zero3(t):
+            return False
+    if (flat and (hs.dim() != 2 or ht.dim() != 2)) or ws.dim() != 2 or wt.dim() != 2 or ws.shape[0] == 0:
+        return False
+    if hs.shape[-1] != ws.shape[1] or ht.shape[-1] != wt.shape[1] or hs.shape[:-1] != ht.shape[:-1]:
+        return False
+    if any(b is not None and b.shape != (w.shape[0],) for b, w in ((bs, ws), (bt, wt))):
+        return False
+    if not (_number_in_unit(beta) and _positive_number(temperature) and all(_positive_number(s) for s in scales)
+            and all(c is None or _positive_number(c) for c in softcaps)):
+        return False
+    return _compute_dtype(hs) in _LM_HEAD_DTYPES and _compute_dtype(ht) in _LM_HEAD_DTYPES
+
+
+def _linear_distill(hs, ws, bs, ht, wt, bt, beta, temperature, s_scale, s_cap, t_scale, t_cap, **kw):
+    """torch_fused.linear_distill in TRL's compute dtypes (each head's autocast or hidden dtype,
+    its weight and bias cast to it), the teacher's tensors detached (TRL's divergence gives the
+    teacher no gradient). Returns (divergence, entropy), the entropy without gradient."""
+    cs, ct = _compute_dtype(hs), _compute_dtype(ht)
+    with torch.autocast(hs.device.type, enabled=False):
+        div, ent = _tf.linear_distill(
+            hs.to(cs), ws.to(cs), ht.detach().to(ct), wt.detach().to(ct), beta=float(beta),
+            temperature=float(temperature), student_bias=None if bs is None else bs.to(cs),
+            teacher_bias=None if bt is None else bt.detach().to(ct), student_logit_scale=float(s_scale),
+            teacher_logit_scale=float(t_scale), student_softcap=None if s_cap is None else float(s_cap),
+            teacher_softcap=None if t_cap is None else float(t_cap), return_entropy=True, **kw)
+    return div, ent.detach()
+
+
+def _chunked_divergence_12(original):
+    """TRL 1.16 ``trl.kernels.chunked_divergence.ChunkedDivergenceFunction``: ``.apply(student_hidden
+    [N, Hs], student_weight [V, Hs], student_bias, teacher_hidden [N, Ht], teacher_weight [V, Ht],
+    teacher_bias, beta, temperature=1.0, student_logit_scale=1.0, student_final_logit_softcapping=None,
+    teacher_logit_scale=1.0, teacher_final_logit_softcapping=None)`` returning the per-token
+    divergence and the student's entropy (float32 [N], the entropy without gradient), gradients to
+    the student's hidden states, weight and bias."""
+
+    def apply(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+              temperature=1.0, student_logit_scale=1.0, student_final_logit_softcapping=None, teacher_logit_scale=1.0,
+              teacher_final_logit_softcapping=None):
+        args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+                temperature, student_logit_scale, student_final_logit_softcapping, teacher_logit_scale,
+                teacher_final_logit_softcapping)
+        if not (_routable_heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                teacher_bias, beta, temperature, (student_logit_scale, teacher_logit_scale),
+                                (student_final_logit_softcapping, teacher_final_logit_softcapping), flat=True)
+                and student_hidden.shape[0] > 0):
+            return original.apply(*args)
+        return _linear_distill(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                               teacher_bias, beta, temperature, student_logit_scale, student_final_logit_softcapping,
+                               teacher_logit_scale, teacher_final_logit_softcapping)
+
+    return type("ChunkedDivergenceFunction", (), {
+        "__doc__": "TRL's ChunkedDivergenceFunction call form, routed to torch_fused.linear_distill (per token).",
+        "__module__": __name__,
+        "apply": staticmethod(apply),
+        "torch_fused_original": original,
+    })
+
+
+def _full_head(weight, bias, dtype):
+    """FSDP2 keeps the lm_head as DTensors: one full tensor of each, the weight in the hidden
+    states' dtype, as TRL's loss makes them (plain tensors pass through)."""
+    if _is_dtensor(weight):
+        weight = weight.full_tensor().to(dtype)
+        if bias is not None and _is_dtensor(bias):
+            bias = bias.full_tensor()
+    return weight, bias
+
+
+def _divergence_loss(fallback, hs, ht, ws, wt, mask, beta, num_items_in_batch, bs, bt, s_scale, t_scale, s_cap,
+                     t_cap, temperature):
+    """DistillationTrainer's ``_chunked_divergence_loss`` on torch_fused.linear_distill's reduced
+    modes; ``fallback(*the same arguments)`` runs TRL's own function."""
+    if not (_plain_tensor(hs, _FLOAT) and _plain_tensor(ht, _FLOAT)):
+        return fallback(hs, ht, ws, wt, mask, beta, num_items_in_batch, bs, bt, s_scale, t_scale, s_cap, t_cap,
+                        temperature)
+    ws, bs = _full_head(ws, bs, hs.dtype)
+    wt, bt = _full_head(wt, bt, ht.dtype)
+    args = (hs, ht, ws, wt, mask, beta, num_items_in_batch, bs, bt, s_scale, t_scale, s_cap, t_cap, temperature)
+    if not (_routable_heads(hs, ws, bs, ht, wt, bt, beta, temperature, (s_scale, t_scale), (s_cap, t_cap), flat=False)
+            and isinstance(mask, torch.Tensor) and not _is_dtensor(mask) and mask.device == hs.device
+            and mask.numel() == hs.shape[:-1].numel() and mask.numel() > 0
+            and (num_items_in_batch is None or isinstance(num_items_in_batch, (int, float, torch.Tensor)))):
+        return fallback(*args)
+    valid = mask.reshape(-1) != 0
+    n_valid = valid.sum()
+    h_s, h_t = hs.reshape(-1, hs.shape[-1]), ht.reshape(-1, ht.shape[-1])
+    labels = None
+    if h_s.device.type == "cuda":
+        # as TRL 1.16 on a Triton device: only the masked-in positions are projected
+        h_s, h_t = h_s[valid], h_t[valid]
+        if h_s.shape[0] == 0:
+            return fallback(*args)
+    else:
+        labels = torch.where(valid, 0, _IGNORE)
+    # TRL's loss without num_items_in_batch: the sum over max(count, 1), token-mean's own
+    # denominator (0 where nothing is kept); with it, the sum over it
+    reduction = "token-mean" if num_items_in_batch is None else "sum"
+    loss, ent = _linear_distill(h_s, ws, bs, h_t, wt, bt, beta, temperature, s_scale, s_cap, t_scale, t_cap,
+                                labels=labels, reduction=reduction)
+    entropy_sum = (ent if labels is None else ent.masked_fill(~valid, 0.0)).sum()
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss, entropy_sum, n_valid
+
+
+def _chunked_divergence_loss_14(original):
+    """TRL 1.16 ``trl.trainer.distillation_trainer._chunked_divergence_loss(student_hidden_states
+    [B, K, Hs], teacher_hidden_states [B, K, Ht], student_lm_head_weight, teacher_lm_head_weight,
+    completion_mask [B, K], beta, num_items_in_batch=None, ...)`` returning (loss, the sum of the
+    student's per-token entropy, the number of masked-in positions): the loss is the divergence
+    summed over the masked-in positions, over ``num_items_in_batch`` (or their count, at least 1).
+    Routed to the reduced modes of torch_fused.linear_distill (``"token-mean"``, or ``"sum"``
+    over ``num_items_in_batch``): the gradients are formed in the forward pass, no projection is
+    recomputed in the backward."""
+
+    def _chunked_divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                                 teacher_lm_head_weight, completion_mask, beta, num_items_in_batch=None,
+                                 student_lm_head_bias=None, teacher_lm_head_bias=None, student_logit_scale=1.0,
+                                 teacher_logit_scale=1.0, student_final_logit_softcapping=None,
+                                 teacher_final_logit_softcapping=None, temperature=1.0):
+        return _divergence_loss(original, student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                                teacher_lm_head_weight, completion_mask, beta, num_items_in_batch,
+                                student_lm_head_bias, teacher_lm_head_bias, student_logit_scale, teacher_logit_scale,
+                                student_final_logit_softcapping, teacher_final_logit_softcapping, temperature)
+
+    return _chunked_divergence_loss
+
+
+def _chunked_divergence_loss_15(original):
+    """TRL 1.13 / 1.14 ``_chunked_divergence_loss``: 1.16's form with ``chunk_size`` (the rows of
+    its checkpointed chunk loop) after ``beta``, accepted and ignored (the fused op never holds a
+    chunk of logits); the same results."""
+
+    def _chunked_divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                                 teacher_lm_head_weight, completion_mask, beta, chunk_size, num_items_in_batch=None,
+                                 student_lm_head_bias=None, teacher_lm_head_bias=None, student_logit_scale=1.0,
+                                 teacher_logit_scale=1.0, student_final_logit_softcapping=None,
+                                 teacher_final_logit_softcapping=None, temperature=1.0):
+        def fallback(hs, ht, ws, wt, mask, beta, *rest):
+            return original(hs, ht, ws, wt, mask, beta, chunk_size, *rest)
+
+        return _divergence_loss(fallback, student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                                teacher_lm_head_weight, completion_mask, beta, num_items_in_batch,
+                                student_lm_head_bias, teacher_lm_head_bias, student_logit_scale, teacher_logit_scale,
+                                student_final_logit_softcapping, teacher_final_logit_softcapping, temperature)
+
+    return _chunked_divergence_loss
+
+
+_GKD_REDUCTIONS = ("batchmean", "sum", "mean")
+
+
+def _generalized_jsd_loss_7(original):
+    """``GKDTrainer.generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta=0.5,
+    temperature=1.0, reduction="batchmean", num_items_in_batch=None)`` (a staticmethod; TRL 1.16):
+    the divergence summed over the positions whose label is not -100, over num_items_in_batch,
+    or reduced as ``reduction`` says (batchmean: over the count of those positions, at least 1, or
+    over the first dimension without labels; sum; mean: over every element of the [..., V]
+    divergence). Routed to torch_fused.distill's ``reduction="sum"`` (the student's gradient
+    formed in its forward pass); ``reduction="none"`` (a per-element result) and a teacher that
+    requires a gradient go to TRL."""
+
+    def generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta=0.5, temperature=1.0,
+                             reduction="batchmean", num_items_in_batch=None):
+        args = (student_logits, teacher_logits, labels, beta, temperature, reduction, num_items_in_batch)
+        s, t = student_logits, teacher_logits
+        if not (_routable_logits(s) and _routable_logits(t) and t.shape == s.shape and t.device == s.device
+                and not (torch.is_grad_enabled() and t.requires_grad)
+                and (labels is None or (_plain_tensor(labels, _INDEX) and labels.shape == s.shape[:-1]
+                                        and labels.device == s.device))
+                and _number_in_unit(beta) and _positive_number(temperature)
+                and (num_items_in_batch is not None or reduction in _GKD_REDUCTIONS)
+                and (num_items_in_batch is None or isinstance(num_items_in_batch, (int, float, torch.Tensor)))):
+            return original(*args)
+        # TRL's result dtype: its arithmetic runs in the logits' dtypes (and the divisor's)
+        dtype = torch.promote_types(s.dtype, t.dtype)
+        total = _tf.distill(s, t, beta=float(beta), temperature=float(temperature), labels=labels,
+                            ignore_index=_IGNORE, reduction="sum")  # over the kept positions
+        n = s.shape[:-1].numel() if labels is None else (labels != _IGNORE).sum()
+        if num_items_in_batch is not None:
+            if isinstance(num_items_in_batch, torch.Tensor):
+                num_items_in_batch = num_items_in_batch.to(total.device)
+                dtype = torch.promote_types(dtype, num_items_in_batch.dtype)
+            out = total / num_items_in_batch
+        elif reduction == "batchmean":
+            out = total / (max(s.shape[0], 1) if labels is None else n.clamp_min(1))
+        elif reduction == "sum":
+            out = total
+        else:  # "mean": over every element of the kept rows' [V] divergences (0 / 0 with none kept, as TRL's)
+            out = total / (n * s.shape[-1])
+        return out.to(dtype)
+
+    return generalized_jsd_loss
+
+
+# ------------------------------------------------------------------------------------------------
 # signatures
 
 
@@ -369,7 +633,8 @@ def _same_signature(adapter_fn, original_fn, *, drop_first=False) -> bool:
 # ------------------------------------------------------------------------------------------------
 # patch / unpatch
 
-_STATE = None  # None, or {"options", "adapters": [(adapter, original, label)], "replaced": [(module, attr)]}
+_STATE = None  # None, or {"options", "adapters": [(adapter, original, label)], "classes": [(cls, attr, original,
+#               replacement, label)], "replaced": [(module, attr)], "version", "left"}
 
 
 def _trl_version() -> str:
@@ -394,10 +659,12 @@ def _import_optional(name):
         return None
 
 
-def _plan(fused_lm_head: bool | None, strict: bool, version: str, left: list | None = None):
-    """[(adapter, original, label)] for the installed TRL; raises where strict demands.
-    fused_lm_head None: route the chunked lm_head where it has the supported form, else leave it
-    to TRL (the reason appended to ``left``)."""
+def _plan(fused_lm_head: bool | None, strict: bool, version: str, left: list | None = None,
+          distill: bool | None = None):
+    """[(adapter, original, label)] of the module attributes to replace, for the installed TRL;
+    raises where strict demands. fused_lm_head / distill None: route the chunked lm_head / the
+    distillation divergence where it has the supported form, else leave it to TRL (the reason
+    appended to ``left``)."""
     left = [] if left is None else left
     import trl.trainer.utils as utils
 
@@ -427,29 +694,108 @@ def _plan(fused_lm_head: bool | None, strict: bool, version: str, left: list | N
         add("trl.kernels.selective_log_softmax_and_entropy",
             getattr(kernels, "selective_log_softmax_and_entropy", None), (_selective_log_softmax_and_entropy_kernel,))
 
-    if fused_lm_head or fused_lm_head is None:
-        cls = getattr(kernels, "ChunkedLogProbFunction", None) if kernels is not None else None
-        cls = cls or getattr(utils, "_ChunkedLogProbFunction", None)
-        if cls is None and fused_lm_head is None:
-            return plan  # nothing to route: this TRL's trainers score materialized logits
-        if cls is None:
-            raise ValueError(f"patch(fused_lm_head=True): TRL {version} has no chunked lm_head "
-                             "(ChunkedLogProbFunction); its trainers compute log-probs from materialized logits, "
-                             "which patch() routes without fused_lm_head")
-        chunked = _import_optional(cls.__module__)
-        optional = getattr(chunked, "OPTIONAL_OUTPUTS", None)
-        adapter = _chunked_logprob_5(cls, optional) if optional is not None else None
-        if adapter is None or not _same_signature(adapter.apply, cls.forward, drop_first=True):
-            if fused_lm_head is None:
-                left.append(f"{cls.__module__}.{cls.__name__} (not the five-output form of TRL "
-                            f"{', '.join(FUSED_LM_HEAD_TRL_VERSIONS)} that the lm_head route adapts)")
-                return plan
-            raise ValueError(
-                f"patch(fused_lm_head=True): TRL {version}'s {cls.__name__}{inspect.signature(cls.forward)} is not the "
-                f"five-output form of TRL {', '.join(FUSED_LM_HEAD_TRL_VERSIONS)} that the lm_head route adapts; "
-                "use one of those versions, or patch() without fused_lm_head")
-        plan.append((adapter, cls, f"{cls.__module__}.{cls.__name__}"))
+    _plan_lm_head(plan, fused_lm_head, version, left, utils, kernels)
+    _plan_distill(plan, distill, version, left)
     return plan
+
+
+def _plan_lm_head(plan, fused_lm_head, version, left, utils, kernels):
+    if not (fused_lm_head or fused_lm_head is None):
+        return
+    cls = getattr(kernels, "ChunkedLogProbFunction", None) if kernels is not None else None
+    cls = cls or getattr(utils, "_ChunkedLogProbFunction", None)
+    if cls is None and fused_lm_head is None:
+        return  # nothing to route: this TRL's trainers score materialized logits
+    if cls is None:
+        raise ValueError(f"patch(fused_lm_head=True): TRL {version} has no chunked lm_head "
+                         "(ChunkedLogProbFunction); its trainers compute log-probs from materialized logits, "
+                         "which patch() routes without fused_lm_head")
+    chunked = _import_optional(cls.__module__)
+    optional = getattr(chunked, "OPTIONAL_OUTPUTS", None)
+    adapter = _chunked_logprob_5(cls, optional) if optional is not None else None
+    if adapter is None or not _same_signature(adapter.apply, cls.forward, drop_first=True):
+        if fused_lm_head is None:
+            left.append(f"{cls.__module__}.{cls.__name__} (not the five-output form of TRL "
+                        f"{', '.join(FUSED_LM_HEAD_TRL_VERSIONS)} that the lm_head route adapts)")
+            return
+        raise ValueError(
+            f"patch(fused_lm_head=True): TRL {version}'s {cls.__name__}{inspect.signature(cls.forward)} is not the "
+            f"five-output form of TRL {', '.join(FUSED_LM_HEAD_TRL_VERSIONS)} that the lm_head route adapts; "
+            "use one of those versions, or patch() without fused_lm_head")
+    plan.append((adapter, cls, f"{cls.__module__}.{cls.__name__}"))
+
+
+def _distill_mismatch(distill, version, what, left):
+    """A distillation function whose form the route does not adapt: left to TRL (distill=None,
+    the reason appended to ``left``) or ValueError (distill=True)."""
+    if distill is None:
+        left.append(f"{what} (not the form of TRL {', '.join(DISTILL_TRL_VERSIONS)} that the distillation route "
+                    "adapts)")
+        return
+    raise ValueError(f"patch(distill=True): TRL {version}'s {what} is not the form of TRL "
+                     f"{', '.join(DISTILL_TRL_VERSIONS)} that the distillation route adapts; use one of those "
+                     "versions, or patch() without distill")
+
+
+def _plan_distill(plan, distill, version, left):
+    """DistillationTrainer's divergence: ``_chunked_divergence_loss`` (the trainer's loss, to the
+    reduced mode) and ``ChunkedDivergenceFunction`` (per token, for other callers)."""
+    if distill is False:
+        return
+    kernel = _import_optional("trl.kernels.chunked_divergence")
+    trainer = _import_optional("trl.trainer.distillation_trainer")
+    cls = getattr(kernel, "ChunkedDivergenceFunction", None)
+    loss = getattr(trainer, "_chunked_divergence_loss", None)
+    if cls is None and loss is None:
+        if distill:
+            raise ValueError(f"patch(distill=True): TRL {version} has no DistillationTrainer divergence "
+                             "(trl.trainer.distillation_trainer._chunked_divergence_loss); TRL "
+                             f"{', '.join(DISTILL_TRL_VERSIONS)} have it")
+        return
+    if loss is not None:
+        label = "trl.trainer.distillation_trainer._chunked_divergence_loss"
+        adapter = next((a for a in (_chunked_divergence_loss_14(loss), _chunked_divergence_loss_15(loss))
+                        if _same_signature(a, loss)), None)
+        if adapter is not None:
+            plan.append((adapter, loss, label))
+        else:
+            _distill_mismatch(distill, version, f"{label}{inspect.signature(loss)}", left)
+    if cls is not None:
+        adapter = _chunked_divergence_12(cls)
+        label = "trl.kernels.chunked_divergence.ChunkedDivergenceFunction"
+        if _same_signature(adapter.apply, cls.forward, drop_first=True):
+            plan.append((adapter, cls, label))
+        else:
+            _distill_mismatch(distill, version, f"{label}{inspect.signature(cls.forward)}", left)
+
+
+_GKD_MODULE = "trl.experimental.gkd.gkd_trainer"
+
+
+def _class_routes(distill, version, left):
+    """[(class, attribute, original descriptor, replacement descriptor, label)]: GKDTrainer's
+    ``generalized_jsd_loss`` staticmethod, where trl.experimental.gkd is loaded (patch() does not
+    import TRL's experimental modules, whose import prints TRL's notice)."""
+    if distill is False:
+        return []
+    mod = sys.modules.get(_GKD_MODULE)
+    cls = getattr(mod, "GKDTrainer", None) if mod is not None else None
+    desc = cls.__dict__.get("generalized_jsd_loss") if cls is not None else None
+    if not isinstance(desc, staticmethod):
+        return []
+    label = f"{cls.__module__}.{cls.__qualname__}.generalized_jsd_loss"
+    adapter = _generalized_jsd_loss_7(desc.__func__)
+    if not _same_signature(adapter, desc.__func__):
+        _distill_mismatch(distill, version, f"{label}{inspect.signature(desc.__func__)}", left)
+        return []
+    return [(cls, "generalized_jsd_loss", desc, staticmethod(adapter), label)]
+
+
+def _set_class_routes(routes, *, forward: bool) -> None:
+    for cls, attr, original, replacement, _ in routes:
+        have, want = (original, replacement) if forward else (replacement, original)
+        if cls.__dict__.get(attr) is have:
+            setattr(cls, attr, want)
 
 
 def _trl_modules():
@@ -473,8 +819,10 @@ def _swap(mapping: dict, replaced: list | None = None) -> None:
                     replaced.append((mod, attr))
 
 
-def patch(*, fused_lm_head: bool | None = None, strict: bool = True, verbose: bool = True) -> None:
-    """Route TRL's log-prob / entropy functions to torch_fused (see the module docstring).
+def patch(*, fused_lm_head: bool | None = None, distill: bool | None = None, strict: bool = True,
+          verbose: bool = True) -> None:
+    """Route TRL's log-prob / entropy functions and its distillation divergence to torch_fused
+    (see the module docstring).
 
     Args:
         fused_lm_head: route TRL's chunked lm_head (``ChunkedLogProbFunction``, behind
@@ -483,19 +831,34 @@ def patch(*, fused_lm_head: bool | None = None, strict: bool = True, verbose: bo
             TRL has the form the route adapts (TRL 1.16), else left to TRL; True: required (raises
             ``ValueError`` where TRL has no such form); False: left to TRL. Its speed and memory
             against TRL's, measured in one run: docs/BENCHMARKS.md, "Fused lm_head".
+        distill: route the distillation divergence, ``DistillationTrainer``'s
+            (``_chunked_divergence_loss``, TRL 1.13-1.16, and ``ChunkedDivergenceFunction``, 1.16) to
+            :func:`torch_fused.linear_distill` and ``GKDTrainer.generalized_jsd_loss`` (where
+            ``trl.experimental.gkd`` is imported before ``patch()``) to :func:`torch_fused.distill`.
+            None (default): wherever the installed TRL has the form the route adapts, else left to
+            TRL; True: required (raises ``ValueError`` where TRL has no such form); False: left to
+            TRL. Figures: docs/BENCHMARKS.md, "Distillation".
         strict: raise :class:`UnsupportedTRLVersion` unless the installed TRL is one of
             ``TESTED_TRL_VERSIONS``. ``strict=False`` warns instead and patches each function whose
             signature matches a tested form.
         verbose: print one line to stderr saying what was routed and what was left to TRL (and
             why).
 
-    Idempotent: calling it again with the same options re-scans the loaded ``trl.*`` modules and
-    changes nothing else; with other options it unpatches first. Raises ImportError without TRL.
+    Idempotent: calling it again with the same options re-scans the loaded ``trl.*`` modules (and
+    routes a ``GKDTrainer`` imported since) and changes nothing else; with other options it
+    unpatches first. Raises ImportError without TRL.
     """
     global _STATE
-    options = {"fused_lm_head": None if fused_lm_head is None else bool(fused_lm_head), "strict": bool(strict)}
+    options = {"fused_lm_head": None if fused_lm_head is None else bool(fused_lm_head),
+               "distill": None if distill is None else bool(distill), "strict": bool(strict)}
     if _STATE is not None and _STATE["options"] == options:
         _swap({id(o): (o, a) for a, o, _ in _STATE["adapters"]}, _STATE["replaced"])
+        known = {(cls, attr) for cls, attr, *_ in _STATE["classes"]}
+        new = [r for r in _class_routes(options["distill"], _STATE["version"], []) if (r[0], r[1]) not in known]
+        _set_class_routes(new, forward=True)
+        _STATE["classes"] += new
+        if new and verbose:
+            print(summary(), file=sys.stderr)
         return
     if _STATE is not None:
         unpatch()
@@ -511,10 +874,15 @@ def patch(*, fused_lm_head: bool | None = None, strict: bool = True, verbose: bo
     left: list = []
     if options["fused_lm_head"] is False:
         left.append("the chunked lm_head (fused_lm_head=False)")
-    plan = _plan(options["fused_lm_head"], options["strict"], version, left)
+    if options["distill"] is False:
+        left.append("the distillation divergence (distill=False)")
+    plan = _plan(options["fused_lm_head"], options["strict"], version, left, options["distill"])
+    classes = _class_routes(options["distill"], version, left)
     replaced: list = []
     _swap({id(o): (o, a) for a, o, _ in plan}, replaced)
-    _STATE = {"options": options, "adapters": plan, "replaced": replaced, "version": version, "left": left}
+    _set_class_routes(classes, forward=True)
+    _STATE = {"options": options, "adapters": plan, "classes": classes, "replaced": replaced, "version": version,
+              "left": left}
     if verbose:
         print(summary(), file=sys.stderr)
 
@@ -523,7 +891,8 @@ def summary() -> str:
     """One line: what ``patch()`` routed to torch_fused, and what it left to TRL and why."""
     if _STATE is None:
         return "torch_fused.integrations.trl: not patched"
-    routed = ", ".join(label for _, _, label in _STATE["adapters"]) or "nothing"
+    labels = [label for _, _, label in _STATE["adapters"]] + [r[-1] for r in _STATE["classes"]]
+    routed = ", ".join(labels) or "nothing"
     left = "; left to TRL: " + ", ".join(_STATE["left"]) if _STATE["left"] else ""
     return f"torch_fused.integrations.trl: TRL {_STATE['version']}: routed {routed}{left}"
 
@@ -540,15 +909,17 @@ def unpatch() -> None:
         hit = back.get(id(getattr(mod, attr, None)))
         if hit is not None and hit[0] is getattr(mod, attr):
             setattr(mod, attr, hit[1])
+    _set_class_routes(_STATE["classes"], forward=False)
     _STATE = None
 
 
 @contextlib.contextmanager
-def patched(*, fused_lm_head: bool | None = None, strict: bool = True, verbose: bool = True):
+def patched(*, fused_lm_head: bool | None = None, distill: bool | None = None, strict: bool = True,
+            verbose: bool = True):
     """``with patched(): ...`` patches for the block and then restores the state before it
     (unpatched, or patched with the previous options)."""
     before = None if _STATE is None else dict(_STATE["options"])
-    patch(fused_lm_head=fused_lm_head, strict=strict, verbose=verbose)
+    patch(fused_lm_head=fused_lm_head, distill=distill, strict=strict, verbose=verbose)
     try:
         yield
     finally:
@@ -567,5 +938,7 @@ def patched_names() -> list[str]:
     if _STATE is None:
         return []
     adapters = {id(a) for a, _, _ in _STATE["adapters"]}
-    return sorted(f"{name}.{attr}" for name, mod in _trl_modules() for attr, val in list(vars(mod).items())
-                  if id(val) in adapters)
+    names = [f"{name}.{attr}" for name, mod in _trl_modules() for attr, val in list(vars(mod).items())
+             if id(val) in adapters]
+    names += [label for cls, attr, _, new, label in _STATE["classes"] if cls.__dict__.get(attr) is new]
+    return sorted(names)
