@@ -24,6 +24,12 @@ pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
                                 reason="the Triton path: CUDA, or the interpreter run")
 
 
+@pytest.fixture(autouse=True)
+def _invariant_head(settings_override):
+    """The fused head's batch invariance is the lm_head_batch_invariant setting."""
+    settings_override(lm_head_batch_invariant=True)
+
+
 def _sizes(device):
     """(V, H, batch sizes, rows probed): the issue's shapes on a GPU, small ones in the interpreter."""
     if device == "cuda":

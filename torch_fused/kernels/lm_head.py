@@ -191,30 +191,31 @@ def _lm_head_dlogits_kernel(
     scale,  # c = log2(e) / T
     HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROMOTE: tl.constexpr,
+    SUM_G: tl.constexpr,
 ):
     """d z of rows 0 .. N-1 against weight rows 0 .. V-1 (ids v_off ..): stored in p_dz [N, V]
     (row stride stride_dz, the output's dtype). p_coef[4, N] = (m, log2 s, a, b) per row:
     d z_j = -p_j (a + b max(d_j, D_MIN)) + g_k at the row's ids, with d_j = z_j c - m c - log2 s
     (log2 p_j). p_g [N, K]: the ids' log-prob gradients, already zero at ignore_index and
-    scaled by 1 / T; with HAS_GLP the kernel adds their sum to the a of p_coef."""
+    scaled by 1 / T; SUM_G: the kernel adds their sum to the a of p_coef, in id order."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(N, BM)
     pid_m, pid_n = _tile_of(pid, n_m, n_tiles_n, GROUP_M)
     z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, EXACT_SHIFT, BM, BN, BK, PROMOTE)
     _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz, v_off, scale,
-                      HAS_GLP, EXACT_SHIFT, BLOCK_K)
+                      HAS_GLP, EXACT_SHIFT, BLOCK_K, SUM_G)
 
 
 @triton.jit
 def _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz, v_off, scale,
-                      HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr):
+                      HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr, SUM_G: tl.constexpr):
     live = o_m < N
     rows = tl.where(live, o_m, 0).to(tl.int64)
     m = tl.load(p_coef + rows)
     log2s = tl.load(p_coef + N + rows)
     a = tl.load(p_coef + 2 * N + rows)
     b = tl.load(p_coef + 3 * N + rows)
-    if HAS_GLP:
+    if SUM_G:
         # a += the ids' scaled gradients, added here one id after the other: an order that is the
         # row's own (a torch reduction over them may split it by the batch's size)
         for k in tl.static_range(BLOCK_K):
@@ -239,7 +240,7 @@ def _lm_head_dlogits_tma_kernel(
     scale,  # c = log2(e) / T
     HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-    PROMOTE: tl.constexpr,
+    PROMOTE: tl.constexpr, SUM_G: tl.constexpr,
 ):
     """_lm_head_dlogits_kernel with the operands read by TMA, persistent (as
     _lm_head_stats_tma_kernel)."""
@@ -248,7 +249,7 @@ def _lm_head_dlogits_tma_kernel(
         pid_m, pid_n = _tile_of(tile, n_m, n_tiles_n, GROUP_M)
         z, o_m, o_n = _logits_tile_tma(d_h, d_w, p_b, V, H, pid_m, pid_n, HAS_BIAS, BM, BN, BK, PROMOTE)
         _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz, v_off, scale,
-                          HAS_GLP, EXACT_SHIFT, BLOCK_K)
+                          HAS_GLP, EXACT_SHIFT, BLOCK_K, SUM_G)
 
 
 @triton.jit
@@ -405,9 +406,10 @@ def compile_cases():
     bm, bn, bk, gm, warps, _ = CONFIG["dlogits"]
     yield ("lm_head_dlogits", _lm_head_dlogits_kernel, dl,
            {"HAS_BIAS": False, "HAS_GLP": True, "EXACT_SHIFT": False, "BLOCK_K": 1, "BM": bm, "BN": bn, "BK": bk,
-            "GROUP_M": gm, "PROMOTE": False}, warps)
+            "GROUP_M": gm, "PROMOTE": False, "SUM_G": True}, warps)
     for name, kernel, sig, flags in (("lm_head_stats_tma", _lm_head_stats_tma_kernel, stats, {}),
-                                     ("lm_head_dlogits_tma", _lm_head_dlogits_tma_kernel, dl, {"HAS_GLP": True})):
+                                     ("lm_head_dlogits_tma", _lm_head_dlogits_tma_kernel, dl,
+                                      {"HAS_GLP": True, "SUM_G": False})):
         bm, bn, bk, gm, warps, _ = CONFIG[name[:-4].replace("lm_head_", "") + "_tma"]
         sig = {k: t for k, t in sig.items() if k not in ("p_h", "p_w", "stride_h", "stride_w")}
         sig = {"d_h": f"tensordesc<bf16[{bm},{bk}]>", "d_w": f"tensordesc<bf16[{bn},{bk}]>", **sig}

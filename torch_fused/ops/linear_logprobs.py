@@ -326,16 +326,22 @@ def _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c):
                 r1 - r0, v, hd, k, h2.stride(0), w.stride(0), nt, 0, c,
                 HAS_BIAS=bias is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k,
                 PROMOTE=settings.lm_head_promote, **cfg)
-        # the tiles' statistics folded per row, in the row's own order (a torch reduction would
-        # choose its split from the number of rows)
-        K._tile_merge_kernel[(r1 - r0,)](part, run[r0:r1], nt, (r1 - r0) * nt, run.stride(0), c,
-                                         EXACT_SHIFT=exact_shift(c), BLOCK_T=K.MERGE_BLOCK_T)
+        if settings.lm_head_batch_invariant:
+            # the tiles' statistics folded per row, in the row's own order (a torch reduction
+            # chooses its split from the number of rows)
+            K._tile_merge_kernel[(r1 - r0,)](part, run[r0:r1], nt, (r1 - r0) * nt, run.stride(0), c,
+                                             EXACT_SHIFT=exact_shift(c), BLOCK_T=K.MERGE_BLOCK_T)
+        else:
+            m_t, s_t, t_t = part.unbind(0)  # per row and vocabulary tile
+            m, s_row, t_row, _, _ = lp_ops.merge_row_stats(m_t, s_t, t_t, c, lp_ops.shift_is_exact(True, m_t.dtype, c), 1)
+            run[r0:r1, 0], run[r0:r1, 1], run[r0:r1, 2] = m, s_row, t_row
 
 
-def _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total):
+def _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total, sum_in_kernel):
     """Per row (m, log2 s, a, b) as a [4, N] fp32 tensor, and the ids' scaled log-prob
-    gradients [N, K] (None without glp), as _logprobs_entropy_backward_kernel forms them, except
-    that a leaves out the sum of the ids' gradients, which the d logits kernel adds."""
+    gradients [N, K] (None without glp), as _logprobs_entropy_backward_kernel forms them;
+    ``sum_in_kernel``: a leaves out the sum of the ids' gradients, which the d logits kernel adds
+    in id order (the batch-invariant head)."""
     n = st2.shape[0]
     it = 1.0 / t_eff
     coef = torch.empty(4, n, dtype=torch.float32, device=st2.device)
@@ -348,7 +354,9 @@ def _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total
         g = torch.where(ids == ignore_index, torch.zeros_like(g), g)
         bad = (ids != ignore_index) & ((ids < 0) | (ids >= v_total))
         g = torch.where(bad, torch.full_like(g, float("nan")), g)  # an out-of-range id: NaN row
-        g = g * it  # (their sum joins a in the kernel, _dlogits_epilogue)
+        if not sum_in_kernel:  # (else their sum joins a in the kernel, _dlogits_epilogue: SUM_G)
+            a = a + g.sum(1)
+        g = g * it
     b = torch.zeros_like(a)
     if gh is not None:
         a = a + gh.float() * ent2.float()
@@ -368,7 +376,7 @@ def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c):
     k = ids.shape[1]
     args = (bias.contiguous() if bias is not None else w, ids, g if g is not None else coef, coef, dz)
     flags = dict(HAS_BIAS=bias is not None, HAS_GLP=g is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k,
-                 PROMOTE=settings.lm_head_promote, **cfg)
+                 PROMOTE=settings.lm_head_promote, SUM_G=g is not None and settings.lm_head_batch_invariant, **cfg)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -474,7 +482,8 @@ def backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats,
     fused = _fused_gemm("backward", path, w, opts) and hm.dtype == w.dtype
     if fused:  # d logits straight from the GEMM tiles: one w.dtype chunk buffer
         ids = idx2.reshape(n, -1).contiguous()
-        coef, g_ids = _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total)
+        coef, g_ids = _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total,
+                                            settings.lm_head_batch_invariant)
         c = traced_constants()[0] / t_eff  # LOG2E, as above
     # Triton path, bf16 / fp16: d logits written over their own fp32 logits chunk
     in_place = path.triton and softcap is None and w.dtype in (torch.bfloat16, torch.float16)
