@@ -25,6 +25,7 @@ in ``torch.compiler.config.cache_key_tag`` (a torch setting), written while the 
 | ``lm_head_tma`` | True | | the fused GEMMs read their operands through TMA on compute capability 9 and later |
 | ``lm_head_part_bytes`` | 64 MiB | | the fused forward's tile statistics buffer, at most |
 | ``logprobs_bwd_segment`` | 32768 | | the log-prob backward splits a row into programs of about this many columns (0: one program per row) |
+| ``sampler_exact`` | False | | the sampler's support (top_k, top_p, min_p of the log-prob ops) by the exact multi-pass kernel for every row instead of the fast routes (kernels/sampler.py): tests and benchmarks |
 | ``reference_chunk_elems`` | 2**21 | | the plain-PyTorch implementations (CPU) work in chunks of rows whose float temporaries stay near this many elements |
 | ``small_tiles`` | False | | every kernel takes its smallest tiles, which still take every code path (full blocks, masked tails, several programs and trips) at small shapes: the interpreter test run |
 | ``logprobs_block`` | None | | (BLOCK_V, num_warps) of every log-prob launch instead of the shipped choice (kernels/logprobs.py pick_block): the block sweep |
@@ -97,6 +98,7 @@ DEFAULTS = dict(
     lm_head_tma=True,
     lm_head_part_bytes=64 << 20,
     logprobs_bwd_segment=32768,
+    sampler_exact=False,
     reference_chunk_elems=1 << 21,
     small_tiles=False,
     logprobs_block=None,
