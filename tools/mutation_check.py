@@ -101,8 +101,8 @@ MUTANTS: list[Mutant] = [
              "        stats[a:b, 1] = 0\n"),
             ("g = (torch.gather(d, 1, ib.clamp(0, max(v - 1, 0))) - log2s[:, None]) * LN2",
              "g = (torch.gather(x, 1, ib.clamp(0, max(v - 1, 0))) * c - lse[:, None]) * LN2"),
-            ("lp = ((x2[a:b].double() - st[a:b, :1]) * c - st[a:b, 1:]) * ln2",
-             "lp = (x2[a:b].double() * c - st[a:b, :1] - st[a:b, 1:]) * ln2"),
+            ("lp = ((x - st[a:b, :1]) * c - st[a:b, 1:]) * ln2",
+             "lp = (x * c - st[a:b, :1] - st[a:b, 1:]) * ln2"),
         ],
         LOGPROBS_TESTS,
     ),
@@ -126,10 +126,8 @@ MUTANTS: list[Mutant] = [
     #     of the segment's (the segment's first column left out of the index offset)
     Mutant(
         "bwd-segment-offset-triton", "1b segment's index offset dropped", "torch_fused/kernels/logprobs.py", TRITON,
-        [("        _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,\n"
-          "                      v_off + c0,",
-          "        _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,\n"
-          "                      v_off,")],
+        [("                      v_seg, K, c0, v_off + c0, V_total,",
+          "                      v_seg, K, c0, v_off, V_total,")],
         LOGPROBS_TESTS,
     ),
     # 2. temperature missing from the backward: d logits = d z instead of d z / T

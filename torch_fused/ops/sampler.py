@@ -42,10 +42,17 @@ def _unlisted(logits, shift):
 def _threshold_triton(logits, temperature_t, temperature, shift, top_k, top_p, min_p):
     """The op's Triton implementation: the fast route for the options given (min-p / top-k by a
     running filter, top-p alone by a sampled band), then the exact kernel for the rows it left."""
+    return threshold_launches(logits, temperature_t, temperature, shift, top_k, top_p, min_p)
+
+
+def threshold_launches(logits, temperature_t, temperature, shift, top_k, top_p, min_p, finish=True):
+    """_threshold_triton's launches. ``finish=False`` (tests, benchmarks): (tau, support, finish)
+    after the fast route's launch alone (rows it left to the exact kernel hold the count -2 and
+    no tau), where ``finish()`` launches the exact kernel over the same tensors."""
     opts = meta.sampler_options(temperature, shift, top_k, top_p, min_p)
     meta.check_options(logits, None, temperature_t, opts)
     if logits.dtype == torch.float64:  # a validation dtype: the reference keeps fp64 thresholds
-        return reference.sampler_threshold(logits, temperature_t, opts), _unlisted(logits, shift)
+        return _done(finish, reference.sampler_threshold(logits, temperature_t, opts), _unlisted(logits, shift))
     from ..kernels import sampler as K
     from .logprobs import _row_layout
 
@@ -55,12 +62,12 @@ def _threshold_triton(logits, temperature_t, temperature, shift, top_k, top_p, m
     tau = new_output(meta.row_shape(logits, shift), torch.float32, logits.device)
     support = _unlisted(logits, shift)
     if rows == 0:
-        return tau, support
+        return _done(finish, tau, support)
     has_minp = min_p is not None and min_p > 0.0
     has_topk = top_k is not None and top_k < v
     has_topp = top_p is not None and top_p < 1.0
     if not (has_minp or has_topk or has_topp):  # nothing left out: every id kept
-        return tau.fill_(float("-inf")), support
+        return _done(finish, tau.fill_(float("-inf")), support)
     (inner, s_outer, s_inner), copy = _row_layout(x)
     if copy:
         x = x.contiguous()
@@ -89,11 +96,21 @@ def _threshold_triton(logits, temperature_t, temperature, shift, top_k, top_p, m
                 K.triton.cdiv(v, stride_s), K.BAND_Z, max(1, cfg.cap // (2 * stride_s) - 1), EXACT_SHIFT=exact,
                 T_FROM_PTR=t_ptr, LO_BIT=lo_bit, CAP=cfg.cap, SUP_CAP=meta.SUPPORT_CAP, BLOCK_V=cfg.block,
                 EPT=cfg.ept, BLOCK=cfg.block, num_warps=cfg.warps)
-    K._sampler_exact_kernel[(rows,)](
-        x, tau, support, temperature_t, v, inner, s_outer, s_inner, t, min_p_arg, k_arg, p_arg,
-        ALL_ROWS=every_row, HAS_MINP=has_minp, HAS_TOPK=has_topk, HAS_TOPP=has_topp, EXACT_SHIFT=exact,
-        T_FROM_PTR=t_ptr, LO_BIT=lo_bit, SUP_CAP=meta.SUPPORT_CAP, BLOCK=cfg.exact_block, num_warps=4)
+
+    def exact_rows():
+        K._sampler_exact_kernel[(rows,)](
+            x, tau, support, temperature_t, v, inner, s_outer, s_inner, t, min_p_arg, k_arg, p_arg,
+            ALL_ROWS=every_row, HAS_MINP=has_minp, HAS_TOPK=has_topk, HAS_TOPP=has_topp, EXACT_SHIFT=exact,
+            T_FROM_PTR=t_ptr, LO_BIT=lo_bit, SUP_CAP=meta.SUPPORT_CAP, BLOCK=cfg.exact_block, num_warps=4)
+
+    if not finish:
+        return tau, support, exact_rows
+    exact_rows()
     return tau, support
+
+
+def _done(finish, tau, support):
+    return (tau, support) if finish else (tau, support, lambda: None)
 
 
 if TRITON_DEVICES:
