@@ -321,13 +321,18 @@ def test_listed_and_streamed_backward_agree(device):
     grads = []
     for s in (listed, None):
         lp, ent, _ = torch.ops.fused._logprobs_entropy_forward(x, idx, t, 1.0, -100, True, False, tau, s)
-        (dx,) = torch.autograd.grad((torch.where(torch.isfinite(lp), lp, 0.0) * gl).sum() + (ent * ge).sum(), x)
+        # the upstream gradient reaches the ids outside the support too: the core passes it on
+        # to no logit (neither the id's own nor the kept ones' through G)
+        (dx,) = torch.autograd.grad((lp, ent), x, (gl, ge), retain_graph=True)
         grads.append(dx)
     assert torch.equal(grads[0], grads[1])
     outside = x.detach().gather(1, idx) < tau[:, None]
     assert bool(outside.any()) and bool((~outside).any())
     kept = x.detach() >= tau[:, None]
     assert bool((grads[0][~kept] == 0).all())
+    # within the support: the gradient of the kept ids' log-probs alone
+    want = torch.autograd.grad((torch.where(outside, 0.0, lp) * gl).sum() + (ent * ge).sum(), x)[0]
+    torch.testing.assert_close(grads[0], want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -716,6 +716,37 @@ MUTANTS: list[Mutant] = [
         [("    ok = (cu_seqlens[0] == 0) &", "    return  # MUTANT\n    ok = (cu_seqlens[0] == 0) &")],
         ["tests/test_packed.py"],
     ),
+    # 57-60: the sampler's support (kernels/sampler.py, the core backward's support list): a
+    # negative threshold decoded without its bucket's low bits (the k-th largest of a row below
+    # zero read as another value), ties with the threshold left out of the support list, the
+    # listed backward placing a segment's columns without the segment's offset, and an id outside
+    # the support given its log-prob gradient by the reference backward
+    Mutant(
+        "sampler-negative-key-bucket-triton", "57 a negative threshold decoded without its bucket's low bits",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("    k = tl.where(r < 0, r | ((1 << LO_BIT) - 1), r)\n", "    k = r  # MUTANT\n")],
+        ["tests/test_sampler_support.py::test_threshold_kernels_match_the_rule"],
+    ),
+    Mutant(
+        "sampler-list-ties-dropped-triton", "58 ties with the threshold left out of the support list",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("        keep = live & (v >= tau)\n        if HAS_TOPP:", "        keep = live & (v > tau)  # MUTANT\n        if HAS_TOPP:")],
+        ["tests/test_sampler_support.py::test_threshold_kernels_match_the_rule"],
+    ),
+    Mutant(
+        "sampler-listed-segment-offset-triton", "59 the listed backward's columns without the segment's offset",
+        "torch_fused/kernels/logprobs.py", TRITON,
+        [("        j = tl.load(p_list + 1 + i, mask=i < n, other=-1) - c0\n",
+          "        j = tl.load(p_list + 1 + i, mask=i < n, other=-1)  # MUTANT\n")],
+        ["tests/test_sampler_support.py::test_listed_and_streamed_backward_agree"],
+    ),
+    Mutant(
+        "sampler-outside-id-gradient-ref", "60 an id outside the support given its log-prob gradient",
+        "torch_fused/reference.py", CPU,
+        [("            g2 = torch.where(inb & (x_ids < tau2), torch.zeros_like(g2), g2)\n",
+          "            pass  # MUTANT\n")],
+        ["tests/test_sampler_support.py::test_listed_and_streamed_backward_agree"],
+    ),
 ]
 
 

@@ -429,7 +429,8 @@ BAND_Z = 3.0
 
 class Config(NamedTuple):
     block: int  # elements per block of the filter and band passes (16 bytes a thread at 8 warps)
-    cap: int  # a program's working list: the filter's candidates, the top-p sample and band
+    cap: int  # a program's working list of the filter's candidates
+    cap_p: int  # a program's working list of top-p's sample, then its band
     ept: int  # elements per thread vector in the top-p statistics pass ([block // ept, ept] tiles)
     warps: int
     exact_block: int  # the exact kernel's block ([block, 16] digit counts)
@@ -441,9 +442,9 @@ def config(elem_size: int, v: int, small: bool) -> Config:
     setting): tiles that take every path of the kernels at small V (several blocks, list
     shrinks and overflows, several rows per program)."""
     if small:
-        return Config(block=16, cap=64, ept=16 // elem_size, warps=1, exact_block=16, programs=3)
+        return Config(block=16, cap=64, cap_p=64, ept=16 // elem_size, warps=1, exact_block=16, programs=3)
     block = 4096 // elem_size
-    return Config(block=block, cap=4096, ept=16 // elem_size, warps=8, exact_block=256, programs=0)
+    return Config(block=block, cap=4096, cap_p=8192, ept=16 // elem_size, warps=8, exact_block=256, programs=0)
 
 
 def compile_cases():
@@ -459,7 +460,7 @@ def compile_cases():
     topp = dict(common, top_p="fp32", stride_s="i32", n_samples="i32", z_band="fp32", w_max="i32")
     for tptr in (False, True):
         yield (f"sampler_top_p t_ptr={tptr}", _sampler_top_p_kernel, topp,
-               {"EXACT_SHIFT": tptr, "T_FROM_PTR": tptr, "LO_BIT": 16, "CAP": 4096, "SUP_CAP": 512,
+               {"EXACT_SHIFT": tptr, "T_FROM_PTR": tptr, "LO_BIT": 16, "CAP": 8192, "SUP_CAP": 512,
                 "BLOCK_V": 2048, "EPT": 8, "BLOCK": 2048}, 8)
     exact = {k: v for k, v in common.items() if k not in ("p_val", "p_pos", "n_rows")}
     exact.update(min_p_arg="fp32", top_k="i32", top_p="fp32")
