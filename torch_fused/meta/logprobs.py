@@ -10,7 +10,8 @@ Adding a keyword to the log-prob ops:
 1. a field of ``LogprobOptions`` with its default: ``_public(default)`` when users pass it (the
    public ops and their schemas then take it as a keyword-only argument), ``core=False`` when the
    public ops apply it around the core ops rather than the kernels (as the sampler's top_k,
-   top_p, min_p: reference.sampler_support);
+   top_p, min_p: fused::_sampler_threshold turns them into one threshold per row, which the
+   core ops take as a tensor; reference.sampler_threshold);
 2. its check in ``check_options`` (here);
 3. its effect: in the reference (reference.py) and in the kernels' host code or the kernels
    (ops/logprobs.py, kernels/logprobs.py), both reading ``opts.<field>``; or, for a field the
@@ -56,8 +57,9 @@ class LogprobOptions:
     ignore_index: positions holding it give 0 and no gradient;
     compute_entropy: whether the core also makes the entropy (set by the public op, not a keyword);
     shift: the logits are [..., L+1, V] and position t scores index t (the last one dropped);
-    top_k, top_p, min_p: the sampler's support (sampler_support in reference.py), applied by the
-    public ops around the core ops: None (or top_p 1, min_p 0) leaves the whole vocabulary."""
+    top_k, top_p, min_p: the sampler's support (sampler_threshold in reference.py), applied by the
+    public ops around the core ops (which take the rows' thresholds and support lists as tensors
+    after these fields): None (or top_p 1, min_p 0) leaves the whole vocabulary."""
     temperature: float = 1.0
     ignore_index: int = -100
     compute_entropy: bool = True
