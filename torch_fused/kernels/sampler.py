@@ -69,20 +69,6 @@ def _key_value(r, LO_BIT: tl.constexpr):
 
 
 @triton.jit
-def _select(key, w, target, LO_BIT: tl.constexpr):
-    """The largest multiple r of 2^LO_BIT with sum(w where key >= r) >= target, by bisection over
-    the bits 31 .. LO_BIT (KEY_MIN where even the whole sum falls short). Entries with w = 0
-    (padding) never count."""
-    r = tl.full((), -2147483648, tl.int64)
-    one = tl.full((), 1, tl.int64)
-    for i in range(0, 32 - LO_BIT):
-        cand = r + (one << (31 - i))
-        got = tl.sum(tl.where(key >= cand, w, 0), 0)
-        r = tl.where(got >= target, cand, r)
-    return r.to(tl.int32)
-
-
-@triton.jit
 def _temperature(t_arg, p_temp, T_FROM_PTR: tl.constexpr):
     """T in fp32: the launch's float, or (T_FROM_PTR) a device scalar clamped as the log-prob
     kernels clamp it (a T <= 0, inf or NaN gives NaN)."""
@@ -109,39 +95,81 @@ def _min_p_shift(t, min_p_arg, T_FROM_PTR: tl.constexpr):
 
 
 @triton.jit
-def _finish_row(p_tau, p_sup_row, row, tau, keep, pos, SUP_CAP: tl.constexpr):
-    """Stores the row's tau and its support list (the positions where ``keep``, in order) when
-    they fit, else count -1."""
-    ki = keep.to(tl.int32)
-    n = tl.sum(ki, 0)
-    off = tl.cumsum(ki, 0) - ki
-    fits = n <= SUP_CAP
-    tl.store(p_sup_row + 1 + off, pos, mask=tl.where(fits, keep, False))
-    tl.store(p_sup_row, tl.where(fits, n, NOT_LISTED))
+def _list_sum(p_val, n, floor, m, c, EXACT_SHIFT: tl.constexpr, CHUNK: tl.constexpr):
+    """sum of 2^((x - m) c) over the list's n values x >= floor."""
+    o = tl.arange(0, CHUNK)
+    acc = tl.zeros([CHUNK], dtype=tl.float32)
+    for i0 in range(0, n, CHUNK):
+        v = tl.load(p_val + i0 + o, mask=i0 + o < n, other=float("-inf"))
+        acc += tl.where(v >= floor, tl.exp2(_shifted(v, m, c, EXACT_SHIFT)), 0.0)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _list_max(p_val, n, CHUNK: tl.constexpr):
+    o = tl.arange(0, CHUNK)
+    acc = tl.full([CHUNK], float("-inf"), tl.float32)
+    for i0 in range(0, n, CHUNK):
+        acc = tl.maximum(acc, tl.load(p_val + i0 + o, mask=i0 + o < n, other=float("-inf")))
+    return tl.max(acc, 0)
+
+
+@triton.jit
+def _list_count_ge(p_val, n, r, CHUNK: tl.constexpr):
+    """How many of the list's n values have a key >= r."""
+    o = tl.arange(0, CHUNK)
+    acc = tl.zeros([CHUNK], dtype=tl.int32)
+    for i0 in range(0, n, CHUNK):
+        v = tl.load(p_val + i0 + o, mask=i0 + o < n, other=float("-inf"))
+        acc += ((i0 + o < n) & (_key(v) >= r)).to(tl.int32)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _finish_list(p_tau, p_sup_row, row, tau, p_val, p_pos, n, SUP_CAP: tl.constexpr, CHUNK: tl.constexpr):
+    """Stores the row's tau and its support list: the positions of the list's values >= tau (the
+    list holds every element >= tau, in order), with their count when it is at most SUP_CAP,
+    else count -1."""
+    o = tl.arange(0, CHUNK)
+    total = tl.full((), 0, tl.int32)
+    for i0 in range(0, n, CHUNK):
+        live = i0 + o < n
+        v = tl.load(p_val + i0 + o, mask=live, other=float("-inf"))
+        pos = tl.load(p_pos + i0 + o, mask=live, other=0)
+        keep = live & (v >= tau)
+        ki = keep.to(tl.int32)
+        off = total + tl.cumsum(ki, 0) - ki
+        tl.store(p_sup_row + 1 + off, pos, mask=keep & (off < SUP_CAP))
+        total += tl.sum(ki, 0)
+    tl.store(p_sup_row, tl.where(total <= SUP_CAP, total, NOT_LISTED))
     tl.store(p_tau + row, tau)
 
 
 @triton.jit
-def _shrink(p_val, p_pos, cnt, L, top_k, HAS_TOPK: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr):
+def _shrink(p_val, p_pos, cnt, L, top_k, HAS_TOPK: tl.constexpr, LO_BIT: tl.constexpr, CHUNK: tl.constexpr):
     """Raises L to the list's k-th largest (top-k, once the list holds k) and compacts the list
-    to its elements >= L. Returns (count, L)."""
-    i = tl.arange(0, CAP)
+    in place to its elements >= L, a chunk at a time (a chunk's stores land at or before its own
+    place, after every thread has read it). Returns (count, L)."""
     tl.debug_barrier()  # the appends of every thread before these loads
-    live = i < cnt
-    v = tl.load(p_val + i, mask=live, other=float("-inf"))
-    pos = tl.load(p_pos + i, mask=live, other=0)
     if HAS_TOPK:
         if cnt >= top_k:
-            r = _select(tl.where(live, _key(v), KEY_MIN), live.to(tl.int32), top_k, LO_BIT)
+            r = _digit_select(p_val, cnt, top_k, float("-inf"), 0.0, 1.0, False, True, LO_BIT, CHUNK)
             L = tl.maximum(L, _key_value(r, LO_BIT))
-    keep = live & (v >= L)
-    ki = keep.to(tl.int32)
-    off = tl.cumsum(ki, 0) - ki
-    tl.debug_barrier()  # every thread's loads before any store over them
-    tl.store(p_val + off, v, mask=keep)
-    tl.store(p_pos + off, pos, mask=keep)
-    tl.debug_barrier()
-    return tl.sum(ki, 0), L
+    o = tl.arange(0, CHUNK)
+    total = tl.full((), 0, tl.int32)
+    for i0 in range(0, cnt, CHUNK):
+        live = i0 + o < cnt
+        v = tl.load(p_val + i0 + o, mask=live, other=float("-inf"))
+        pos = tl.load(p_pos + i0 + o, mask=live, other=0)
+        keep = live & (v >= L)
+        ki = keep.to(tl.int32)
+        off = total + tl.cumsum(ki, 0) - ki
+        tl.debug_barrier()  # every thread's loads of this chunk before any store over it
+        tl.store(p_val + off, v, mask=keep)
+        tl.store(p_pos + off, pos, mask=keep)
+        tl.debug_barrier()
+        total += tl.sum(ki, 0)
+    return total, L
 
 
 @triton.jit
@@ -152,7 +180,8 @@ def _sampler_filter_kernel(
     min_p_arg,  # T ln(min_p) for a float T, ln(min_p) with T_FROM_PTR
     top_k, top_p,
     HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, T_FROM_PTR: tl.constexpr,
-    LO_BIT: tl.constexpr, CAP: tl.constexpr, SUP_CAP: tl.constexpr, BLOCK: tl.constexpr,
+    EXACT_SHIFT: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr, SUP_CAP: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """min-p and/or top-k (then top-p over their support) by a running filter: one pass over
     each row; a persistent grid, each program with its own working list (p_val, p_pos: CAP
@@ -165,8 +194,8 @@ def _sampler_filter_kernel(
     delta = 0.0
     if HAS_MINP:
         delta = _min_p_shift(t, min_p_arg, T_FROM_PTR)
+    c = LOG2E_C / t
     o_b = tl.arange(0, BLOCK)
-    o_c = tl.arange(0, CAP)
     for row in range(pid, n_rows, nprog):
         row64 = row + tl.zeros((), tl.int64)  # (a Python int in the interpreter)
         p_row = _row_base(p_x, row64, inner_size, stride_outer, stride_inner)
@@ -185,7 +214,7 @@ def _sampler_filter_kernel(
                 bm = tl.max(b_x, 0)
             if ok & (n > 0):
                 if cnt + n > CAP:
-                    cnt, L = _shrink(p_val, p_pos, cnt, L, top_k, HAS_TOPK, LO_BIT, CAP)
+                    cnt, L = _shrink(p_val, p_pos, cnt, L, top_k, HAS_TOPK, LO_BIT, CHUNK)
                     cand = inb & (b_x >= L)
                     n = tl.sum(cand.to(tl.int32), 0)
                     ok = cnt + n <= CAP
@@ -201,26 +230,20 @@ def _sampler_filter_kernel(
             b_x = b_nx
         tl.debug_barrier()  # the list's last appends before its loads
         p_sup_row = p_sup + row64 * (SUP_CAP + 1)
-        live = o_c < tl.where(ok, cnt, 0)  # (a scalar bool & a block: the interpreter mistypes it)
-        v = tl.load(p_val + o_c, mask=live, other=float("-inf"))
-        pos = tl.load(p_pos + o_c, mask=live, other=0)
         tau = tl.full((), float("-inf"), tl.float32)
         if HAS_MINP:
             tau = M + delta  # exact whether or not the list held
-        if HAS_TOPK:
-            r = _select(tl.where(live, _key(v), KEY_MIN), live.to(tl.int32), top_k, LO_BIT)
-            tau = tl.maximum(tau, _key_value(r, LO_BIT))
-        keep = live & (v >= tau)
-        if HAS_TOPP:
-            # the probabilities over what min-p and top-k kept (the list's max is the row's)
-            m_l = tl.max(tl.where(keep, v, float("-inf")), 0)
-            e = tl.where(keep, tl.exp2((v - m_l) * (LOG2E_C / t)), 0.0)
-            s = tl.sum(e, 0)
-            r3 = _select(tl.where(keep, _key(v), KEY_MIN), e, top_p * s, LO_BIT)
-            tau = tl.where(s > 0.0, tl.maximum(tau, _key_value(r3, LO_BIT)), tau)
-            keep = live & (v >= tau)
         if ok:
-            _finish_row(p_tau, p_sup_row, row64, tau, keep, pos, SUP_CAP)
+            if HAS_TOPK:
+                r = _digit_select(p_val, cnt, top_k, float("-inf"), 0.0, 1.0, False, True, LO_BIT, CHUNK)
+                tau = tl.maximum(tau, _key_value(r, LO_BIT))
+            if HAS_TOPP:
+                # the probabilities over what min-p and top-k kept (the list's max is the row's)
+                m_l = _list_max(p_val, cnt, CHUNK)
+                s = _list_sum(p_val, cnt, tau, m_l, c, EXACT_SHIFT, CHUNK)
+                r3 = _digit_select(p_val, cnt, top_p * s, tau, m_l, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+                tau = tl.where(s > 0.0, tl.maximum(tau, _key_value(r3, LO_BIT)), tau)
+            _finish_list(p_tau, p_sup_row, row64, tau, p_val, p_pos, cnt, SUP_CAP, CHUNK)
         else:
             if HAS_TOPK or HAS_TOPP:
                 tl.store(p_sup_row, NEEDS_EXACT)
@@ -239,7 +262,7 @@ def _sampler_top_p_kernel(
     z_band,  # the band's half width in standard errors of the cut's rank in the sample
     w_max,  # the band's half width in samples at most (the working list's capacity)
     EXACT_SHIFT: tl.constexpr, T_FROM_PTR: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr,
-    SUP_CAP: tl.constexpr, BLOCK_V: tl.constexpr, EPT: tl.constexpr, BLOCK: tl.constexpr,
+    SUP_CAP: tl.constexpr, BLOCK_V: tl.constexpr, EPT: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """top-p alone: two passes over each row (statistics with a sample; the band around the
     sample's estimate of the cut). A persistent grid as _sampler_filter_kernel; the sample and
@@ -255,7 +278,6 @@ def _sampler_top_p_kernel(
     o_v = o_r[:, None] * EPT + tl.arange(0, EPT)[None, :]
     first = tl.arange(0, EPT)[None, :] == 0
     o_b = tl.arange(0, BLOCK)
-    o_c = tl.arange(0, CAP)
     for row in range(pid, n_rows, nprog):
         row64 = row + tl.zeros((), tl.int64)  # (a Python int in the interpreter)
         p_row = _row_base(p_x, row64, inner_size, stride_outer, stride_inner)
@@ -273,20 +295,18 @@ def _sampler_top_p_kernel(
             tl.store(p_val + q // stride_s, head, mask=(q % stride_s == 0) & (q < V))
         m, s, _ = _forward_combine(m_r, s_r, s_r, c, False, EXACT_SHIFT)
         tl.debug_barrier()
-        live = o_c < n_samples
-        v = tl.load(p_val + o_c, mask=live, other=float("-inf"))
-        key = tl.where(live, _key(v), KEY_MIN)
-        e = tl.where(live, tl.exp2(_shifted(v, m, c, EXACT_SHIFT)), 0.0)
-        w_tot = tl.sum(e, 0)
+        w_tot = _list_sum(p_val, n_samples, float("-inf"), m, c, EXACT_SHIFT, CHUNK)
         # the sample's cut and its rank there; the band: w samples either side, where w is z_band
         # standard errors of that rank (a Poisson count), within the list's capacity
-        r_hat = _select(key, e, top_p * w_tot, LO_BIT)
-        rank = tl.sum((live & (key >= r_hat)).to(tl.int32), 0)
+        r_hat = _digit_select(p_val, n_samples, top_p * w_tot, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+        rank = _list_count_ge(p_val, n_samples, r_hat, CHUNK)
         w = tl.minimum(tl.ceil(z_band * tl.sqrt(rank.to(tl.float32))).to(tl.int32) + 2, w_max)
         has_hi = rank - w >= 1
-        hi = _select(key, live.to(tl.int32), tl.maximum(rank - w, 1), LO_BIT)
-        lo = _select(key, live.to(tl.int32), tl.minimum(rank + w, n_samples), LO_BIT)
+        hi = _digit_select(p_val, n_samples, tl.maximum(rank - w, 1), float("-inf"), m, c, False, EXACT_SHIFT, LO_BIT,
+                           CHUNK)
         has_lo = rank + w <= n_samples
+        lo = _digit_select(p_val, n_samples, tl.minimum(rank + w, n_samples), float("-inf"), m, c, False,
+                           EXACT_SHIFT, LO_BIT, CHUNK)
         tl.debug_barrier()  # the sample's loads before the band list overwrites it
         # pass 2: the mass above the band (key >= hi), the band [lo, hi) listed
         a_acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -313,18 +333,13 @@ def _sampler_top_p_kernel(
         target = top_p * s
         found = (cnt <= CAP) & (a < target) & (a + tl.sum(b_acc, 0) >= target) & (s > 0.0)
         if found:
-            lv = o_c < cnt
-            bv = tl.load(p_val + o_c, mask=lv, other=float("-inf"))
-            bpos = tl.load(p_pos + o_c, mask=lv, other=0)
-            be = tl.where(lv, tl.exp2(_shifted(bv, m, c, EXACT_SHIFT)), 0.0)
-            r3 = _select(tl.where(lv, _key(bv), KEY_MIN), be, target - a, LO_BIT)
+            r3 = _digit_select(p_val, cnt, target - a, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
             tau = _key_value(r3, LO_BIT)
-            keep = lv & (bv >= tau)
             if has_hi:  # the ids above the band are kept too and were not listed
                 tl.store(p_sup_row, NOT_LISTED)
                 tl.store(p_tau + row64, tau)
             else:
-                _finish_row(p_tau, p_sup_row, row64, tau, keep, bpos, SUP_CAP)
+                _finish_list(p_tau, p_sup_row, row64, tau, p_val, p_pos, cnt, SUP_CAP, CHUNK)
         else:
             tl.store(p_sup_row, NEEDS_EXACT)
         tl.debug_barrier()
@@ -344,8 +359,9 @@ def _row_max(p_row, V, BLOCK: tl.constexpr):
 def _digit_select(p_row, V, target, floor, m, c, MASS: tl.constexpr, EXACT_SHIFT: tl.constexpr,
                   LO_BIT: tl.constexpr, BLOCK: tl.constexpr):
     """The largest multiple r of 2^(LO_BIT rounded down to 4) with W(r) >= target, where W(r) sums
-    over the elements x >= floor with key >= r their weight: 1, or (MASS) 2^((x - m) c). Four
-    bits a pass over the row, from the top."""
+    over the V values x >= floor at p_row (a row of logits, or a program's working list) with
+    key >= r their weight: 1, or (MASS) 2^((x - m) c). Four bits a pass, from the top: a pass
+    counts the 16 candidate digits at once (KEY_MIN where even the whole sum falls short)."""
     NPASS: tl.constexpr = (32 - LO_BIT + 3) // 4
     o_b = tl.arange(0, BLOCK)
     d = tl.arange(0, 16).to(tl.int64)
@@ -434,6 +450,7 @@ class Config(NamedTuple):
     ept: int  # elements per thread vector in the top-p statistics pass ([block // ept, ept] tiles)
     warps: int
     exact_block: int  # the exact kernel's block ([block, 16] digit counts)
+    chunk: int  # the working lists' chunk (their digit counts, sums and compactions)
     programs: int  # the persistent grid's size (0: PROGRAMS_PER_SM per multiprocessor)
 
 
@@ -442,9 +459,10 @@ def config(elem_size: int, v: int, small: bool) -> Config:
     setting): tiles that take every path of the kernels at small V (several blocks, list
     shrinks and overflows, several rows per program)."""
     if small:
-        return Config(block=16, cap=64, cap_p=64, ept=16 // elem_size, warps=1, exact_block=16, programs=3)
+        return Config(block=16, cap=64, cap_p=64, ept=16 // elem_size, warps=1, exact_block=16, chunk=16, programs=3)
     block = 4096 // elem_size
-    return Config(block=block, cap=4096, cap_p=8192, ept=16 // elem_size, warps=8, exact_block=256, programs=0)
+    return Config(block=block, cap=4096, cap_p=8192, ept=16 // elem_size, warps=8, exact_block=256, chunk=512,
+                  programs=0)
 
 
 def compile_cases():
@@ -455,13 +473,13 @@ def compile_cases():
     filt = dict(common, min_p_arg="fp32", top_k="i32", top_p="fp32")
     for mp, tk, tp, tptr in [(True, False, False, False), (False, True, False, False), (True, True, True, True)]:
         yield (f"sampler_filter minp={mp} topk={tk} topp={tp} t_ptr={tptr}", _sampler_filter_kernel, filt,
-               {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "LO_BIT": 16, "CAP": 4096,
-                "SUP_CAP": 512, "BLOCK": 2048}, 8)
+               {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr, "LO_BIT": 16,
+                "CAP": 4096, "SUP_CAP": 512, "BLOCK": 2048, "CHUNK": 512}, 8)
     topp = dict(common, top_p="fp32", stride_s="i32", n_samples="i32", z_band="fp32", w_max="i32")
     for tptr in (False, True):
         yield (f"sampler_top_p t_ptr={tptr}", _sampler_top_p_kernel, topp,
                {"EXACT_SHIFT": tptr, "T_FROM_PTR": tptr, "LO_BIT": 16, "CAP": 8192, "SUP_CAP": 512,
-                "BLOCK_V": 2048, "EPT": 8, "BLOCK": 2048}, 8)
+                "BLOCK_V": 2048, "EPT": 8, "BLOCK": 2048, "CHUNK": 512}, 8)
     exact = {k: v for k, v in common.items() if k not in ("p_val", "p_pos", "n_rows")}
     exact.update(min_p_arg="fp32", top_k="i32", top_p="fp32")
     for every, fp32 in [(True, False), (False, True)]:

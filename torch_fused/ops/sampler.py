@@ -88,8 +88,9 @@ def threshold_launches(logits, temperature_t, temperature, shift, top_k, top_p, 
         if has_minp or has_topk:
             K._sampler_filter_kernel[(nprog,)](
                 x, tau, support, val, pos, temperature_t, rows, v, inner, s_outer, s_inner, t, min_p_arg, k_arg,
-                p_arg, HAS_MINP=has_minp, HAS_TOPK=has_topk, HAS_TOPP=has_topp, T_FROM_PTR=t_ptr, LO_BIT=lo_bit,
-                CAP=cfg.cap, SUP_CAP=meta.SUPPORT_CAP, BLOCK=cfg.block, num_warps=cfg.warps)
+                p_arg, HAS_MINP=has_minp, HAS_TOPK=has_topk, HAS_TOPP=has_topp, T_FROM_PTR=t_ptr, EXACT_SHIFT=exact,
+                LO_BIT=lo_bit, CAP=cap, SUP_CAP=meta.SUPPORT_CAP, BLOCK=cfg.block, CHUNK=cfg.chunk,
+                num_warps=cfg.warps)
         else:
             # every stride_s-th element sampled (a multiple of the tile rows' width), at most cap of them
             stride_s = max(cfg.ept, K.triton.next_power_of_2(K.triton.cdiv(v, cap)))
@@ -97,7 +98,7 @@ def threshold_launches(logits, temperature_t, temperature, shift, top_k, top_p, 
                 x, tau, support, val, pos, temperature_t, rows, v, inner, s_outer, s_inner, t, p_arg, stride_s,
                 K.triton.cdiv(v, stride_s), K.BAND_Z, max(1, cap // (2 * stride_s) - 1), EXACT_SHIFT=exact,
                 T_FROM_PTR=t_ptr, LO_BIT=lo_bit, CAP=cap, SUP_CAP=meta.SUPPORT_CAP, BLOCK_V=cfg.block,
-                EPT=cfg.ept, BLOCK=cfg.block, num_warps=cfg.warps)
+                EPT=cfg.ept, BLOCK=cfg.block, CHUNK=cfg.chunk, num_warps=cfg.warps)
 
     def exact_rows():
         K._sampler_exact_kernel[(rows,)](
