@@ -730,7 +730,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "sampler-list-ties-dropped-triton", "58 ties with the threshold left out of the support list",
         "torch_fused/kernels/sampler.py", TRITON,
-        [("        keep = live & (v >= tau)\n        if HAS_TOPP:", "        keep = live & (v > tau)  # MUTANT\n        if HAS_TOPP:")],
+        [("        keep = live & (v >= tau)\n", "        keep = live & (v > tau)  # MUTANT\n")],
         ["tests/test_sampler_support.py::test_threshold_kernels_match_the_rule"],
     ),
     Mutant(
