@@ -386,7 +386,8 @@ def test_threshold_kernels_at_vocabulary_size(v, dtype):
         assert int((sup[4:, 0] == -2).sum()) <= 2, (kw, sup[:, 0])
         finish()
         clear = _check_thresholds(x, t, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"), tau, sup)
-        assert int(clear.sum()) >= 60, kw
+        # a flat row's top-p cut lies within 1e-5 of top_p for about one row in ten at V 151936
+        assert int(clear.sum()) >= 40, kw
 
 
 @pytest.mark.cuda
@@ -407,6 +408,14 @@ def test_restricted_ops_keep_no_logits_sized_buffer(kw):
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
 
+    from torch_fused._library import n_sm
+    from torch_fused.kernels import sampler as KS
+    from torch_fused.meta.logprobs import SUPPORT_CAP
+
     peak(**kw)
     extra = peak(**kw) - peak()
-    assert extra <= 256 * 24 * 1024 + (8 << 20), extra  # rows * (support list + thresholds) + scratch
+    # per row its threshold and support list, and the kernels' working lists: a fixed number of
+    # programs (at most one per row) with cap_p entries of 8 bytes each; a masked copy would be 78 MB
+    cfg = KS.config(2, 151936, False)
+    scratch = min(256, n_sm(x.device) * KS.PROGRAMS_PER_SM) * cfg.cap_p * 8
+    assert extra <= 256 * (SUPPORT_CAP + 2) * 4 + scratch + (4 << 20), extra
