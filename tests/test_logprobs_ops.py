@@ -259,11 +259,15 @@ class TestSchemas(expecttest.TestCase):
         )
         self.assertExpectedInline(
             str(OPS._logprobs_entropy_forward.default._schema),
-            """fused::_logprobs_entropy_forward(Tensor logits, Tensor? index, Tensor? temperature_t, float temperature, SymInt ignore_index, bool compute_entropy, bool shift) -> (Tensor, Tensor, Tensor)""",
+            """fused::_logprobs_entropy_forward(Tensor logits, Tensor? index, Tensor? temperature_t, float temperature, SymInt ignore_index, bool compute_entropy, bool shift, Tensor? threshold=None, Tensor? support=None) -> (Tensor, Tensor, Tensor)""",
         )
         self.assertExpectedInline(
             str(OPS._logprobs_entropy_backward.default._schema),
-            """fused::_logprobs_entropy_backward(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor? index, Tensor stats, Tensor entropy, Tensor? temperature_t, float temperature, SymInt ignore_index, bool compute_entropy, bool shift, *, bool temperature_grad=True) -> (Tensor, Tensor)""",
+            """fused::_logprobs_entropy_backward(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor? index, Tensor stats, Tensor entropy, Tensor? temperature_t, float temperature, SymInt ignore_index, bool compute_entropy, bool shift, Tensor? threshold=None, Tensor? support=None, *, bool temperature_grad=True) -> (Tensor, Tensor)""",
+        )
+        self.assertExpectedInline(
+            str(OPS._sampler_threshold.default._schema),
+            """fused::_sampler_threshold(Tensor logits, Tensor? temperature_t, float temperature, bool shift, int? top_k, float? top_p, float? min_p) -> (Tensor, Tensor)""",
         )
 
 

@@ -200,3 +200,222 @@ def test_an_id_outside_the_support_gets_no_gradient(device):
     p = torch.softmax(torch.tensor([4.0, 3.0], dtype=torch.float64), -1)
     want = torch.tensor([1 - p[0], -p[1], 0, 0, 0], dtype=torch.float64)
     torch.testing.assert_close(dx[0].double().cpu(), want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The thresholds' kernels (kernels/sampler.py) against the rule (reference.sampler_threshold):
+# in the interpreter run at small V with the small tiles (several blocks, list shrinks and
+# overflows, several rows per program), and on CUDA at the benchmark's vocabularies.
+# ---------------------------------------------------------------------------------------------
+KERNEL_PATH = pytest.mark.skipif(not INTERPRET, reason="the thresholds' kernels: the interpreter run and CUDA")
+
+
+def _rows_with_hard_cases(rows, v, dtype, device, seed):
+    """rows x v logits (randn * 3) whose first four rows are the hard cases: all equal, half -inf,
+    the top value tied across a third of the row, the 5th largest tied across a quarter of it;
+    the fifth row is an ordinary one shifted below zero (negative thresholds)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, v, generator=g, dtype=torch.float64) * 3
+    x[0] = 1.25
+    x[1, ::2] = NINF
+    x[2, : v // 3] = x[2].max() + 1
+    x[3, 1::4] = torch.sort(x[3], descending=True).values[4]
+    x[4] -= 30
+    return x.to(dtype).to(device)
+
+
+def _cut_margin(x, temperature, top_k, top_p, min_p):
+    """Per row, the float64 distance of the top-p cut's cumulative mass from top_p (inf without
+    top-p): a row closer than fp32 rounding can tell may be cut one id apart by the kernels' sums
+    and the rule's cumsum."""
+    z = x.double() / temperature
+    keep = _vllm_support(x, temperature, top_k, None, min_p)
+    if top_p is None or top_p >= 1:
+        return torch.full(z.shape[:-1], float("inf"), dtype=torch.float64)
+    p = torch.softmax(torch.where(keep, z, NINF), -1)
+    srt = p.sort(-1, descending=True).values
+    before = srt.cumsum(-1) - srt
+    return (before - top_p).abs().amin(-1)
+
+
+def _check_thresholds(x, temperature, top_k, top_p, min_p, tau, support, margin=1e-5):
+    """tau equals the rule's on every row but those whose top-p cut is within ``margin`` of
+    top_p; the listed rows list exactly the ids >= tau, in order."""
+    from torch_fused.meta.logprobs import LogprobOptions
+
+    t_t = temperature if isinstance(temperature, torch.Tensor) else None
+    opts = LogprobOptions(temperature=1.0 if t_t is not None else temperature, top_k=top_k, top_p=top_p,
+                          min_p=min_p)
+    want = torch_fused.reference.sampler_threshold(x.cpu(), None if t_t is None else t_t.cpu(), opts)
+    tv = float(temperature)
+    clear = _cut_margin(x.cpu().float(), tv, top_k, top_p, min_p) > margin
+    got = tau.cpu()
+    assert torch.equal(got[clear], want[clear]), (torch.nonzero(got != want), got[got != want], want[got != want])
+    xf = x.cpu().float()
+    for r in range(x.shape[0]):
+        n = int(support[r, 0])
+        if n >= 0:
+            kept = torch.nonzero(xf[r] >= got[r])[:, 0]
+            assert n == len(kept) and torch.equal(support[r, 1:1 + n].cpu().long(), kept), r
+    return clear
+
+
+def _threshold_cases():
+    cases = [(torch.bfloat16, 1.0, dict(min_p=0.05)), (torch.bfloat16, 1.0, dict(top_k=5)),
+             (torch.bfloat16, 0.7, dict(top_p=0.8)), (torch.float32, "tensor", dict(top_k=3, top_p=0.9, min_p=0.02))]
+    return [pytest.param(d, t, kw, id=f"{str(d)[6:]}-T{t}-{'-'.join(f'{k}{v}' for k, v in kw.items())}")
+            for d, t, kw in cases]
+
+
+@KERNEL_PATH
+@pytest.mark.parametrize("dtype,temperature,kw", _threshold_cases())
+def test_threshold_kernels_match_the_rule(dtype, temperature, kw):
+    """The fast route (finish=False: what it settles alone) and the whole op give the rule's
+    thresholds, the fast route settles the ordinary rows itself (the hard rows may fall to the
+    exact kernel), and the support lists list exactly the kept ids."""
+    from torch_fused.ops.sampler import threshold_launches
+
+    x = _rows_with_hard_cases(6, 40, dtype, "cpu", seed=7)
+    t = torch.tensor(0.7) if temperature == "tensor" else temperature
+    args = (x, t if isinstance(t, torch.Tensor) else None, 1.0 if isinstance(t, torch.Tensor) else t, False,
+            kw.get("top_k"), kw.get("top_p"), kw.get("min_p"))
+    tau, sup, finish = threshold_launches(*args, finish=False)
+    settled = sup[:, 0] != -2
+    assert bool(settled[4:].all()), sup[:, 0]  # the ordinary rows
+    fast_tau, fast_sup = tau.clone(), sup.clone()
+    finish()  # the exact kernel over the rows left
+    assert torch.equal(tau[settled], fast_tau[settled]) and torch.equal(sup[settled], fast_sup[settled])
+    _check_thresholds(x, t, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"), tau, sup)
+
+
+@KERNEL_PATH
+def test_exact_threshold_kernel_alone_matches_the_rule(settings_override):
+    """The exact kernel on every row (the sampler_exact setting): min-p, top-k and top-p at once,
+    fp16 logits (keys on a grid of 2^13)."""
+    x = _rows_with_hard_cases(5, 32, torch.float16, "cpu", seed=8)
+    settings_override(sampler_exact=True)
+    tau, sup = torch.ops.fused._sampler_threshold(x, None, 1.3, False, 4, 0.7, 0.01)
+    assert bool((sup[:, 0] == -1).all())
+    _check_thresholds(x, 1.3, 4, 0.7, 0.01, tau, sup)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_listed_and_streamed_backward_agree(device):
+    """A row written from its support list (zeros, then the listed columns) equals the same row
+    streamed over its logits with the threshold alone, bitwise; an id outside the support passes
+    no gradient either way (K ids, the entropy, a tensor temperature)."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(3, 100, generator=g) * 3).to(device).requires_grad_(True)  # 3 segments in the interpreter run
+    idx = torch.randint(0, 100, (3, 3), generator=g).to(device)
+    t = torch.tensor(0.9, device=device)
+    tau, sup = torch.ops.fused._sampler_threshold(x.detach(), t, 1.0, False, 6, None, None)
+    listed = sup.clone()
+    if device == "cpu" and not INTERPRET:  # the reference lists nothing: list the rows here
+        for r in range(3):
+            kept = torch.nonzero(x[r] >= tau[r])[:, 0]
+            listed[r, 0] = len(kept)
+            listed[r, 1:1 + len(kept)] = kept.int()
+    assert bool((listed[:, 0] >= 0).all())
+    gl = torch.randn(3, 3, generator=g).to(device)
+    ge = torch.randn(3, generator=g).to(device)
+    grads = []
+    for s in (listed, None):
+        lp, ent, _ = torch.ops.fused._logprobs_entropy_forward(x, idx, t, 1.0, -100, True, False, tau, s)
+        # the upstream gradient reaches the ids outside the support too: the core passes it on
+        # to no logit (neither the id's own nor the kept ones' through G)
+        (dx,) = torch.autograd.grad((lp, ent), x, (gl, ge), retain_graph=True)
+        grads.append(dx)
+    assert torch.equal(grads[0], grads[1])
+    outside = x.detach().gather(1, idx) < tau[:, None]
+    assert bool(outside.any()) and bool((~outside).any())
+    kept = x.detach() >= tau[:, None]
+    assert bool((grads[0][~kept] == 0).all())
+    # within the support: the gradient of the kept ids' log-probs alone
+    want = torch.autograd.grad((torch.where(outside, 0.0, lp) * gl).sum() + (ent * ge).sum(), x)[0]
+    torch.testing.assert_close(grads[0], want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (lambda x: (torch.zeros(3), None), r"threshold: expected torch.float32 of shape \(2,\) \(one per row\)"),
+    (lambda x: (torch.zeros(2), torch.zeros(2, 5, dtype=torch.int32)), r"support: expected int32 of shape \(2, 513\)"),
+    (lambda x: (None, torch.zeros(2, 513, dtype=torch.int32)), r"support: expected int32 .* without one"),
+], ids=["threshold shape", "support shape", "support alone"])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.skipif(INTERPRET, reason="the checks run before any kernel: the plain CPU run covers them")
+def test_bad_threshold_or_support_names_it(args, msg, mode):
+    x = torch.randn(2, 9)
+    tau, sup = args(x)
+
+    def f(x):
+        return torch.ops.fused._logprobs_entropy_forward(x, None, None, 1.0, -100, True, False, tau, sup)[1]
+
+    if mode == "compiled":
+        torch._dynamo.reset()
+        f = torch.compile(f, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=msg):
+        f(x)
+
+
+@pytest.mark.skipif(INTERPRET, reason="opcheck of the thresholds' op: the plain CPU run (the kernels: the tests above)")
+def test_threshold_op_opcheck():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 4, 30, generator=g)
+    for args in [(None, 1.0, True, 5, None, None), (torch.tensor(0.8), 1.0, False, None, 0.9, 0.05)]:
+        torch.library.opcheck(torch.ops.fused._sampler_threshold, (x,) + args)
+    tau, sup = torch.ops.fused._sampler_threshold(x, None, 1.0, True, 5, None, None)
+    torch.library.opcheck(torch.ops.fused._logprobs_entropy_forward,
+                          (x.requires_grad_(True), torch.randint(0, 30, (2, 3)), None, 1.0, -100, True, True, tau, sup))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: the benchmark's vocabularies, memory
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("v", [151936, 32000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_threshold_kernels_at_vocabulary_size(v, dtype):
+    """Every route at a real vocabulary: the fast routes settle nearly every ordinary row, and the
+    thresholds equal the rule's (top-p rows whose cut lies within fp32 rounding of top_p apart)."""
+    from torch_fused.ops.sampler import threshold_launches
+
+    x = _rows_with_hard_cases(64, v, dtype, "cuda", seed=11)
+    for t, kw in [(1.0, dict(min_p=0.05)), (1.0, dict(top_k=50)), (0.8, dict(top_k=256)), (1.0, dict(top_p=0.9)),
+                  (0.7, dict(top_p=0.5, min_p=0.01)), (1.0, dict(top_k=50, top_p=0.9)), (1.0, dict(top_k=3000))]:
+        args = (x, None, t, False, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"))
+        tau, sup, finish = threshold_launches(*args, finish=False)
+        assert int((sup[4:, 0] == -2).sum()) <= 2, (kw, sup[:, 0])
+        finish()
+        clear = _check_thresholds(x, t, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"), tau, sup)
+        # a flat row's top-p cut lies within 1e-5 of top_p for about one row in ten at V 151936
+        assert int(clear.sum()) >= 40, kw
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kw", [dict(top_k=50), dict(min_p=0.05), dict(top_p=0.9)], ids=str)
+def test_restricted_ops_keep_no_logits_sized_buffer(kw):
+    """The restricted forward+backward holds O(rows) more memory than the unrestricted one: no
+    masked copy of the logits, no sort."""
+    x = (torch.randn(256, 151936, device="cuda") * 3).to(torch.bfloat16).requires_grad_(True)
+    idx = torch.randint(0, 151936, (256,), device="cuda")
+
+    def peak(**k):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        lp = torch_fused.selective_log_softmax(x, idx, **k)
+        (dx,) = torch.autograd.grad(torch.where(torch.isfinite(lp), lp, 0.0).sum(), x)
+        del dx, lp
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    from torch_fused._library import n_sm
+    from torch_fused.kernels import sampler as KS
+    from torch_fused.meta.logprobs import SUPPORT_CAP
+
+    peak(**kw)
+    extra = peak(**kw) - peak()
+    # per row its threshold and support list, and the kernels' working lists: a fixed number of
+    # programs (at most one per row) with cap_p entries of 8 bytes each; a masked copy would be 78 MB
+    cfg = KS.config(2, 151936, False)
+    scratch = min(256, n_sm(x.device) * KS.PROGRAMS_PER_SM) * cfg.cap_p * 8
+    assert extra <= 256 * (SUPPORT_CAP + 2) * 4 + scratch + (4 << 20), extra

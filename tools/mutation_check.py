@@ -101,8 +101,8 @@ MUTANTS: list[Mutant] = [
              "        stats[a:b, 1] = 0\n"),
             ("g = (torch.gather(d, 1, ib.clamp(0, max(v - 1, 0))) - log2s[:, None]) * LN2",
              "g = (torch.gather(x, 1, ib.clamp(0, max(v - 1, 0))) * c - lse[:, None]) * LN2"),
-            ("lp = ((x2[a:b].double() - st[a:b, :1]) * c - st[a:b, 1:]) * ln2",
-             "lp = (x2[a:b].double() * c - st[a:b, :1] - st[a:b, 1:]) * ln2"),
+            ("lp = ((x - st[a:b, :1]) * c - st[a:b, 1:]) * ln2",
+             "lp = (x * c - st[a:b, :1] - st[a:b, 1:]) * ln2"),
         ],
         LOGPROBS_TESTS,
     ),
@@ -126,10 +126,8 @@ MUTANTS: list[Mutant] = [
     #     of the segment's (the segment's first column left out of the index offset)
     Mutant(
         "bwd-segment-offset-triton", "1b segment's index offset dropped", "torch_fused/kernels/logprobs.py", TRITON,
-        [("        _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,\n"
-          "                      v_off + c0,",
-          "        _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,\n"
-          "                      v_off,")],
+        [("                      v_seg, K, c0, v_off + c0, V_total,",
+          "                      v_seg, K, c0, v_off, V_total,")],
         LOGPROBS_TESTS,
     ),
     # 2. temperature missing from the backward: d logits = d z instead of d z / T
@@ -784,6 +782,37 @@ MUTANTS: list[Mutant] = [
         [("    m_s, s_s, t_s, _, _ = lp_ops.merge_row_stats(part[..., 0], part[..., 1], part[..., 2], cs, exact, 1)\n",
           "    m_s, s_s, t_s = part[:, 0, 0], part[:, 0, 1], part[:, 0, 2]  # MUTANT\n")],
         ["tests/test_distill.py::test_head_kernels"],
+    ),
+    # 66-69: the sampler's support (kernels/sampler.py, the core backward's support list): a
+    # negative threshold decoded without its bucket's low bits (the k-th largest of a row below
+    # zero read as another value), ties with the threshold left out of the support list, the
+    # listed backward placing a segment's columns without the segment's offset, and an id outside
+    # the support given its log-prob gradient by the reference backward
+    Mutant(
+        "sampler-negative-key-bucket-triton", "66 a negative threshold decoded without its bucket's low bits",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("    k = tl.where(r < 0, r | ((1 << LO_BIT) - 1), r)\n", "    k = r  # MUTANT\n")],
+        ["tests/test_sampler_support.py::test_threshold_kernels_match_the_rule"],
+    ),
+    Mutant(
+        "sampler-list-ties-dropped-triton", "67 ties with the threshold left out of the support list",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("        keep = live & (v >= tau)\n", "        keep = live & (v > tau)  # MUTANT\n")],
+        ["tests/test_sampler_support.py::test_threshold_kernels_match_the_rule"],
+    ),
+    Mutant(
+        "sampler-listed-segment-offset-triton", "68 the listed backward's columns without the segment's offset",
+        "torch_fused/kernels/logprobs.py", TRITON,
+        [("        j = tl.load(p_list + 1 + i, mask=i < n, other=-1) - c0\n",
+          "        j = tl.load(p_list + 1 + i, mask=i < n, other=-1)  # MUTANT\n")],
+        ["tests/test_sampler_support.py::test_listed_and_streamed_backward_agree"],
+    ),
+    Mutant(
+        "sampler-outside-id-gradient-ref", "69 an id outside the support given its log-prob gradient",
+        "torch_fused/reference.py", CPU,
+        [("            g2 = torch.where(inb & (x_ids < tau2), torch.zeros_like(g2), g2)\n",
+          "            pass  # MUTANT\n")],
+        ["tests/test_sampler_support.py::test_listed_and_streamed_backward_agree"],
     ),
     Mutant(
         "head-chunk-width-follows-n", "70 the batch-invariant head's vocabulary chunks as wide as the budget allows for N",

@@ -149,9 +149,12 @@ def selective_log_softmax(
             whole vocabulary. An id outside the support gets ``-inf`` and no gradient; gradients
             flow through the kept logits only. ``(logp == -inf)`` counts such tokens: they appear
             where the trainer's logits differ from the sampler's, and a trainer should mask them
-            out of the loss (or cap their importance ratio) rather than train on them. Costs: a
-            masked copy of the logits, plus a row top-k for ``top_k`` and a row sort for
-            ``top_p`` (the full vocabulary's ops do not pay these). Plain tensors only.
+            out of the loss (or cap their importance ratio) rather than train on them. Costs: each
+            row's threshold is found by Triton kernels (CUDA) without a sort or a copy of the
+            logits, in about one extra pass over the row for ``top_k`` and ``min_p`` and two for
+            ``top_p``; the backward writes a row whose support holds at most 512 ids without
+            reading its logits. Extra memory is O(rows) (the thresholds and those ids). On CPU
+            the plain-PyTorch rule runs (a row sort for ``top_p``). Plain tensors only.
 
     Vocab-parallel: ``logits`` may be a DTensor with placement ``Shard(-1)`` (on a 1-D mesh, or on
     ``mesh_dim`` with ``Replicate()`` on the other mesh dims; uneven splits allowed) and ``index`` a

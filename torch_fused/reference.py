@@ -84,9 +84,10 @@ def temperature_clamped(temperature_t: torch.Tensor) -> torch.Tensor:
     return (t > 0) & (t < math.inf) & ((t < T_MIN) | (t > T_MAX))
 
 
-def sampler_support(logits: torch.Tensor, index: torch.Tensor | None, temperature_t: torch.Tensor | None, opts):
-    """The sampler's support applied to the logits, as the public log-prob ops apply
-    ``top_k``, ``top_p`` and ``min_p`` (meta.logprobs.LogprobOptions) around the core ops.
+def sampler_threshold(logits: torch.Tensor, temperature_t: torch.Tensor | None, opts) -> torch.Tensor:
+    """The sampler's support as one threshold per row: tau such that the support is
+    {j : x_j >= tau}, as the public log-prob ops apply ``top_k``, ``top_p`` and ``min_p``
+    (meta.logprobs.LogprobOptions) around the core ops.
 
     The rule (vLLM's sampler, "processed logprobs"), per row of z = logits / T:
       1. min-p: keep z_j >= max z + ln(min_p), i.e. p_j >= min_p * max p;
@@ -96,46 +97,56 @@ def sampler_support(logits: torch.Tensor, index: torch.Tensor | None, temperatur
          largest is always kept); the cut is a value, so ids tied with the last kept one are
          kept too (a sort may split such a tie: ours keeps it whole);
     then renormalize over the kept ids. The thresholds are constants of the step (no gradient
-    flows through them); min-p and top-k compare z, so they use the logits themselves.
+    flows through them); min-p and top-k compare z, so they use the logits themselves:
+    tau = max(max x + T ln(min_p), k-th largest x, the top-p cut), each step only where asked
+    (top_k >= V, top_p = 1 and min_p = 0 ask nothing: tau -inf keeps every id).
 
-    Returns (masked logits, outside): the logits with every id outside the support set to -inf
-    (a new tensor, differentiable where kept) and ``outside`` (bool, index's shape; None without
-    an index): the ids whose log-prob is -inf, which the caller cuts from the gradient. With
-    ``opts.shift`` the rows are positions 0..L-1 of [..., L+1, V] (the last position is masked
-    too, and never read). Thresholds in float32 (float64 for float64 logits); the top-p step
-    sorts each row (O(V log V) work and [rows, V] temporaries)."""
+    Returns tau, shaped like the rows (``logits.shape[:-1]``; with ``opts.shift`` the positions
+    0..L-1 of [..., L+1, V]), float32 (float64 for float64 logits), computed in that dtype:
+    max x + round(T ln min_p), T as the kernels clamp it. The top-p step sorts each row (O(V log V)
+    work and temporaries of a chunk of rows: this is the readable spec and the CPU path; the
+    Triton kernels (kernels/sampler.py) find the same thresholds without sorting)."""
     ninf = float("-inf")
+    x_all = logits[..., :-1, :] if opts.shift else logits
+    lead, v = x_all.shape[:-1], x_all.shape[-1]
+    rows = math.prod(lead)
     dt = acc_dtype(logits.dtype)
+    out = torch.empty(lead, dtype=dt, device=logits.device)
+    tau_rows = out.view(rows)
+    x2 = x_all.detach().reshape(rows, v)
+    if temperature_t is not None:
+        t = temperature_t.detach().to(dt).clamp(T_MIN, T_MAX)
+    else:
+        t = kernel_temperature(opts.temperature)
     with torch.no_grad():
-        x = logits.detach().to(dt)
-        tau = torch.full(x.shape[:-1] + (1,), ninf, dtype=dt, device=x.device)
-        if opts.min_p is not None and opts.min_p > 0.0:
-            if temperature_t is not None:
-                t = temperature_t.detach().to(dt).clamp(T_MIN, T_MAX)
-            else:
-                t = kernel_temperature(opts.temperature)
-            tau = torch.maximum(tau, x.amax(-1, keepdim=True) + t * math.log(opts.min_p))
-        if opts.top_k is not None and opts.top_k < x.shape[-1]:
-            tau = torch.maximum(tau, x.topk(opts.top_k, dim=-1).values[..., -1:])
-        if opts.top_p is not None and opts.top_p < 1.0:
-            t = (temperature_t.detach().to(dt).clamp(T_MIN, T_MAX) if temperature_t is not None
-                 else kernel_temperature(opts.temperature))
-            xs = x.sort(dim=-1, descending=True).values
-            probs = torch.softmax(torch.where(xs >= tau, xs, ninf) / t, -1)
-            before = torch.cumsum(probs, -1) - probs  # the kept probability of the ids before each
-            n_kept = (before < opts.top_p).sum(-1, keepdim=True).clamp_min(1)
-            tau = torch.maximum(tau, xs.gather(-1, n_kept - 1))
-    masked = torch.where(logits.to(dt) >= tau, logits, torch.full((), ninf, dtype=logits.dtype, device=logits.device))
-    if index is None:
-        return masked, None
+        for a, b in _chunks(rows, v):
+            x = x2[a:b].to(dt)
+            tau = torch.full((b - a, 1), ninf, dtype=dt, device=x.device)
+            if opts.min_p is not None and opts.min_p > 0.0:
+                tau = torch.maximum(tau, x.amax(-1, keepdim=True) + t * math.log(opts.min_p))
+            if opts.top_k is not None and opts.top_k < v:
+                tau = torch.maximum(tau, x.topk(opts.top_k, dim=-1).values[..., -1:])
+            if opts.top_p is not None and opts.top_p < 1.0:
+                xs = x.sort(dim=-1, descending=True).values
+                probs = torch.softmax(torch.where(xs >= tau, xs, ninf) / t, -1)
+                before = torch.cumsum(probs, -1) - probs  # the kept probability of the ids before each
+                n_kept = (before < opts.top_p).sum(-1, keepdim=True).clamp_min(1)
+                tau = torch.maximum(tau, xs.gather(-1, n_kept - 1))
+            tau_rows[a:b] = tau[:, 0]
+    return out
+
+
+def sampler_outside(logits: torch.Tensor, index: torch.Tensor, tau: torch.Tensor, opts) -> torch.Tensor:
+    """Whether each id of ``index`` lies outside the support of threshold ``tau``
+    (sampler_threshold): its logit is below tau (ignore_index and ids outside [0, V) are not).
+    Shaped like index; a gather of the ids' logits, O(index) work."""
     rows = logits[..., :-1, :] if opts.shift else logits
-    tau_rows = tau[..., :-1, :] if opts.shift else tau
     idx2 = index if index.dim() == rows.dim() else index[..., None]
     safe = idx2.clamp(0, rows.shape[-1] - 1)
     with torch.no_grad():
-        chosen = rows.detach().to(dt).gather(-1, safe)
-        outside = (chosen < tau_rows) & (idx2 != opts.ignore_index) & (idx2 >= 0) & (idx2 < rows.shape[-1])
-    return masked, (outside if index.dim() == rows.dim() else outside[..., 0])
+        chosen = rows.detach().gather(-1, safe).to(tau.dtype)
+        outside = (chosen < tau[..., None]) & (idx2 != opts.ignore_index) & (idx2 >= 0) & (idx2 < rows.shape[-1])
+    return outside if index.dim() == rows.dim() else outside[..., 0]
 
 
 def logprobs_entropy_forward(
@@ -143,11 +154,14 @@ def logprobs_entropy_forward(
     index: torch.Tensor | None,
     temperature_t: torch.Tensor | None,
     opts,
+    threshold: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (logp shaped like index or empty, entropy [lead] or empty, stats [lead, 2]) for the
     options ``opts`` (meta.logprobs.LogprobOptions). ``temperature_t``, a 0-dim tensor, replaces
     ``opts.temperature`` when given. With ``opts.shift``, logits are [..., L+1, V] and only
-    positions 0..L-1 are scored (lead = [..., L]).
+    positions 0..L-1 are scored (lead = [..., L]). ``threshold`` (shaped [lead]: the sampler's
+    support, sampler_threshold): a row's logits below its threshold count as -inf, chunk by
+    chunk (no masked copy of the logits); an id there scores -inf.
 
     With c = log2(e) / T, m the row max of the logits and d = (x - m) c:
     stats = (m, log2 s) with s = sum 2^d; logp = (d[index] - log2 s) ln2 (0 at ignore_index,
@@ -178,8 +192,11 @@ def logprobs_entropy_forward(
         logp_out = torch.empty(index.shape, dtype=dt, device=logits.device)
         logp = logp_out.view(idx2.shape)
     c = LOG2E / temperature
+    tau2 = None if threshold is None else threshold.reshape(rows, 1).double()
     for a, b in _chunks(rows, v):
         x = x2[a:b].double()
+        if tau2 is not None:
+            x = _below_threshold(x, tau2[a:b])
         m = x.amax(dim=-1, keepdim=True)
         m = torch.where(m == float("-inf"), torch.zeros_like(m), m).to(dt).double()
         d = (x - m) * c
@@ -202,6 +219,11 @@ def logprobs_entropy_forward(
     return logp_out, ent_out, stats_out
 
 
+def _below_threshold(x: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """x with its values below tau (broadcast) as -inf; a NaN stays NaN."""
+    return torch.where(x < tau, torch.full((), float("-inf"), dtype=x.dtype, device=x.device), x)
+
+
 def logprobs_entropy_backward(
     grad_logp: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
@@ -216,6 +238,7 @@ def logprobs_entropy_backward(
     v_off: int = 0,
     v_total: int | None = None,
     out_dtype: torch.dtype | None = None,
+    threshold: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d logits, d T) of sum(grad_logp * logp) + sum(grad_entropy * entropy); d T only for a
     tensor temperature with ``temperature_grad`` (else an empty tensor): d T = -(1/T) sum x * d logits,
@@ -227,7 +250,9 @@ def logprobs_entropy_backward(
 
     With p = softmax(z), lp = log p, H the entropy, gH its gradient and G the sum of grad_logp
     over the row's valid indices:  d z_j = sum_k g_k [j == idx_k] - p_j (G + gH (lp_j + H)),
-    and d logits = d z / T. Only stats and H are saved from the forward.
+    and d logits = d z / T. Only stats and H are saved from the forward. ``threshold`` (the
+    forward's): logits below it count as -inf (d logits 0 there), and an id whose logit is below
+    it passes no gradient (its log-prob was -inf), neither to its own logit nor through G.
     """
     temperature, ignore_index, shift = opts.temperature, opts.ignore_index, opts.shift
     out_dtype = out_dtype or logits.dtype
@@ -246,6 +271,7 @@ def logprobs_entropy_backward(
     xdx = torch.zeros((), dtype=torch.float64, device=logits.device)
     st = stats.reshape(rows, 2).double()
     idx2 = _index_2d(index, lead)
+    tau2 = None if threshold is None else threshold.reshape(rows, 1).double()
     if grad_logp is not None and idx2 is not None:
         g2 = grad_logp.reshape(idx2.shape).double()
         valid = idx2 != ignore_index
@@ -253,6 +279,9 @@ def logprobs_entropy_backward(
         inb = (idx2 >= 0) & (idx2 < v_total)
         # an out-of-range index gave NaN forward; its row's gradient is NaN too
         g2 = torch.where(valid & ~inb, torch.full_like(g2, float("nan")), g2)
+        if tau2 is not None:  # an id below the threshold scored -inf: no gradient through it
+            x_ids = x2.gather(1, (idx2 - v_off).clamp(0, max(v - 1, 0))).double()
+            g2 = torch.where(inb & (x_ids < tau2), torch.zeros_like(g2), g2)
         gsum = g2.sum(-1)
     else:
         g2 = None
@@ -264,7 +293,10 @@ def logprobs_entropy_backward(
     c = log2e / temperature
     inv_t = 1.0 / temperature
     for a, b in _chunks(rows, v):
-        lp = ((x2[a:b].double() - st[a:b, :1]) * c - st[a:b, 1:]) * ln2
+        x = x2[a:b].double()
+        if tau2 is not None:
+            x = _below_threshold(x, tau2[a:b])
+        lp = ((x - st[a:b, :1]) * c - st[a:b, 1:]) * ln2
         p = torch.exp(lp)
         coef = gsum[a:b, None].expand_as(p)
         if grad_entropy is not None:
@@ -279,7 +311,7 @@ def logprobs_entropy_backward(
         out[a:b] = dx.to(out_dtype)
         if want_dt:  # -inf logits have dx = 0: keep their 0 * inf out
             # sum x dx = sum (x - m) dx (a row's dx sums to zero): no error from a constant offset
-            xdx += torch.where(dx != 0, (x2[a:b].double() - st[a:b, :1]) * dx, torch.zeros_like(dx)).sum()
+            xdx += torch.where(dx != 0, (x - st[a:b, :1]) * dx, torch.zeros_like(dx)).sum()
     dt_dtype = temperature_grad_dtype(logits, temperature_t)
     if not want_dt:
         dtemp = torch.empty(0, dtype=dt_dtype, device=logits.device)

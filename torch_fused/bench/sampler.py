@@ -2,7 +2,9 @@
 with top_k, top_p and min_p against the unrestricted op and against what users write by hand
 (vLLM's rule in torch: sort, cumulative sum, mask, log_softmax), same run.
 
-Floor: read, read, write of the logits' size (as the logprobs suite's fwd+bwd).
+Floor: read, read, write of the logits' size (as the logprobs suite's fwd+bwd). Each row's note
+gives its time over the unrestricted op's fwd+bwd at the same shape (the bars: top-k up to 256
+and min-p at most 1.3x, top-p at most 2.0x) and its peak memory beside the unrestricted op's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ import torch_fused
 from .common import Row, bench_ms, peak_extra_mb, warm_up
 
 SHAPES = [(1, 1024, 151936), (1, 4096, 151936), (1, 16384, 32000)]
+FULL = "torch_fused, full vocabulary"
+
+
+def _bar(impl: str) -> float | None:
+    """The time bar of a torch_fused row, over the full vocabulary's: top-p 2.0x, top-k (k <= 256)
+    and min-p 1.3x."""
+    if not impl.startswith("torch_fused") or impl == FULL:
+        return None
+    return 2.0 if "top_p" in impl else 1.3
 
 
 def handwritten(logits, index, top_k=None, top_p=None):
@@ -40,14 +51,18 @@ def run(report, copy_gbps, quick=False):
         shape = f"N{b * l} V{v}"
         nbytes = x.numel() * x.element_size()
         cases = {
-            "torch_fused, full vocabulary": lambda: torch_fused.selective_log_softmax(x, idx),
+            FULL: lambda: torch_fused.selective_log_softmax(x, idx),
             "torch_fused top_k=50": lambda: torch_fused.selective_log_softmax(x, idx, top_k=50),
+            "torch_fused top_k=256": lambda: torch_fused.selective_log_softmax(x, idx, top_k=256),
             "torch_fused min_p=0.05": lambda: torch_fused.selective_log_softmax(x, idx, min_p=0.05),
             "torch_fused top_p=0.9": lambda: torch_fused.selective_log_softmax(x, idx, top_p=0.9),
             "torch_fused top_k=50 top_p=0.9": lambda: torch_fused.selective_log_softmax(x, idx, top_k=50, top_p=0.9),
+            "torch_fused min_p=0.05 top_p=0.9": lambda: torch_fused.selective_log_softmax(x, idx, min_p=0.05,
+                                                                                          top_p=0.9),
             "handwritten top_k=50": lambda: handwritten(x, idx, top_k=50),
             "handwritten top_p=0.9": lambda: handwritten(x, idx, top_p=0.9),
         }
+        base = None  # the unrestricted op's (ms, peak MiB) at this shape
         for impl, f in cases.items():
             def fn(f=f):
                 lp = f()
@@ -61,8 +76,16 @@ def run(report, copy_gbps, quick=False):
                 print(f"{shape:16s} {impl:32s} out of memory", flush=True)
                 torch.cuda.empty_cache()
                 continue
-            row = Row("selective_log_softmax fwd+bwd", shape, impl, ms, 3 * nbytes, peak_extra_mb=pk).finish(copy_gbps)
+            if impl == FULL:
+                base = (ms, pk)
+            note = ""
+            if base is not None:
+                bar = _bar(impl)
+                note = (f"{ms / base[0]:.2f}x the full vocabulary's fwd+bwd" + (f" (bar {bar}x)" if bar else "")
+                        + f"; {pk - base[1]:+.0f} MiB beside its peak")
+            row = Row("selective_log_softmax fwd+bwd", shape, impl, ms, 3 * nbytes, peak_extra_mb=pk,
+                      note=note).finish(copy_gbps)
             report.rows.append(row)
-            print(f"{shape:16s} {impl:32s} {ms:8.3f} ms  {row.frac_floor:.3f} of floor  {pk:8.0f} MiB", flush=True)
+            print(f"{shape:16s} {impl:34s} {ms:8.3f} ms  {row.frac_floor:.3f} of floor  {pk:8.0f} MiB  {note}", flush=True)
         del x
         torch.cuda.empty_cache()

@@ -126,12 +126,22 @@ def _merge_pair(m_a, s_a, t_a, m_b, s_b, t_b, c, EXACT_SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _row_statistics(p_row, V, c, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_V: tl.constexpr,
-                    EPT: tl.constexpr):
+def _below_tau(b_x, tau, HAS_TAU: tl.constexpr):
+    """b_x with the values below tau as -inf (HAS_TAU), else b_x. ``<``: a NaN is kept."""
+    if HAS_TAU:
+        return tl.where(b_x < tau, float("-inf"), b_x)
+    else:
+        return b_x
+
+
+@triton.jit
+def _row_statistics(p_row, V, c, tau, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr, HAS_TAU: tl.constexpr,
+                    BLOCK_V: tl.constexpr, EPT: tl.constexpr):
     """(m, s, t) of one row of V logits in one streaming pass: the row max and the sums
     s = sum 2^d, t = sum 2^d d against the shift m c. A block is a [NR, EPT] tile, row k of
     it logits k*EPT .. k*EPT+EPT-1, one thread's 16-byte vector; full blocks run unmasked with
-    the next block's load issued before this block's math."""
+    the next block's load issued before this block's math. HAS_TAU: logits below the row's
+    threshold tau count as -inf (the sampler's support; a NaN stays NaN)."""
     NR: tl.constexpr = BLOCK_V // EPT
     o_v = tl.arange(0, NR)[:, None] * EPT + tl.arange(0, EPT)[None, :]
     s_r = tl.zeros([NR], dtype=tl.float32)
@@ -139,15 +149,15 @@ def _row_statistics(p_row, V, c, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexp
     m_r = tl.full([NR], float("-inf"), tl.float32)
     v_full = V - V % BLOCK_V
     if v_full > 0:
-        b_x = tl.load(p_row + o_v).to(tl.float32)
+        b_x = _below_tau(tl.load(p_row + o_v).to(tl.float32), tau, HAS_TAU)
         for start in range(BLOCK_V, v_full, BLOCK_V):
-            b_nx = tl.load(p_row + start + o_v).to(tl.float32)
+            b_nx = _below_tau(tl.load(p_row + start + o_v).to(tl.float32), tau, HAS_TAU)
             m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, HAS_ENT, EXACT_SHIFT)
             b_x = b_nx
         m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, HAS_ENT, EXACT_SHIFT)
     if v_full < V:
         o = v_full + o_v
-        b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
+        b_x = _below_tau(tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32), tau, HAS_TAU)
         m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, HAS_ENT, EXACT_SHIFT)
     return _forward_combine(m_r, s_r, t_r, c, HAS_ENT, EXACT_SHIFT)
 
@@ -173,16 +183,21 @@ def _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR: tl.constexpr):
 
 @triton.jit
 def _logprobs_entropy_forward_kernel(
-    p_x, p_idx, p_logp, p_ent, p_stats, p_temp,
+    p_x, p_idx, p_logp, p_ent, p_stats, p_temp, p_tau,
     V, K, inner_size, stride_outer, stride_inner,
     scale,  # c = log2(e) / T: a Python float at launch, so fp32 in the kernel
     ignore_index,
     HAS_INDEX: tl.constexpr, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr, T_FROM_PTR: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EPT: tl.constexpr,
+    HAS_TAU: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EPT: tl.constexpr,
 ):
+    """HAS_TAU: the row's logits below its threshold p_tau[row] are taken as -inf (the sampler's
+    support, ops/sampler.py): an id there scores -inf."""
     row = tl.program_id(0).to(tl.int64)
     p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
     c, _ = _temperature_scale(scale, scale, p_temp, T_FROM_PTR)
+    tau = 0.0
+    if HAS_TAU:
+        tau = tl.load(p_tau + row)
 
     if HAS_INDEX:
         # issue the few scattered loads first so their latency hides under the stream
@@ -190,9 +205,9 @@ def _logprobs_entropy_forward_kernel(
         m_k = o_k < K
         b_idx = tl.load(p_idx + row * K + o_k, mask=m_k, other=0).to(tl.int64)
         inb = (b_idx >= 0) & (b_idx < V)
-        b_xi = tl.load(p_row + b_idx, mask=m_k & inb, other=0.0).to(tl.float32)
+        b_xi = _below_tau(tl.load(p_row + b_idx, mask=m_k & inb, other=0.0).to(tl.float32), tau, HAS_TAU)
 
-    m, s, t = _row_statistics(p_row, V, c, HAS_ENT, EXACT_SHIFT, BLOCK_V, EPT)
+    m, s, t = _row_statistics(p_row, V, c, tau, HAS_ENT, EXACT_SHIFT, HAS_TAU, BLOCK_V, EPT)
     log2s = tl.log2(s)
     tl.store(p_stats + row * 2, m)
     tl.store(p_stats + row * 2 + 1, log2s)
@@ -227,7 +242,7 @@ def _chunk_merge_kernel(
     inside = m_k & (b_loc >= 0) & (b_loc < V)
     b_xi = tl.load(p_row + b_loc, mask=inside, other=0.0).to(tl.float32)
 
-    m_c, s_c, t_c = _row_statistics(p_row, V, c, True, EXACT_SHIFT, BLOCK_V, EPT)
+    m_c, s_c, t_c = _row_statistics(p_row, V, c, 0.0, True, EXACT_SHIFT, False, BLOCK_V, EPT)
 
     tl.store(p_u + row * K + o_k, _shifted(b_xi, m_c, c, EXACT_SHIFT), mask=inside)
     tl.store(p_mo + row * K + o_k, tl.zeros([BLOCK_K], dtype=tl.float32) + m_c, mask=inside)
@@ -245,11 +260,14 @@ def _chunk_merge_kernel(
 
 @triton.jit
 def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, g_sk, start, V, K, c, m, log2s, a, b, it,
-                    idx0, g0, ignore_index, v_off,
+                    idx0, g0, ignore_index, v_off, p_row, tau,
                     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
                     MASKED: tl.constexpr, EXACT_SHIFT: tl.constexpr, HAS_DT: tl.constexpr,
-                    BLOCK_V: tl.constexpr):
-    """Writes the block's d x; returns its sum of x * dx (for d T) when HAS_DT, else 0."""
+                    BLOCK_V: tl.constexpr, LISTED: tl.constexpr, HAS_TAU: tl.constexpr):
+    """Writes the block's d x; returns its sum of x * dx (for d T) when HAS_DT, else 0. LISTED:
+    the block's columns o are a list's (any columns, V past the list's end), not a run from start.
+    HAS_TAU: an id whose logit (in p_row) is below tau adds nothing (the single id's g0 comes
+    zeroed already)."""
     b_d = _shifted(b_x, m, c, EXACT_SHIFT) - log2s  # log2 p
     b_p = tl.exp2(b_d)
     if HAS_GH:
@@ -258,13 +276,19 @@ def _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, g_sk, start, V, K, c, m,
         b_dx = -b_p * a
     if HAS_GLP:
         if SINGLE_K:
-            if (idx0 >= start) & (idx0 < start + BLOCK_V):  # only the block holding the id
+            if LISTED:
+                b_dx += tl.where(o == idx0, g0, 0.0)
+            elif (idx0 >= start) & (idx0 < start + BLOCK_V):  # only the block holding the id
                 b_dx += tl.where(o == idx0, g0, 0.0)
         else:
             for k in range(0, K):
                 i_k = tl.load(p_idx_row + k).to(tl.int64)
                 g_k = tl.load(p_g_row + k * g_sk).to(tl.float32)
                 g_k = tl.where(i_k == ignore_index, 0.0, g_k) * it
+                if HAS_TAU:
+                    inside = (i_k - v_off >= 0) & (i_k - v_off < V)
+                    x_k = tl.load(p_row + (i_k - v_off), mask=inside, other=0.0).to(tl.float32)
+                    g_k = tl.where(inside & (x_k < tau), 0.0, g_k)
                 b_dx += tl.where(o == i_k - v_off, g_k, 0.0)
     if MASKED:
         tl.store(p_drow + o, b_dx.to(p_drow.dtype.element_ty), mask=o < V)
@@ -291,7 +315,7 @@ def _zero_row(p_drow, V, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _logprobs_entropy_backward_kernel(
-    p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_dz, p_temp, p_xdx,
+    p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_dz, p_temp, p_xdx, p_tau, p_sup,
     V, K, n_rows, inner_size, stride_outer, stride_inner,
     v_off, V_total,  # the rows hold ids v_off .. v_off + V - 1 of a vocabulary of V_total
     dx_inner, dx_outer, dx_stride,  # d x row layout (as the logits' rows)
@@ -301,9 +325,10 @@ def _logprobs_entropy_backward_kernel(
     ignore_index,
     segs, seg_len,  # each row's columns in segs segments of seg_len (a multiple of BLOCK_V), one per program
     glp_sr, glp_sk, gh_s,  # strides of the upstream gradients [rows, K] and [rows] (0: expanded)
+    sup_stride,  # the support lists' row stride (count, then positions)
     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr, EXACT_SHIFT: tl.constexpr,
     T_FROM_PTR: tl.constexpr, HAS_DT: tl.constexpr, ZERO_TAIL: tl.constexpr, IN_PLACE: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_TAU: tl.constexpr, HAS_SUP: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """d z_j = sum_k g_k [j == idx_k] - p_j * (G + gH * (lp_j + H));  d x = d z / T.
 
@@ -322,7 +347,13 @@ def _logprobs_entropy_backward_kernel(
     row * segs + seg), so a launch of a few long rows still ends in short programs instead of a
     tail of whole-row programs (the segment length: docs/BENCHMARKS.md, the log-prob section).
     A segment is the V slice above with the whole row's statistics. HAS_DT and IN_PLACE launches
-    keep one segment (their per-row sum, their in-row overlap of d x and x)."""
+    keep one segment (their per-row sum, their in-row overlap of d x and x).
+
+    HAS_TAU (the sampler's support, ops/sampler.py): logits below the row's threshold p_tau[row]
+    are -inf, so their d x is 0, and an id below it passes no gradient (its log-prob was -inf).
+    HAS_SUP: a row whose support list p_sup[row] = (n, positions...) has n >= 0 lists every
+    column it keeps: its segment is zeroed and only the listed columns are read and written,
+    without a pass over its logits; a row with n < 0 streams as without it."""
     pid = tl.program_id(0).to(tl.int64)
     row = pid // segs
     c0 = (pid % segs) * seg_len  # the segment's first column
@@ -331,26 +362,32 @@ def _logprobs_entropy_backward_kernel(
     if ZERO_TAIL:
         live = row < n_rows
     if live:
-        _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, row, v_seg, K,
-                      v_off + c0, V_total, inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
-                      scale, inv_t, ignore_index, glp_sr, glp_sk, gh_s, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, T_FROM_PTR,
-                      HAS_DT, IN_PLACE, BLOCK_V, BLOCK_K)
+        _backward_row(p_x + c0, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx + c0, p_temp, p_xdx, p_tau, p_sup, row,
+                      v_seg, K, c0, v_off + c0, V_total, inner_size, stride_outer, stride_inner, dx_inner, dx_outer,
+                      dx_stride, scale, inv_t, ignore_index, glp_sr, glp_sk, gh_s, sup_stride, HAS_GLP, HAS_GH,
+                      SINGLE_K, EXACT_SHIFT, T_FROM_PTR, HAS_DT, IN_PLACE, HAS_TAU, HAS_SUP, BLOCK_V, BLOCK_K)
     elif ZERO_TAIL:  # p_dz is None without it
         _zero_row(_row_base(p_dz, row - n_rows, dz_inner, dz_outer, dz_stride) + c0, v_seg, BLOCK_V)
 
 
 @triton.jit
-def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, row, V, K, v_off, V_total,
-                  inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
-                  scale, inv_t, ignore_index, glp_sr, glp_sk, gh_s,
+def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, p_tau, p_sup, row, V, K, c0, v_off,
+                  V_total, inner_size, stride_outer, stride_inner, dx_inner, dx_outer, dx_stride,
+                  scale, inv_t, ignore_index, glp_sr, glp_sk, gh_s, sup_stride,
                   HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
                   EXACT_SHIFT: tl.constexpr, T_FROM_PTR: tl.constexpr, HAS_DT: tl.constexpr,
-                  IN_PLACE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                  IN_PLACE: tl.constexpr, HAS_TAU: tl.constexpr, HAS_SUP: tl.constexpr, BLOCK_V: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """One row's (segment's) d x; c0: the segment's first column in the row (p_x, p_dx and v_off
+    are already past it)."""
     p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
     p_drow = _row_base(p_dx, row, dx_inner, dx_outer, dx_stride)
     c, it = _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR)
     m = tl.load(p_stats + row * 2).to(tl.float32)
     log2s = tl.load(p_stats + row * 2 + 1).to(tl.float32)
+    tau = 0.0
+    if HAS_TAU:
+        tau = tl.load(p_tau + row)
 
     gsum = 0.0
     idx0 = -1
@@ -364,6 +401,9 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
         inb = (b_idx >= 0) & (b_idx < V_total)
         # an out-of-range index gave NaN forward: its row's gradient is NaN too
         b_g = tl.where((b_idx != ignore_index) & (~inb), float("nan"), b_g)
+        if HAS_TAU:  # an id below the threshold scored -inf: no gradient through it
+            b_xi = tl.load(p_row + (b_idx - v_off), mask=m_k & inb, other=0.0).to(tl.float32)
+            b_g = tl.where(inb & (b_xi < tau), 0.0, b_g)
         gsum = tl.sum(b_g, axis=0)  # every id's term, also of ids outside these V columns
         if SINGLE_K:  # the column of the id; outside 0..V-1 it matches no column
             idx0 = tl.sum(tl.where(o_k == 0, b_idx - v_off, 0), axis=0)
@@ -384,34 +424,79 @@ def _backward_row(p_x, p_idx, p_glp, p_gh, p_stats, p_ent, p_dx, p_temp, p_xdx, 
     if HAS_GLP:
         p_idx_row = p_idx + row * K
         p_g_row = p_glp + row * glp_sr
+    xdx = 0.0
+    if HAS_SUP:
+        n_sup = tl.load(p_sup + row * sup_stride)
+        if n_sup >= 0:
+            xdx = _backward_listed(p_row, p_drow, p_sup + row * sup_stride, n_sup, c0, p_idx_row, p_g_row, glp_sk, V,
+                                   K, c, m, log2s, a, b, it, idx0, g0, ignore_index, v_off, tau, HAS_GLP, HAS_GH,
+                                   SINGLE_K, EXACT_SHIFT, HAS_DT, HAS_TAU, BLOCK_V)
+        else:
+            xdx = _backward_stream(p_row, p_drow, p_idx_row, p_g_row, glp_sk, V, K, c, m, log2s, a, b, it, idx0, g0,
+                                   ignore_index, v_off, tau, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, HAS_DT, IN_PLACE,
+                                   HAS_TAU, BLOCK_V)
+    else:
+        xdx = _backward_stream(p_row, p_drow, p_idx_row, p_g_row, glp_sk, V, K, c, m, log2s, a, b, it, idx0, g0,
+                               ignore_index, v_off, tau, HAS_GLP, HAS_GH, SINGLE_K, EXACT_SHIFT, HAS_DT, IN_PLACE,
+                               HAS_TAU, BLOCK_V)
+    if HAS_DT:
+        tl.store(p_xdx + row, xdx)
+
+
+@triton.jit
+def _backward_listed(p_row, p_drow, p_list, n, c0, p_idx_row, p_g_row, glp_sk, V, K, c, m, log2s, a, b, it, idx0, g0,
+                     ignore_index, v_off, tau, HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
+                     EXACT_SHIFT: tl.constexpr, HAS_DT: tl.constexpr, HAS_TAU: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A listed row's segment: zeros, then (after a barrier: other threads wrote zeros there) the
+    d x of the listed columns inside the segment, read from the logits at those columns alone."""
+    _zero_row(p_drow, V, BLOCK_V)
+    tl.debug_barrier()
+    o_l = tl.arange(0, BLOCK_V)
+    xdx = 0.0
+    for i0 in range(0, n, BLOCK_V):
+        i = i0 + o_l
+        j = tl.load(p_list + 1 + i, mask=i < n, other=-1) - c0
+        j = tl.where((i < n) & (j >= 0) & (j < V), j, V)  # column V: not this segment's
+        b_x = tl.load(p_row + j, mask=j < V, other=0.0).to(tl.float32)
+        xdx += _backward_block(b_x, j, p_drow, p_idx_row, p_g_row, glp_sk, 0, V, K, c, m, log2s, a, b, it, idx0, g0,
+                               ignore_index, v_off, p_row, tau, HAS_GLP, HAS_GH, SINGLE_K, True, EXACT_SHIFT, HAS_DT,
+                               BLOCK_V, True, HAS_TAU)
+    return xdx
+
+
+@triton.jit
+def _backward_stream(p_row, p_drow, p_idx_row, p_g_row, glp_sk, V, K, c, m, log2s, a, b, it, idx0, g0,
+                     ignore_index, v_off, tau, HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, SINGLE_K: tl.constexpr,
+                     EXACT_SHIFT: tl.constexpr, HAS_DT: tl.constexpr, IN_PLACE: tl.constexpr, HAS_TAU: tl.constexpr,
+                     BLOCK_V: tl.constexpr):
+    """A row's (segment's) d x in one streaming pass over its logits."""
     o_v = tl.arange(0, BLOCK_V)
     v_full = V - V % BLOCK_V
     xdx = 0.0
     if v_full > 0:
-        b_x = tl.load(p_row + o_v).to(tl.float32)
+        b_x = _below_tau(tl.load(p_row + o_v).to(tl.float32), tau, HAS_TAU)
         for start in range(BLOCK_V, v_full, BLOCK_V):
-            b_nx = tl.load(p_row + start + o_v).to(tl.float32)  # prefetch the next block
+            b_nx = _below_tau(tl.load(p_row + start + o_v).to(tl.float32), tau, HAS_TAU)  # prefetch the next block
             if IN_PLACE:  # every warp's loads of blocks <= k+1 before any store of block k
                 tl.debug_barrier()
             xdx += _backward_block(b_x, start - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, glp_sk, start - BLOCK_V, V, K, c,
-                                   m, log2s, a, b, it, idx0, g0, ignore_index, v_off, HAS_GLP, HAS_GH, SINGLE_K, False,
-                                   EXACT_SHIFT, HAS_DT, BLOCK_V)
+                                   m, log2s, a, b, it, idx0, g0, ignore_index, v_off, p_row, tau, HAS_GLP, HAS_GH,
+                                   SINGLE_K, False, EXACT_SHIFT, HAS_DT, BLOCK_V, False, HAS_TAU)
             b_x = b_nx
         if IN_PLACE:
             tl.debug_barrier()
         xdx += _backward_block(b_x, v_full - BLOCK_V + o_v, p_drow, p_idx_row, p_g_row, glp_sk, v_full - BLOCK_V, V, K, c,
-                               m, log2s, a, b, it, idx0, g0, ignore_index, v_off, HAS_GLP, HAS_GH, SINGLE_K, False,
-                               EXACT_SHIFT, HAS_DT, BLOCK_V)
+                               m, log2s, a, b, it, idx0, g0, ignore_index, v_off, p_row, tau, HAS_GLP, HAS_GH, SINGLE_K,
+                               False, EXACT_SHIFT, HAS_DT, BLOCK_V, False, HAS_TAU)
     if v_full < V:
         o = v_full + o_v
-        b_x = tl.load(p_row + o, mask=o < V, other=0.0).to(tl.float32)
+        b_x = _below_tau(tl.load(p_row + o, mask=o < V, other=0.0).to(tl.float32), tau, HAS_TAU)
         if IN_PLACE:
             tl.debug_barrier()
         xdx += _backward_block(b_x, o, p_drow, p_idx_row, p_g_row, glp_sk, v_full, V, K, c,
-                               m, log2s, a, b, it, idx0, g0, ignore_index, v_off, HAS_GLP, HAS_GH, SINGLE_K, True,
-                               EXACT_SHIFT, HAS_DT, BLOCK_V)
-    if HAS_DT:
-        tl.store(p_xdx + row, xdx)
+                               m, log2s, a, b, it, idx0, g0, ignore_index, v_off, p_row, tau, HAS_GLP, HAS_GH, SINGLE_K,
+                               True, EXACT_SHIFT, HAS_DT, BLOCK_V, False, HAS_TAU)
+    return xdx
 
 
 # (BLOCK_V, num_warps) per kernel: small blocks and few warps keep many rows in flight per SM,
@@ -453,37 +538,47 @@ def compile_cases():
     """(name, kernel, signature, constexprs, warps) for tests/test_kernels_compile.py: every
     constexpr branch the launchers in ops/logprobs.py can take."""
     fwd = {"p_x": "*bf16", "p_idx": "*i64", "p_logp": "*fp32", "p_ent": "*fp32", "p_stats": "*fp32", "p_temp": "*fp32",
-           "V": "i32", "K": "i32", "inner_size": "i32", "stride_outer": "i64", "stride_inner": "i64",
+           "p_tau": "*fp32", "V": "i32", "K": "i32", "inner_size": "i32", "stride_outer": "i64", "stride_inner": "i64",
            "scale": "fp32", "ignore_index": "i32"}
-    for hi, he, tp in [(True, True, False), (True, False, False), (False, True, False), (True, True, True)]:
-        yield (f"lp_fwd idx={hi} ent={he} t_ptr={tp}", _logprobs_entropy_forward_kernel, fwd,
-               {"HAS_INDEX": hi, "HAS_ENT": he, "EXACT_SHIFT": False, "T_FROM_PTR": tp, "BLOCK_V": 2048,
+    for hi, he, tp, tau in [(True, True, False, False), (True, False, False, False), (False, True, False, False),
+                            (True, True, True, False), (True, False, False, True), (True, True, True, True)]:
+        yield (f"lp_fwd idx={hi} ent={he} t_ptr={tp} tau={tau}", _logprobs_entropy_forward_kernel, fwd,
+               {"HAS_INDEX": hi, "HAS_ENT": he, "EXACT_SHIFT": False, "T_FROM_PTR": tp, "HAS_TAU": tau, "BLOCK_V": 2048,
                 "BLOCK_K": 2, "EPT": 8}, 4)
     bwd = {"p_x": "*fp16", "p_idx": "*i32", "p_glp": "*fp32", "p_gh": "*fp32", "p_stats": "*fp32",
-           "p_ent": "*fp32", "p_dx": "*fp16", "p_dz": "*fp16", "p_temp": "*fp32", "p_xdx": "*fp32", "V": "i32",
+           "p_ent": "*fp32", "p_dx": "*fp16", "p_dz": "*fp16", "p_temp": "*fp32", "p_xdx": "*fp32", "p_tau": "*fp32",
+           "p_sup": "*i32", "V": "i32",
            "K": "i32", "n_rows": "i32", "inner_size": "i32", "stride_outer": "i64", "stride_inner": "i64",
            "v_off": "i32", "V_total": "i32", "dx_inner": "i32", "dx_outer": "i64", "dx_stride": "i64", "dz_inner": "i32", "dz_outer": "i64",
            "dz_stride": "i64", "scale": "fp32", "inv_t": "fp32", "ignore_index": "i32", "segs": "i32",
-           "seg_len": "i32", "glp_sr": "i32", "glp_sk": "i32", "gh_s": "i32"}
+           "seg_len": "i32", "glp_sr": "i32", "glp_sk": "i32", "gh_s": "i32", "sup_stride": "i32"}
     merge = {"p_x": "*fp32", "p_idx": "*i64", "p_run": "*fp32", "p_u": "*fp32", "p_mo": "*fp32", "V": "i32",
              "K": "i32", "stride_row": "i64", "v_off": "i32", "first": "i32", "scale": "fp32"}
     yield ("lp_chunk_merge", _chunk_merge_kernel, merge,
            {"EXACT_SHIFT": False, "BLOCK_V": 1024, "BLOCK_K": 2, "EPT": 4}, 2)
-    for glp, gh, sk, dt, zt in [(True, True, True, False, False), (True, False, False, False, True),
-                                (False, True, True, False, True), (True, True, True, True, False)]:
-        yield (f"lp_bwd glp={glp} gh={gh} single={sk} dt={dt} zero_tail={zt}", _logprobs_entropy_backward_kernel,
-               bwd, {"HAS_GLP": glp, "HAS_GH": gh, "SINGLE_K": sk, "EXACT_SHIFT": False, "T_FROM_PTR": dt,
-                     "HAS_DT": dt, "ZERO_TAIL": zt, "IN_PLACE": False, "BLOCK_V": 2048, "BLOCK_K": 4}, 4)
+    for glp, gh, sk, dt, zt, tau, sup in [(True, True, True, False, False, False, False),
+                                          (True, False, False, False, True, False, False),
+                                          (False, True, True, False, True, False, False),
+                                          (True, True, True, True, False, False, False),
+                                          (True, False, True, False, True, True, True),
+                                          (True, True, False, True, False, True, True),
+                                          (False, True, True, False, False, True, False)]:
+        yield (f"lp_bwd glp={glp} gh={gh} single={sk} dt={dt} zero_tail={zt} tau={tau} support={sup}",
+               _logprobs_entropy_backward_kernel, bwd,
+               {"HAS_GLP": glp, "HAS_GH": gh, "SINGLE_K": sk, "EXACT_SHIFT": False, "T_FROM_PTR": dt, "HAS_DT": dt,
+                "ZERO_TAIL": zt, "IN_PLACE": False, "HAS_TAU": tau, "HAS_SUP": sup, "BLOCK_V": 2048, "BLOCK_K": 4}, 4)
     # as Inductor launches them where the ops' launches are traced into a compiled graph
     # (settings.compile_inline_kernels): a float that fp32 cannot hold exactly is passed as fp64
     yield ("lp_fwd fp64 scale (inductor)", _logprobs_entropy_forward_kernel, dict(fwd, scale="fp64"),
-           {"HAS_INDEX": True, "HAS_ENT": True, "EXACT_SHIFT": False, "T_FROM_PTR": False, "BLOCK_V": 2048,
-            "BLOCK_K": 2, "EPT": 8}, 4)
+           {"HAS_INDEX": True, "HAS_ENT": True, "EXACT_SHIFT": False, "T_FROM_PTR": False, "HAS_TAU": False,
+            "BLOCK_V": 2048, "BLOCK_K": 2, "EPT": 8}, 4)
     yield ("lp_bwd fp64 scale (inductor)", _logprobs_entropy_backward_kernel, dict(bwd, scale="fp64", inv_t="fp64"),
            {"HAS_GLP": True, "HAS_GH": True, "SINGLE_K": True, "EXACT_SHIFT": False, "T_FROM_PTR": False,
-            "HAS_DT": False, "ZERO_TAIL": False, "IN_PLACE": False, "BLOCK_V": 2048, "BLOCK_K": 2}, 4)
+            "HAS_DT": False, "ZERO_TAIL": False, "IN_PLACE": False, "HAS_TAU": False, "HAS_SUP": False,
+            "BLOCK_V": 2048, "BLOCK_K": 2}, 4)
     # the fused lm_head's backward: fp32 logits chunk, bf16 d logits written over it
     inplace = dict(bwd, p_x="*fp32", p_dx="*bf16", p_dz="*bf16", p_idx="*i64")
     yield ("lp_bwd in_place", _logprobs_entropy_backward_kernel, inplace,
            {"HAS_GLP": True, "HAS_GH": True, "SINGLE_K": True, "EXACT_SHIFT": False, "T_FROM_PTR": False,
-            "HAS_DT": False, "ZERO_TAIL": False, "IN_PLACE": True, "BLOCK_V": 1024, "BLOCK_K": 2}, 4)
+            "HAS_DT": False, "ZERO_TAIL": False, "IN_PLACE": True, "HAS_TAU": False, "HAS_SUP": False,
+            "BLOCK_V": 1024, "BLOCK_K": 2}, 4)

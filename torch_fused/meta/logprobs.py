@@ -10,7 +10,8 @@ Adding a keyword to the log-prob ops:
 1. a field of ``LogprobOptions`` with its default: ``_public(default)`` when users pass it (the
    public ops and their schemas then take it as a keyword-only argument), ``core=False`` when the
    public ops apply it around the core ops rather than the kernels (as the sampler's top_k,
-   top_p, min_p: reference.sampler_support);
+   top_p, min_p: fused::_sampler_threshold turns them into one threshold per row, which the
+   core ops take as a tensor; reference.sampler_threshold);
 2. its check in ``check_options`` (here);
 3. its effect: in the reference (reference.py) and in the kernels' host code or the kernels
    (ops/logprobs.py, kernels/logprobs.py), both reading ``opts.<field>``; or, for a field the
@@ -56,8 +57,9 @@ class LogprobOptions:
     ignore_index: positions holding it give 0 and no gradient;
     compute_entropy: whether the core also makes the entropy (set by the public op, not a keyword);
     shift: the logits are [..., L+1, V] and position t scores index t (the last one dropped);
-    top_k, top_p, min_p: the sampler's support (sampler_support in reference.py), applied by the
-    public ops around the core ops: None (or top_p 1, min_p 0) leaves the whole vocabulary."""
+    top_k, top_p, min_p: the sampler's support (sampler_threshold in reference.py), applied by the
+    public ops around the core ops (which take the rows' thresholds and support lists as tensors
+    after these fields): None (or top_p 1, min_p 0) leaves the whole vocabulary."""
     temperature: float = 1.0
     ignore_index: int = -100
     compute_entropy: bool = True
@@ -182,6 +184,31 @@ def check_logits_index(logits: torch.Tensor, index: torch.Tensor | None, tempera
     )
 
 
+# the most kept ids a row's support list holds: top_k up to 256 with ties, and most min-p and
+# top-p supports of peaked distributions
+SUPPORT_CAP = 512
+
+
+def support_shape(logits: torch.Tensor, shift: bool) -> tuple:
+    return (math.prod(row_shape(logits, shift)), SUPPORT_CAP + 1)
+
+
+def check_support(logits: torch.Tensor, shift: bool, threshold: torch.Tensor | None,
+                  support: torch.Tensor | None) -> None:
+    """A log-prob core op's threshold and support list, as _sampler_threshold makes them for these
+    logits (shapes and dtypes only)."""
+    if threshold is not None:
+        lead = row_shape(logits, shift)
+        check(tuple(threshold.shape) == tuple(lead) and threshold.dtype == acc_dtype(logits.dtype),
+              lambda: f"threshold: expected {acc_dtype(logits.dtype)} of shape {tuple(lead)} (one per row), got "
+                      f"{threshold.dtype} of shape {tuple(threshold.shape)}")
+    if support is not None:
+        want = support_shape(logits, shift)
+        check(threshold is not None and tuple(support.shape) == want and support.dtype == torch.int32,
+              lambda: f"support: expected int32 of shape {want} beside a threshold, got {support.dtype} of shape "
+                      f"{tuple(support.shape)}" + ("" if threshold is not None else " without one"))
+
+
 def check_sampler(opts: LogprobOptions) -> None:
     """The sampler options' values (ValueError, naming the option)."""
     k, p, mp = opts.top_k, opts.top_p, opts.min_p
@@ -203,9 +230,19 @@ def check_options(logits: torch.Tensor, index: torch.Tensor | None, temperature_
     check_logits_index(logits, index, opts.temperature, temperature_t, opts.shift)
 
 
-def logprobs_entropy_forward_fake(logits, index, temperature_t, *options):
-    opts = LogprobOptions(*options)
+def split_core_args(rest) -> tuple:
+    """(options, threshold, support) of a core op's arguments after its leading tensors: the core
+    fields' values, then the optional threshold and support list (absent or None: the whole
+    vocabulary)."""
+    n = LogprobOptions.count()
+    extra = tuple(rest[n:]) + (None, None)
+    return LogprobOptions(*rest[:n]), extra[0], extra[1]
+
+
+def logprobs_entropy_forward_fake(logits, index, temperature_t, *rest):
+    opts, threshold, support = split_core_args(rest)
     check_options(logits, index, temperature_t, opts)
+    check_support(logits, opts.shift, threshold, support)
     dt = acc_dtype(logits.dtype)
     lead = row_shape(logits, opts.shift)
     logp = logits.new_empty(index.shape if index is not None else (0,), dtype=dt)
@@ -214,9 +251,11 @@ def logprobs_entropy_forward_fake(logits, index, temperature_t, *options):
     return logp, ent, stats
 
 
-def logprobs_entropy_backward_fake(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, *options,
+def logprobs_entropy_backward_fake(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, *rest,
                                    temperature_grad=True):
-    check_options(logits, index, temperature_t, LogprobOptions(*options))
+    opts, threshold, support = split_core_args(rest)
+    check_options(logits, index, temperature_t, opts)
+    check_support(logits, opts.shift, threshold, support)
     from ..reference import temperature_grad_dtype
 
     dt_dtype = temperature_grad_dtype(logits, temperature_t)

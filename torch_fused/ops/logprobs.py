@@ -38,33 +38,44 @@ _N_OPTS = Options.count()
 _OPTS_SCHEMA = Options.schema()
 
 
+_split = meta.split_core_args
+# the sampler's support (ops/sampler.py): the rows' thresholds and support lists, after the options
+_SUPPORT_SCHEMA = "Tensor? threshold=None, Tensor? support=None"
+
+
 @torch.library.custom_op(_FWD, mutates_args=(), schema=(
-    f"(Tensor logits, Tensor? index, Tensor? temperature_t, {_OPTS_SCHEMA}) -> (Tensor, Tensor, Tensor)"))
-def logprobs_entropy_forward(logits, index, temperature_t, *options):
+    f"(Tensor logits, Tensor? index, Tensor? temperature_t, {_OPTS_SCHEMA}, {_SUPPORT_SCHEMA}) "
+    "-> (Tensor, Tensor, Tensor)"))
+def logprobs_entropy_forward(logits, index, temperature_t, *rest):
     """(logp, entropy, stats) of the family from one read of the logits; the default implementation
-    (the plain-PyTorch reference) serves every device without a Triton one (CPU)."""
-    return _forward_default(logits, index, temperature_t, Options(*options))
+    (the plain-PyTorch reference) serves every device without a Triton one (CPU). ``threshold``
+    (one per row) restricts the row to its logits >= threshold (the sampler's support); the
+    support list is the backward's (the forward only checks it)."""
+    opts, threshold, support = _split(rest)
+    return _forward_default(logits, index, temperature_t, opts, threshold, support)
 
 
 @torch.library.custom_op(_BWD, mutates_args=(), schema=(
     f"(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor? index, Tensor stats, Tensor entropy, "
-    f"Tensor? temperature_t, {_OPTS_SCHEMA}, *, bool temperature_grad=True) -> (Tensor, Tensor)"))
-def logprobs_entropy_backward(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, *options,
+    f"Tensor? temperature_t, {_OPTS_SCHEMA}, {_SUPPORT_SCHEMA}, *, bool temperature_grad=True) -> (Tensor, Tensor)"))
+def logprobs_entropy_backward(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, *rest,
                               temperature_grad=True):
     """(d logits, d T) of the core; d T only for a tensor temperature with ``temperature_grad``."""
-    return _backward_default(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, Options(*options),
-                             temperature_grad)
+    opts, threshold, support = _split(rest)
+    return _backward_default(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, opts,
+                             temperature_grad, threshold=threshold, support=support)
 
 
-def _forward_default(logits, index, temperature_t, opts):
+def _forward_default(logits, index, temperature_t, opts, threshold=None, support=None):
     meta.check_options(logits, index, temperature_t, opts)
-    return reference.logprobs_entropy_forward(logits, index, temperature_t, opts)
+    meta.check_support(logits, opts.shift, threshold, support)
+    return reference.logprobs_entropy_forward(logits, index, temperature_t, opts, threshold)
 
 
 def _backward_default(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, opts,
-                      temperature_grad=True):
+                      temperature_grad=True, *, threshold=None, support=None):
     return reference.logprobs_entropy_backward(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t,
-                                               opts, temperature_grad)
+                                               opts, temperature_grad, threshold=threshold)
 
 
 logprobs_entropy_forward.register_fake(meta.logprobs_entropy_forward_fake)
@@ -93,10 +104,11 @@ def _settings_key():
     return v["logprobs_block"], v["small_tiles"], v["logprobs_bwd_segment"]
 
 
-def _forward_plan(logits, index, temperature_t, opts):
+def _forward_plan(logits, index, temperature_t, opts, threshold=None):
     """(out shapes, dtype, rows, copy the logits?, layout, index as [rows, K] needs a copy?, k,
     kernel constexprs and options, scale c) of a forward call; raises on bad input."""
     meta.check_options(logits, index, temperature_t, opts)
+    meta.check_support(logits, opts.shift, threshold, None)
     from ..kernels import logprobs as K
 
     shift, compute_entropy = opts.shift, opts.compute_entropy
@@ -113,7 +125,7 @@ def _forward_plan(logits, index, temperature_t, opts):
     constexprs = dict(
         HAS_INDEX=index is not None, HAS_ENT=compute_entropy,
         EXACT_SHIFT=exact_shift(None if temperature_t is not None else c),
-        T_FROM_PTR=temperature_t is not None,
+        T_FROM_PTR=temperature_t is not None, HAS_TAU=threshold is not None,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)), EPT=16 // x.element_size(),
         num_warps=warps,
     )
@@ -121,12 +133,15 @@ def _forward_plan(logits, index, temperature_t, opts):
     return shapes, acc_dtype(x.dtype), rows, copy, layout, index_copy, k, v, c, constexprs, K
 
 
-def _forward_triton(logits, index, temperature_t, *options):
+def _forward_triton(logits, index, temperature_t, *rest):
     """The forward op's Triton implementation."""
-    return _forward_run(logits, index, temperature_t, Options(*options), True)[:3]
+    opts, threshold, support = _split(rest)
+    if support is not None:
+        meta.check_support(logits, opts.shift, threshold, support)
+    return _forward_run(logits, index, temperature_t, opts, True, threshold)[:3]
 
 
-def _forward_run(logits, index, temperature_t, opts, placeholders):
+def _forward_run(logits, index, temperature_t, opts, placeholders, threshold=None):
     """(logp, entropy, stats, the backward plans of this forward's key) of the forward's Triton
     implementation. ``placeholders=False`` (the eager path, whose node returns only the public
     outputs): None for an output the call does not make (the log-probs without an index, the
@@ -139,15 +154,16 @@ def _forward_run(logits, index, temperature_t, opts, placeholders):
     logits' and index's layouts (the rest of a backward plan's key is the forward's arguments)."""
     if logits.dtype == torch.float64:
         # float64 is a validation dtype: the reference on the same device keeps fp64 accuracy
-        return _forward_default(logits, index, temperature_t, opts) + (None,)
+        return _forward_default(logits, index, temperature_t, opts, threshold) + (None,)
     # the devices of the logits, index and tensor temperature too (tensor_key leaves them out):
     # a plan hit skips the checks, which name an index or temperature on another device
     key = (tensor_key(logits), tensor_key(index), tensor_key(temperature_t), opts, _settings_key(),
            logits.get_device(), None if index is None else index.get_device(),
-           None if temperature_t is None else temperature_t.get_device())
+           None if temperature_t is None else temperature_t.get_device(), tensor_key(threshold),
+           None if threshold is None else threshold.get_device())
     plan = _FWD_PLANS.get(key)
     if plan is None:
-        p = _forward_plan(logits, index, temperature_t, opts)
+        p = _forward_plan(logits, index, temperature_t, opts, threshold)
         plan = _FWD_PLANS.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_forward_kernel, p[-2]), Plans()))
     plan, go, bwd_plans = plan
     (s_logp, s_ent, s_stats), dt, rows, copy, (inner, s_outer, s_inner), index_copy, k, v, c, constexprs, K = plan
@@ -163,7 +179,8 @@ def _forward_run(logits, index, temperature_t, opts, placeholders):
     # a pointer the launch does not touch is passed as None (a compile-time constant: no argument
     # to bind or check per launch, and nothing to allocate where the launch is traced)
     idx = None if index is None else index.contiguous() if index_copy else index  # [rows, K] row-major
-    go(rows, x, idx, logp if index is not None else None, ent if compute_entropy else None, stats, temperature_t,
+    tau = None if threshold is None else threshold.contiguous()  # one per row, in row order
+    go(rows, x, idx, logp if index is not None else None, ent if compute_entropy else None, stats, temperature_t, tau,
        v, k, inner, s_outer, s_inner, c, opts.ignore_index)
     return logp, ent, stats, bwd_plans
 
@@ -233,7 +250,7 @@ def _view_or_none(t, shape):
 
 
 def _backward_plan(grad_logp, grad_entropy, logits, index, temperature_t, opts, temperature_grad, v_off, v_total,
-                   out_dtype, out, in_place, exact):
+                   out_dtype, out, in_place, exact, threshold=None, support=None):
     """(d logits dtype, rows, which operands need a copy, the kernel's scalar arguments, its
     constexprs and options, grid size) of a backward call."""
     from ..kernels import logprobs as K
@@ -276,13 +293,18 @@ def _backward_plan(grad_logp, grad_entropy, logits, index, temperature_t, opts, 
     t = kernel_temperature(opts.temperature)
     log2e = traced_constants()[0]  # LOG2E as a literal: the vocabulary-parallel backward is traced by Dynamo
     segs, seg_len = (1, v) if has_dt or in_place else K.backward_segments(v, block_v)
+    if (threshold is not None or support is not None) and (in_place or v_off or v_total is not None):
+        raise ValueError("backward_triton: a threshold or support list serves whole rows of the logits ops (no "
+                         "vocabulary slice, no d logits written over the logits)")
     scalars = (v, k, rows, inner, s_outer, s_inner, v_off, v if v_total is None else v_total,
                d_inner, d_outer, d_stride, z_inner, z_outer, z_stride,
-               log2e / t, 1.0 / t, opts.ignore_index, segs, seg_len, glp_sr, glp_sk, gh_s)
+               log2e / t, 1.0 / t, opts.ignore_index, segs, seg_len, glp_sr, glp_sk, gh_s,
+               0 if support is None else support.stride(0))
     constexprs = dict(
         HAS_GLP=has_glp, HAS_GH=has_gh, SINGLE_K=k == 1,
         EXACT_SHIFT=exact if exact is not None else exact_shift(None if t_ptr else log2e / t),
         T_FROM_PTR=t_ptr, HAS_DT=has_dt, ZERO_TAIL=tail_rows > 0, IN_PLACE=in_place,
+        HAS_TAU=threshold is not None, HAS_SUP=support is not None,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)),
         num_warps=warps,
     )
@@ -290,16 +312,17 @@ def _backward_plan(grad_logp, grad_entropy, logits, index, temperature_t, opts, 
     return dx_dtype, rows, k, (x_copy, idx_copy, glp_copy, gh_copy), scalars, constexprs, grid, K
 
 
-def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, *options,
+def _backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, *rest,
                      temperature_grad=True):
     """The backward op's Triton implementation."""
-    return backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, Options(*options),
-                           temperature_grad)
+    opts, threshold, support = _split(rest)
+    return backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, opts,
+                           temperature_grad, threshold=threshold, support=support)
 
 
 def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, opts,
                     temperature_grad=True, *, v_off=0, v_total=None, out_dtype=None, out=None, exact=None,
-                    want_dt=True, plans=None):
+                    want_dt=True, plans=None, threshold=None, support=None):
     """The kernels' host code of the backward: the one route into the backward kernel (the
     registered op, the eager path, the vocabulary-parallel slice op and the fused head all call
     it). Keyword-only extras for the fused lm_head
@@ -315,7 +338,10 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     ``want_dt=False``: d T is None (not an empty tensor) where it is not computed. ``plans``:
     the backward plans of the forward call that saved these tensors (_forward_run; the eager
     path, whose keyword extras are then all at their defaults), keyed by the upstream gradients
-    and the saved logits' and index's layouts (the rest of the full key is the forward's)."""
+    and the saved logits' and index's layouts (the rest of the full key is the forward's).
+    ``threshold``, ``support``: the sampler's support of the forward (ops/sampler.py), whole rows
+    only: logits below a row's threshold have d logits 0, and a row whose support list holds its
+    kept columns is written from the list without a pass over its logits."""
     if plans is not None and (v_off or v_total is not None or out_dtype is not None or out is not None
                               or exact is not None):
         raise ValueError("backward_triton: plans= is the eager path's, whose keyword extras (v_off, v_total, "
@@ -323,11 +349,11 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     if logits.dtype == torch.float64:
         return reference.logprobs_entropy_backward(
             grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, opts, temperature_grad,
-            v_off=v_off, v_total=v_total, out_dtype=out_dtype)
+            v_off=v_off, v_total=v_total, out_dtype=out_dtype, threshold=threshold)
     # the saved logits and index as they arrive here: saved-tensor hooks (an offloader) may hand
     # back another layout than the forward's. With ``plans`` this is the whole key.
     key = (tensor_key(grad_logp), tensor_key(grad_entropy), tensor_key(logits), tensor_key(index), _settings_key(),
-           temperature_grad)
+           temperature_grad, tensor_key(threshold), tensor_key(support))
     if plans is None:
         plans = _BWD_PLANS
         in_place = out is not None and out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
@@ -337,7 +363,7 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     plan = plans.get(key)
     if plan is None:
         p = _backward_plan(grad_logp, grad_entropy, logits, index, temperature_t, opts, temperature_grad, v_off, v_total,
-                           out_dtype, out, in_place, exact)
+                           out_dtype, out, in_place, exact, threshold, support)
         plan = plans.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_backward_kernel, p[5])))
     plan, go = plan
     dx_dtype, rows, k, copies, scalars, constexprs, grid, K = plan
@@ -366,7 +392,9 @@ def backward_triton(grad_logp, grad_entropy, logits, index, stats, entropy, temp
     tail = dx[..., -1, :] if opts.shift else None  # written with shift only (ZERO_TAIL)
     # the kernel reads the row statistics (and the entropy) as contiguous rows; a saved-tensor
     # hook may hand them back in another layout (contiguous() returns them as they are otherwise)
-    go(grid, x, idx, glp, gh, stats.contiguous(), ent, dx, tail, temperature_t, xdx if has_dt else None, *scalars)
+    tau = None if threshold is None else threshold.contiguous()
+    go(grid, x, idx, glp, gh, stats.contiguous(), ent, dx, tail, temperature_t, xdx if has_dt else None, tau, support,
+       *scalars)
     return dx, reference.temperature_grad(xdx, temperature_t, dt_dtype) if has_dt else xdx
 
 
@@ -404,26 +432,31 @@ if TRITON_DEVICES:
 # ---------------------------------------------------------------------------------------------
 def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[2])
-    logits, index, temperature_t, *options = inputs
-    _save(ctx, logits, index, temperature_t, Options(*options), output[1], output[2])
+    logits, index, temperature_t, *rest = inputs
+    opts, threshold, support = _split(rest)
+    _save(ctx, logits, index, temperature_t, opts, output[1], output[2], threshold, support)
 
 
-def _save(ctx, logits, index, temperature_t, opts, ent, stats):
-    """What the autograd formula needs: the options and the saved tensors."""
+def _save(ctx, logits, index, temperature_t, opts, ent, stats, threshold=None, support=None):
+    """What the autograd formula needs: the options and the saved tensors (the sampler's
+    threshold and support list, O(rows), where given)."""
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: skip its term
     ctx.opts = opts
     # the entropy is an output the caller may modify in place: the backward keeps its own copy
     # (O(rows)), so the outputs behave as the plain formula's do
-    ctx.save_for_backward(logits, index, stats, ent.detach().clone() if opts.compute_entropy else ent, temperature_t)
+    ctx.save_for_backward(logits, index, stats, ent.detach().clone() if opts.compute_entropy else ent, temperature_t,
+                          threshold, support)
 
 
 def _backward(ctx, g_logp, g_ent, _g_stats):
     return _gradients(ctx, g_logp, g_ent, _backward_op)
 
 
-def _backward_op(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, opts, temperature_grad):
+def _backward_op(grad_logp, grad_entropy, logits, index, stats, entropy, temperature_t, opts, temperature_grad, *,
+                 threshold=None, support=None):
     return torch.ops.fused._logprobs_entropy_backward(grad_logp, grad_entropy, logits, index, stats, entropy,
-                                                      temperature_t, *opts.values(), temperature_grad=temperature_grad)
+                                                      temperature_t, *opts.values(), threshold, support,
+                                                      temperature_grad=temperature_grad)
 
 
 def _gradients(ctx, g_logp, g_ent, backward, saved=None, **extra):
@@ -431,13 +464,14 @@ def _gradients(ctx, g_logp, g_ent, backward, saved=None, **extra):
     fast path its implementation) given as a function of (grads, tensors, temperature_t, opts,
     temperature_grad); ``saved``: ctx.saved_tensors where the caller has unpacked them;
     ``extra``: keyword arguments for an implementation (backward_triton's want_dt, plans).
-    One gradient per input of the core op: (logits, index, temperature_t, *options)."""
-    logits, index, stats, ent, temperature_t = ctx.saved_tensors if saved is None else saved
+    One gradient per input of the core op: (logits, index, temperature_t, *options, threshold,
+    support)."""
+    logits, index, stats, ent, temperature_t, threshold, support = ctx.saved_tensors if saved is None else saved
     needs = ctx.needs_input_grad
     need_x, need_t = needs[0], len(needs) > 2 and needs[2]
 
     def grads(dx, dt):
-        return ((dx if need_x else None, None, dt if need_t else None) + (None,) * _N_OPTS)[:len(needs)]
+        return ((dx if need_x else None, None, dt if need_t else None) + (None,) * (_N_OPTS + 2))[:len(needs)]
 
     if not (need_x or need_t):
         return grads(None, None)
@@ -451,6 +485,8 @@ def _gradients(ctx, g_logp, g_ent, backward, saved=None, **extra):
     # a tensor temperature reaches the backward whether or not it requires grad: it is the T of
     # the d logits too (the float temperature is then only a placeholder); its gradient's row
     # partials are computed only where it requires grad
+    if threshold is not None:
+        extra = dict(extra, threshold=threshold, support=support)
     dx, dt = backward(g_logp, g_ent, logits, index, stats, ent, temperature_t, ctx.opts, bool(need_t), **extra)
     return grads(dx, dt.to(temperature_t.dtype) if need_t else None)
 
@@ -579,17 +615,23 @@ _core = torch.ops.fused._logprobs_entropy_forward
 
 
 def _restricted_core(logits, index, temperature_t, opts):
-    """The core op's outputs over the sampler's support (reference.sampler_support): the core on
-    the logits with the ids outside the support masked to -inf, ids outside it scored -inf with no
-    gradient. Without sampler options: the core op itself."""
+    """The core op's outputs over the sampler's support: the rows' thresholds and support lists
+    (``fused::_sampler_threshold``, ops/sampler.py; the rule: reference.sampler_threshold), then
+    the core op restricted to each row's logits >= its threshold (no masked copy of the logits),
+    ids outside the support scored -inf with no gradient. Without sampler options: the core op
+    itself."""
     meta.check_sampler(opts)
     if not opts.restricts_support():
         return _core(logits, index, temperature_t, *opts.values())
-    masked, outside = reference.sampler_support(logits, index, temperature_t, opts)
-    logp, ent, stats = _core(masked, index, temperature_t, *opts.values())
-    if outside is not None:
-        # -inf there already (the masked logit); the where cuts its gradient, which the core's
-        # formula would spread over the kept logits (- p_j g)
+    # the thresholds are constants of the step: computed from the detached logits
+    tau, support = torch.ops.fused._sampler_threshold(
+        logits.detach(), None if temperature_t is None else temperature_t.detach(), opts.temperature, opts.shift,
+        opts.top_k, opts.top_p, opts.min_p)
+    logp, ent, stats = _core(logits, index, temperature_t, *opts.values(), tau, support)
+    if index is not None:
+        # -inf there already, and the core passes no gradient through such an id; the where
+        # states it at the public op (a gather of the ids' logits, O(index))
+        outside = reference.sampler_outside(logits, index, tau, opts)
         logp = torch.where(outside, torch.full((), float("-inf"), dtype=logp.dtype, device=logp.device), logp)
     return logp, ent, stats
 

@@ -1,0 +1,489 @@
+"""Triton kernels of the sampler's support: one threshold tau per row such that the support is
+{j : x_j >= tau}, the rule of reference.sampler_threshold (min-p, then top-k, then top-p over
+what min-p and top-k kept; ties kept whole), without a sort and without a copy of the logits.
+
+Keys. A float's order key is its bit pattern with the low 31 bits flipped for negative numbers,
+compared as a signed int32 (``_key``; -0.0 is taken as +0.0). A threshold is searched on the
+keys' grid of multiples of 2^LO_BIT: bf16 and fp16 logits widened to fp32 have their low 16 and
+13 bits zero, so each key of that grid holds one value at most and the search stops there.
+``_select`` finds the largest grid key r with sum_{key >= r} w >= target by bisection over the
+bits (counts w = 1: the k-th largest; probability masses: the top-p cut, whose value tau3 is the
+largest with mass(x >= tau3) >= top_p * mass: the cumulative mass of the ids strictly above the
+last kept one is below top_p, as the rule reads).
+
+Three kernels, one per route (ops/sampler.py picks them):
+- ``_sampler_filter_kernel`` (min-p and/or top-k, then top-p if asked): one pass over the row with
+  a running lower bound L of tau (the running max + T ln min_p; the k-th largest of the
+  candidates kept so far). Elements >= L are appended to a working list (position and value, in
+  the program's scratch); when the list fills, L is raised (the list's k-th largest) and the list
+  is compacted. At the end tau comes from the list, which holds every element >= L and so the
+  whole support; top-p then runs over the list. The list needs no second read of the row.
+- ``_sampler_top_p_kernel`` (top-p alone): the row's statistics (max m and sum s of 2^((x-m)c),
+  the log-prob kernels' own numerics) with a strided sample of the row, from which the cut's
+  rank is estimated; a second pass sums the mass above a band of sample values around that
+  estimate and lists the band's elements, and the cut is found in the band.
+- ``_sampler_exact_kernel``: the rows the others could not settle (a list that overflowed: more
+  ties at the top than the list holds, or a band that missed the cut), or every row where the
+  fast routes do not apply (a top_k past the list's capacity): max, then digit-by-digit
+  searches (4 bits a pass) of counts and masses over the whole row.
+
+Every route ends with the row's tau and its support list: the positions of the kept ids in
+ascending order with their count in front when they fit SUPPORT_CAP (meta/sampler.py), else
+count -1. The log-prob backward then writes a listed row's gradient without reading its logits
+(kernels/logprobs.py). Status -2 in the count marks a row for the exact kernel.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ..settings import INTERPRET
+from .logprobs import LOG2E_C, T_MAX_C, T_MIN_C, _forward_combine, _forward_update, _row_base, _shifted
+
+KEY_MIN = tl.constexpr(-2147483648)
+NEEDS_EXACT = tl.constexpr(-2)
+NOT_LISTED = tl.constexpr(-1)
+# Triton's interpreter has no libdevice: its fp32 products are rounded once anyway (numpy)
+_INTERP = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _key(x):
+    """Order key of fp32 values (signed int32 order = float order, -0.0 as +0.0)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_value(r, LO_BIT: tl.constexpr):
+    """The value of the elements whose keys lie in the grid bucket [r, r + 2^LO_BIT): their low
+    LO_BIT bits are all zero (non-negative keys) or all one (negative keys)."""
+    k = tl.where(r < 0, r | ((1 << LO_BIT) - 1), r)
+    bits = k ^ ((k >> 31) & 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _temperature(t_arg, p_temp, T_FROM_PTR: tl.constexpr):
+    """T in fp32: the launch's float, or (T_FROM_PTR) a device scalar clamped as the log-prob
+    kernels clamp it (a T <= 0, inf or NaN gives NaN)."""
+    if T_FROM_PTR:
+        t = tl.load(p_temp)
+        ok = (t > 0.0) & (t < float("inf"))
+        t = tl.minimum(tl.maximum(t, T_MIN_C), T_MAX_C)
+        return tl.where(ok, t, float("nan")).to(tl.float32)
+    else:
+        return tl.cast(t_arg, tl.float32)
+
+
+@triton.jit
+def _min_p_shift(t, min_p_arg, T_FROM_PTR: tl.constexpr):
+    """T ln(min_p) in fp32 as the rule rounds it: the host's product for a float T (min_p_arg),
+    else round(T * round(ln min_p)) (min_p_arg = ln min_p), a product no fma may absorb."""
+    if T_FROM_PTR:
+        if _INTERP:
+            return t * tl.cast(min_p_arg, tl.float32)
+        else:
+            return libdevice.mul_rn(t, tl.cast(min_p_arg, tl.float32))
+    else:
+        return tl.cast(min_p_arg, tl.float32)
+
+
+@triton.jit
+def _list_sum(p_val, n, floor, m, c, EXACT_SHIFT: tl.constexpr, CHUNK: tl.constexpr):
+    """sum of 2^((x - m) c) over the list's n values x >= floor."""
+    o = tl.arange(0, CHUNK)
+    acc = tl.zeros([CHUNK], dtype=tl.float32)
+    for i0 in range(0, n, CHUNK):
+        v = tl.load(p_val + i0 + o, mask=i0 + o < n, other=float("-inf"))
+        acc += tl.where(v >= floor, tl.exp2(_shifted(v, m, c, EXACT_SHIFT)), 0.0)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _list_max(p_val, n, CHUNK: tl.constexpr):
+    o = tl.arange(0, CHUNK)
+    acc = tl.full([CHUNK], float("-inf"), tl.float32)
+    for i0 in range(0, n, CHUNK):
+        acc = tl.maximum(acc, tl.load(p_val + i0 + o, mask=i0 + o < n, other=float("-inf")))
+    return tl.max(acc, 0)
+
+
+@triton.jit
+def _list_count_ge(p_val, n, r, CHUNK: tl.constexpr):
+    """How many of the list's n values have a key >= r."""
+    o = tl.arange(0, CHUNK)
+    acc = tl.zeros([CHUNK], dtype=tl.int32)
+    for i0 in range(0, n, CHUNK):
+        v = tl.load(p_val + i0 + o, mask=i0 + o < n, other=float("-inf"))
+        acc += ((i0 + o < n) & (_key(v) >= r)).to(tl.int32)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _finish_list(p_tau, p_sup_row, row, tau, p_val, p_pos, n, SUP_CAP: tl.constexpr, CHUNK: tl.constexpr):
+    """Stores the row's tau and its support list: the positions of the list's values >= tau (the
+    list holds every element >= tau, in order), with their count when it is at most SUP_CAP,
+    else count -1."""
+    o = tl.arange(0, CHUNK)
+    total = tl.full((), 0, tl.int32)
+    for i0 in range(0, n, CHUNK):
+        live = i0 + o < n
+        v = tl.load(p_val + i0 + o, mask=live, other=float("-inf"))
+        pos = tl.load(p_pos + i0 + o, mask=live, other=0)
+        keep = live & (v >= tau)
+        ki = keep.to(tl.int32)
+        off = total + tl.cumsum(ki, 0) - ki
+        tl.store(p_sup_row + 1 + off, pos, mask=keep & (off < SUP_CAP))
+        total += tl.sum(ki, 0)
+    tl.store(p_sup_row, tl.where(total <= SUP_CAP, total, NOT_LISTED))
+    tl.store(p_tau + row, tau)
+
+
+@triton.jit
+def _shrink(p_val, p_pos, cnt, L, top_k, HAS_TOPK: tl.constexpr, LO_BIT: tl.constexpr, CHUNK: tl.constexpr):
+    """Raises L to the list's k-th largest (top-k, once the list holds k) and compacts the list
+    in place to its elements >= L, a chunk at a time (a chunk's stores land at or before its own
+    place, after every thread has read it). Returns (count, L)."""
+    tl.debug_barrier()  # the appends of every thread before these loads
+    if HAS_TOPK:
+        if cnt >= top_k:
+            r = _digit_select(p_val, cnt, top_k, float("-inf"), 0.0, 1.0, False, True, LO_BIT, CHUNK)
+            L = tl.maximum(L, _key_value(r, LO_BIT))
+    o = tl.arange(0, CHUNK)
+    total = tl.full((), 0, tl.int32)
+    for i0 in range(0, cnt, CHUNK):
+        live = i0 + o < cnt
+        v = tl.load(p_val + i0 + o, mask=live, other=float("-inf"))
+        pos = tl.load(p_pos + i0 + o, mask=live, other=0)
+        keep = live & (v >= L)
+        ki = keep.to(tl.int32)
+        off = total + tl.cumsum(ki, 0) - ki
+        tl.debug_barrier()  # every thread's loads of this chunk before any store over it
+        tl.store(p_val + off, v, mask=keep)
+        tl.store(p_pos + off, pos, mask=keep)
+        tl.debug_barrier()
+        total += tl.sum(ki, 0)
+    return total, L
+
+
+@triton.jit
+def _sampler_filter_kernel(
+    p_x, p_tau, p_sup, p_val, p_pos, p_temp,
+    n_rows, V, inner_size, stride_outer, stride_inner,
+    t_arg,  # float T (a placeholder with T_FROM_PTR)
+    min_p_arg,  # T ln(min_p) for a float T, ln(min_p) with T_FROM_PTR
+    top_k, top_p,
+    HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, T_FROM_PTR: tl.constexpr,
+    EXACT_SHIFT: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr, SUP_CAP: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """min-p and/or top-k (then top-p over their support) by a running filter: one pass over
+    each row; a persistent grid, each program with its own working list (p_val, p_pos: CAP
+    entries) for the rows pid, pid + grid, ..."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    p_val = p_val + pid.to(tl.int64) * CAP
+    p_pos = p_pos + pid.to(tl.int64) * CAP
+    t = _temperature(t_arg, p_temp, T_FROM_PTR)
+    delta = 0.0
+    if HAS_MINP:
+        delta = _min_p_shift(t, min_p_arg, T_FROM_PTR)
+    c = LOG2E_C / t
+    o_b = tl.arange(0, BLOCK)
+    for row in range(pid, n_rows, nprog):
+        row64 = row + tl.zeros((), tl.int64)  # (a Python int in the interpreter)
+        p_row = _row_base(p_x, row64, inner_size, stride_outer, stride_inner)
+        L = tl.full((), float("-inf"), tl.float32)  # every element >= L is in the list
+        M = tl.full((), float("-inf"), tl.float32)  # the running max
+        cnt = tl.full((), 0, tl.int32)
+        ok = cnt == 0  # the list holds every element >= L
+        b_x = tl.load(p_row + o_b, mask=o_b < V, other=float("-inf")).to(tl.float32)
+        for start in range(0, V, BLOCK):
+            o = start + o_b
+            inb = o < V
+            b_nx = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf")).to(tl.float32)
+            cand = inb & (b_x >= L)
+            n = tl.sum(cand.to(tl.int32), 0)
+            if HAS_MINP:
+                bm = tl.max(b_x, 0)
+            if ok & (n > 0):
+                if cnt + n > CAP:
+                    cnt, L = _shrink(p_val, p_pos, cnt, L, top_k, HAS_TOPK, LO_BIT, CHUNK)
+                    cand = inb & (b_x >= L)
+                    n = tl.sum(cand.to(tl.int32), 0)
+                    ok = cnt + n <= CAP
+                if ok:
+                    ci = cand.to(tl.int32)
+                    off = cnt + tl.cumsum(ci, 0) - ci
+                    tl.store(p_pos + off, o, mask=cand)
+                    tl.store(p_val + off, b_x, mask=cand)
+                    cnt += n
+            if HAS_MINP:  # the bound of the next blocks (this block was filtered by the last one)
+                M = tl.maximum(M, bm)
+                L = tl.maximum(L, M + delta)
+            b_x = b_nx
+        tl.debug_barrier()  # the list's last appends before its loads
+        p_sup_row = p_sup + row64 * (SUP_CAP + 1)
+        tau = tl.full((), float("-inf"), tl.float32)
+        if HAS_MINP:
+            tau = M + delta  # exact whether or not the list held
+        if ok:
+            if HAS_TOPK:
+                r = _digit_select(p_val, cnt, top_k, float("-inf"), 0.0, 1.0, False, True, LO_BIT, CHUNK)
+                tau = tl.maximum(tau, _key_value(r, LO_BIT))
+            if HAS_TOPP:
+                # the probabilities over what min-p and top-k kept (the list's max is the row's)
+                m_l = _list_max(p_val, cnt, CHUNK)
+                s = _list_sum(p_val, cnt, tau, m_l, c, EXACT_SHIFT, CHUNK)
+                r3 = _digit_select(p_val, cnt, top_p * s, tau, m_l, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+                tau = tl.where(s > 0.0, tl.maximum(tau, _key_value(r3, LO_BIT)), tau)
+            _finish_list(p_tau, p_sup_row, row64, tau, p_val, p_pos, cnt, SUP_CAP, CHUNK)
+        else:
+            if HAS_TOPK or HAS_TOPP:
+                tl.store(p_sup_row, NEEDS_EXACT)
+            else:  # min-p alone: tau is exact, the support too large to list
+                tl.store(p_sup_row, NOT_LISTED)
+                tl.store(p_tau + row64, tau)
+        tl.debug_barrier()  # this row's list reads before the next row's appends
+
+
+@triton.jit
+def _sampler_top_p_kernel(
+    p_x, p_tau, p_sup, p_val, p_pos, p_temp,
+    n_rows, V, inner_size, stride_outer, stride_inner,
+    t_arg, top_p,
+    stride_s, n_samples,  # every stride_s-th element is sampled: n_samples of them
+    z_band,  # the band's half width in standard errors of the cut's rank in the sample
+    w_max,  # the band's half width in samples at most (the working list's capacity)
+    EXACT_SHIFT: tl.constexpr, T_FROM_PTR: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr,
+    SUP_CAP: tl.constexpr, BLOCK_V: tl.constexpr, EPT: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """top-p alone: two passes over each row (statistics with a sample; the band around the
+    sample's estimate of the cut). A persistent grid as _sampler_filter_kernel; the sample and
+    then the band list use the program's working list."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    p_val = p_val + pid.to(tl.int64) * CAP
+    p_pos = p_pos + pid.to(tl.int64) * CAP
+    t = _temperature(t_arg, p_temp, T_FROM_PTR)
+    c = LOG2E_C / t
+    NR: tl.constexpr = BLOCK_V // EPT
+    o_r = tl.arange(0, NR)
+    o_v = o_r[:, None] * EPT + tl.arange(0, EPT)[None, :]
+    first = tl.arange(0, EPT)[None, :] == 0
+    o_b = tl.arange(0, BLOCK)
+    for row in range(pid, n_rows, nprog):
+        row64 = row + tl.zeros((), tl.int64)  # (a Python int in the interpreter)
+        p_row = _row_base(p_x, row64, inner_size, stride_outer, stride_inner)
+        p_sup_row = p_sup + row64 * (SUP_CAP + 1)
+        # pass 1: max m and s = sum 2^((x - m) c) (the forward kernel's tile-row sums), and the
+        # sample: the first element of every tile row whose position is a multiple of stride_s
+        s_r = tl.zeros([NR], dtype=tl.float32)
+        m_r = tl.full([NR], float("-inf"), tl.float32)
+        for start in range(0, V, BLOCK_V):
+            o = start + o_v
+            b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
+            m_r, s_r, _ = _forward_update(b_x, c, m_r, s_r, s_r, False, EXACT_SHIFT)
+            q = start + o_r * EPT
+            head = tl.max(tl.where(first, b_x, float("-inf")), 1)
+            tl.store(p_val + q // stride_s, head, mask=(q % stride_s == 0) & (q < V))
+        m, s, _ = _forward_combine(m_r, s_r, s_r, c, False, EXACT_SHIFT)
+        tl.debug_barrier()
+        w_tot = _list_sum(p_val, n_samples, float("-inf"), m, c, EXACT_SHIFT, CHUNK)
+        # the sample's cut and its rank there; the band: w samples either side, where w is z_band
+        # standard errors of that rank (a Poisson count), within the list's capacity
+        r_hat = _digit_select(p_val, n_samples, top_p * w_tot, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+        rank = _list_count_ge(p_val, n_samples, r_hat, CHUNK)
+        w = tl.minimum(tl.ceil(z_band * tl.sqrt(rank.to(tl.float32))).to(tl.int32) + 2, w_max)
+        has_hi = rank - w >= 1
+        hi = _digit_select(p_val, n_samples, tl.maximum(rank - w, 1), float("-inf"), m, c, False, EXACT_SHIFT, LO_BIT,
+                           CHUNK)
+        has_lo = rank + w <= n_samples
+        lo = _digit_select(p_val, n_samples, tl.minimum(rank + w, n_samples), float("-inf"), m, c, False,
+                           EXACT_SHIFT, LO_BIT, CHUNK)
+        tl.debug_barrier()  # the sample's loads before the band list overwrites it
+        # pass 2: the mass above the band (key >= hi), the band [lo, hi) listed
+        a_acc = tl.zeros([BLOCK], dtype=tl.float32)
+        b_acc = tl.zeros([BLOCK], dtype=tl.float32)
+        cnt = tl.full((), 0, tl.int32)
+        for start in range(0, V, BLOCK):
+            o = start + o_b
+            inb = o < V
+            b_x = tl.load(p_row + o, mask=inb, other=float("-inf")).to(tl.float32)
+            k_x = _key(b_x)
+            b_e = tl.exp2(_shifted(b_x, m, c, EXACT_SHIFT))
+            above = tl.where(has_hi, inb & (k_x >= hi), False)
+            band = inb & tl.where(has_lo, k_x >= lo, True) & tl.where(has_hi, k_x < hi, True)
+            a_acc += tl.where(above, b_e, 0.0)
+            b_acc += tl.where(band, b_e, 0.0)
+            bi = band.to(tl.int32)
+            off = cnt + tl.cumsum(bi, 0) - bi
+            fits = off < CAP
+            tl.store(p_pos + off, o, mask=band & fits)
+            tl.store(p_val + off, b_x, mask=band & fits)
+            cnt += tl.sum(bi, 0)
+        tl.debug_barrier()
+        a = tl.sum(a_acc, 0)
+        target = top_p * s
+        found = (cnt <= CAP) & (a < target) & (a + tl.sum(b_acc, 0) >= target) & (s > 0.0)
+        if found:
+            r3 = _digit_select(p_val, cnt, target - a, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+            tau = _key_value(r3, LO_BIT)
+            if has_hi:  # the ids above the band are kept too and were not listed
+                tl.store(p_sup_row, NOT_LISTED)
+                tl.store(p_tau + row64, tau)
+            else:
+                _finish_list(p_tau, p_sup_row, row64, tau, p_val, p_pos, cnt, SUP_CAP, CHUNK)
+        else:
+            tl.store(p_sup_row, NEEDS_EXACT)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _row_max(p_row, V, BLOCK: tl.constexpr):
+    o_b = tl.arange(0, BLOCK)
+    acc = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        o = start + o_b
+        acc = tl.maximum(acc, tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32))
+    return tl.max(acc, 0)
+
+
+@triton.jit
+def _digit_select(p_row, V, target, floor, m, c, MASS: tl.constexpr, EXACT_SHIFT: tl.constexpr,
+                  LO_BIT: tl.constexpr, BLOCK: tl.constexpr):
+    """The largest multiple r of 2^(LO_BIT rounded down to 4) with W(r) >= target, where W(r) sums
+    over the V values x >= floor at p_row (a row of logits, or a program's working list) with
+    key >= r their weight: 1, or (MASS) 2^((x - m) c). Four bits a pass, from the top: a pass
+    counts the 16 candidate digits at once (KEY_MIN where even the whole sum falls short)."""
+    NPASS: tl.constexpr = (32 - LO_BIT + 3) // 4
+    o_b = tl.arange(0, BLOCK)
+    d = tl.arange(0, 16).to(tl.int64)
+    r = tl.full((), -2147483648, tl.int64)
+    for i in range(0, NPASS):
+        shift = 28 - 4 * i
+        cands = r + (d << shift)
+        if MASS:
+            acc = tl.zeros([16], dtype=tl.float32)
+        else:
+            acc = tl.zeros([16], dtype=tl.int32)
+        for start in range(0, V, BLOCK):
+            o = start + o_b
+            b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
+            keep = (o < V) & (b_x >= floor)
+            if MASS:
+                wt = tl.where(keep, tl.exp2(_shifted(b_x, m, c, EXACT_SHIFT)), 0.0)
+            else:
+                wt = keep.to(tl.int32)
+            hit = _key(b_x)[:, None] >= cands[None, :]
+            acc += tl.sum(tl.where(hit, wt[:, None], 0), 0)
+        best = tl.max(tl.where(acc >= target, d, 0), 0)
+        r = r + (best << shift)
+    return r.to(tl.int32)
+
+
+@triton.jit
+def _sampler_exact_kernel(
+    p_x, p_tau, p_sup, p_temp,
+    V, inner_size, stride_outer, stride_inner,
+    t_arg, min_p_arg, top_k, top_p,
+    ALL_ROWS: tl.constexpr, HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr,
+    EXACT_SHIFT: tl.constexpr, T_FROM_PTR: tl.constexpr, LO_BIT: tl.constexpr, SUP_CAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Every row (ALL_ROWS), or the rows whose count holds NEEDS_EXACT: tau by passes over the
+    whole row (max; top-k's count search; the mass over what min-p and top-k kept and top-p's
+    mass search), support not listed."""
+    row = tl.program_id(0).to(tl.int64)
+    p_sup_row = p_sup + row * (SUP_CAP + 1)
+    todo = True
+    if not ALL_ROWS:
+        todo = tl.load(p_sup_row) == NEEDS_EXACT
+    if todo:
+        p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
+        t = _temperature(t_arg, p_temp, T_FROM_PTR)
+        c = LOG2E_C / t
+        m = 0.0
+        if HAS_MINP or HAS_TOPP:
+            m = _row_max(p_row, V, BLOCK)
+        tau = tl.full((), float("-inf"), tl.float32)
+        if HAS_MINP:
+            tau = m + _min_p_shift(t, min_p_arg, T_FROM_PTR)
+        if HAS_TOPK:
+            r = _digit_select(p_row, V, top_k, float("-inf"), m, c, False, EXACT_SHIFT, LO_BIT, BLOCK)
+            tau = tl.maximum(tau, _key_value(r, LO_BIT))
+        if HAS_TOPP:
+            o_b = tl.arange(0, BLOCK)
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, V, BLOCK):
+                o = start + o_b
+                b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
+                acc += tl.where((o < V) & (b_x >= tau), tl.exp2(_shifted(b_x, m, c, EXACT_SHIFT)), 0.0)
+            s = tl.sum(acc, 0)
+            r3 = _digit_select(p_row, V, top_p * s, tau, m, c, True, EXACT_SHIFT, LO_BIT, BLOCK)
+            tau = tl.where(s > 0.0, tl.maximum(tau, _key_value(r3, LO_BIT)), tau)
+        tl.store(p_tau + row, tau)
+        tl.store(p_sup_row, NOT_LISTED)
+
+
+def lo_bit(dtype) -> int:
+    """The low key bits that are zero in logits of this dtype widened to fp32."""
+    return {"torch.bfloat16": 16, "torch.float16": 13}.get(str(dtype), 0)
+
+
+# programs of the persistent kernels per multiprocessor (8 warps each)
+PROGRAMS_PER_SM = 4
+# the top-p band's half width, in standard errors of the cut's rank in the sample
+BAND_Z = 3.0
+
+
+class Config(NamedTuple):
+    block: int  # elements per block of the filter and band passes (16 bytes a thread at 8 warps)
+    cap: int  # a program's working list of the filter's candidates
+    cap_p: int  # a program's working list of top-p's sample, then its band
+    ept: int  # elements per thread vector in the top-p statistics pass ([block // ept, ept] tiles)
+    warps: int
+    exact_block: int  # the exact kernel's block ([block, 16] digit counts)
+    chunk: int  # the working lists' chunk (their digit counts, sums and compactions)
+    programs: int  # the persistent grid's size (0: PROGRAMS_PER_SM per multiprocessor)
+
+
+def config(elem_size: int, v: int, small: bool) -> Config:
+    """The sampler kernels' tiles for logits of elem_size bytes; ``small`` (the small_tiles
+    setting): tiles that take every path of the kernels at small V (several blocks, list
+    shrinks and overflows, several rows per program)."""
+    if small:
+        return Config(block=16, cap=64, cap_p=64, ept=16 // elem_size, warps=1, exact_block=16, chunk=16, programs=3)
+    block = 4096 // elem_size
+    return Config(block=block, cap=4096, cap_p=8192, ept=16 // elem_size, warps=8, exact_block=256, chunk=512,
+                  programs=0)
+
+
+def compile_cases():
+    """(name, kernel, signature, constexprs, warps) for tests/test_kernels_compile.py."""
+    common = {"p_x": "*bf16", "p_tau": "*fp32", "p_sup": "*i32", "p_val": "*fp32", "p_pos": "*i32",
+              "p_temp": "*fp32", "n_rows": "i32", "V": "i32", "inner_size": "i32", "stride_outer": "i64",
+              "stride_inner": "i64", "t_arg": "fp32"}
+    filt = dict(common, min_p_arg="fp32", top_k="i32", top_p="fp32")
+    for mp, tk, tp, tptr in [(True, False, False, False), (False, True, False, False), (True, True, True, True)]:
+        yield (f"sampler_filter minp={mp} topk={tk} topp={tp} t_ptr={tptr}", _sampler_filter_kernel, filt,
+               {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr, "LO_BIT": 16,
+                "CAP": 4096, "SUP_CAP": 512, "BLOCK": 2048, "CHUNK": 512}, 8)
+    topp = dict(common, top_p="fp32", stride_s="i32", n_samples="i32", z_band="fp32", w_max="i32")
+    for tptr in (False, True):
+        yield (f"sampler_top_p t_ptr={tptr}", _sampler_top_p_kernel, topp,
+               {"EXACT_SHIFT": tptr, "T_FROM_PTR": tptr, "LO_BIT": 16, "CAP": 8192, "SUP_CAP": 512,
+                "BLOCK_V": 2048, "EPT": 8, "BLOCK": 2048, "CHUNK": 512}, 8)
+    exact = {k: v for k, v in common.items() if k not in ("p_val", "p_pos", "n_rows")}
+    exact.update(min_p_arg="fp32", top_k="i32", top_p="fp32")
+    for every, fp32 in [(True, False), (False, True)]:
+        yield (f"sampler_exact all={every} fp32={fp32}", _sampler_exact_kernel, dict(exact, p_x="*fp32") if fp32
+               else exact, {"ALL_ROWS": every, "HAS_MINP": True, "HAS_TOPK": True, "HAS_TOPP": True,
+                            "EXACT_SHIFT": False, "T_FROM_PTR": fp32, "LO_BIT": 0 if fp32 else 16, "SUP_CAP": 512,
+                            "BLOCK": 256}, 4)
