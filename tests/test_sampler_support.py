@@ -419,3 +419,23 @@ def test_restricted_ops_keep_no_logits_sized_buffer(kw):
     cfg = KS.config(2, 151936, False)
     scratch = min(256, n_sm(x.device) * KS.PROGRAMS_PER_SM) * cfg.cap_p * 8
     assert extra <= 256 * (SUPPORT_CAP + 2) * 4 + scratch + (4 << 20), extra
+
+
+@pytest.mark.parametrize("device", ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_sampler_kernels_setting_switches_the_route_not_the_result(device, settings_override):
+    """sampler_kernels off: the thresholds come from the plain-PyTorch rule on the device (no row
+    listed); on: from the Triton kernels (short supports listed). The same thresholds and the same
+    log-probs either way."""
+    gen = torch.Generator().manual_seed(31)
+    x = (torch.randn(6, 300, generator=gen) * 3).to(torch.bfloat16).to(device)
+    idx = torch.randint(0, 300, (6,), generator=gen).to(device)
+    out = {}
+    for on in (False, True):
+        settings_override(sampler_kernels=on)
+        tau, sup = torch.ops.fused._sampler_threshold(x, None, 0.9, False, 7, None, None)
+        lp = torch_fused.selective_log_softmax(x, idx, temperature=0.9, top_k=7)
+        out[on] = (tau, sup, lp)
+    assert bool((out[False][1][:, 0] == -1).all())  # the reference lists no row
+    assert bool((out[True][1][:, 0] >= 7).all())  # the kernels list each row's (>= 7) kept ids
+    assert torch.equal(out[False][0], out[True][0])
+    torch.testing.assert_close(out[False][2], out[True][2], rtol=0, atol=0)

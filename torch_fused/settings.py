@@ -32,6 +32,7 @@ in ``torch.compiler.config.cache_key_tag`` (a torch setting), written while the 
 | ``distill_segment`` | 4096 | | the distillation row passes split each row into segments of at least this many columns (one program each) where the rows alone would not fill the device (the head's chunks); 0: one program per row |
 | ``distill_min_rows`` | {"cuda": 128} | | the fewest token rows of a distillation head chunk, per device type (fewer rows re-read both heads' weights per chunk) |
 | ``logprobs_bwd_segment`` | 32768 | | the log-prob backward splits a row into programs of about this many columns (0: one program per row) |
+| ``sampler_kernels`` | False | ``TORCH_FUSED_SAMPLER_KERNELS`` (1: on) | the thresholds of the sampler's support (top_k, top_p, min_p of the log-prob ops) come from the Triton kernels of kernels/sampler.py on CUDA; off: from the plain-PyTorch rule on the device (reference.sampler_threshold: a per-row top-k / sort, [rows, V] temporaries). Off by default until the kernels' GPU tests and the sampler benchmark have run (``python -m torch_fused.bench --only sampler``); under the interpreter the test suite turns it on |
 | ``sampler_exact`` | False | | the sampler's support (top_k, top_p, min_p of the log-prob ops) by the exact multi-pass kernel for every row instead of the fast routes (kernels/sampler.py): tests and benchmarks |
 | ``reference_chunk_elems`` | 2**21 | | the plain-PyTorch implementations (CPU) work in chunks of rows whose float temporaries stay near this many elements |
 | ``small_tiles`` | False | | every kernel takes its smallest tiles, which still take every code path (full blocks, masked tails, several programs and trips) at small shapes: the interpreter test run |
@@ -112,6 +113,7 @@ DEFAULTS = dict(
     distill_min_rows={"cuda": 128},
     distill_segment=4096,
     logprobs_bwd_segment=32768,
+    sampler_kernels=_env_flag("TORCH_FUSED_SAMPLER_KERNELS", False),
     sampler_exact=False,
     reference_chunk_elems=1 << 21,
     small_tiles=False,

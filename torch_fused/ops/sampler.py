@@ -51,7 +51,9 @@ def threshold_launches(logits, temperature_t, temperature, shift, top_k, top_p, 
     no tau), where ``finish()`` launches the exact kernel over the same tensors."""
     opts = meta.sampler_options(temperature, shift, top_k, top_p, min_p)
     meta.check_options(logits, None, temperature_t, opts)
-    if logits.dtype == torch.float64:  # a validation dtype: the reference keeps fp64 thresholds
+    if logits.dtype == torch.float64 or not settings.sampler_kernels:
+        # a validation dtype (the reference keeps fp64 thresholds), or the kernels switched off:
+        # the reference's thresholds (torch ops on the device; no row listed)
         return _done(finish, reference.sampler_threshold(logits, temperature_t, opts), _unlisted(logits, shift))
     from ..kernels import sampler as K
     from .logprobs import _row_layout
