@@ -90,10 +90,10 @@ def _distill_stats_kernel(
         if not HAS_ENT:  # the entropy is made for every row; without it ignored rows are skipped
             live = tl.load(p_lab + row) != ignore_index
     if live:
-        m_s, s_s, t_s = _row_statistics(_row_base(p_s, row, s_inner, s_outer, s_stride) + c0, v_seg, c_s, HAS_ENT,
-                                        EXACT_SHIFT, BLOCK_V, EPT_S)
-        m_t, s_t, _ = _row_statistics(_row_base(p_t, row, t_inner, t_outer, t_stride) + c0, v_seg, c_t, False,
-                                      EXACT_SHIFT, BLOCK_V, EPT_T)
+        m_s, s_s, t_s = _row_statistics(_row_base(p_s, row, s_inner, s_outer, s_stride) + c0, v_seg, c_s, 0.0,
+                                        HAS_ENT, EXACT_SHIFT, False, BLOCK_V, EPT_S)
+        m_t, s_t, _ = _row_statistics(_row_base(p_t, row, t_inner, t_outer, t_stride) + c0, v_seg, c_t, 0.0, False,
+                                      EXACT_SHIFT, False, BLOCK_V, EPT_T)
         if SEGMENTED:
             tl.store(p_part + pid * 5, m_s)
             tl.store(p_part + pid * 5 + 1, s_s)
