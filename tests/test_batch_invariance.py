@@ -54,18 +54,17 @@ def _equal_rows(name, results, row):
         assert torch.equal(got, ref), f"{name}: row {row} differs in batch #{i} (max |diff| {(got - ref).abs().max()})"
 
 
-def _head_paths(device):
-    """The fused head's ways of making its logits on the Triton path: inside the GEMM kernels
-    (bf16), and GEMM chunks (fp32 weights; bf16 with the fused GEMMs switched off; a softcap)."""
-    yield "fused-gemm", torch.bfloat16, {}, {}
-    yield "chunks-fp32", torch.float32, {}, {}
-    yield "chunks-bf16", torch.bfloat16, {"lm_head_fused_gemm": frozenset()}, {}
-    yield "softcap", torch.bfloat16, {}, {"softcap": 30.0}
+# The fused head's ways of making its logits on the Triton path: (dtype, settings, keywords) of
+# inside the GEMM kernels (bf16), and GEMM chunks (fp32 weights; bf16 with the fused GEMMs
+# switched off; a softcap)
+HEAD_PATHS = {"fused-gemm": (torch.bfloat16, {}, {}), "chunks-fp32": (torch.float32, {}, {}),
+              "chunks-bf16": (torch.bfloat16, {"lm_head_fused_gemm": frozenset()}, {}),
+              "softcap": (torch.bfloat16, {}, {"softcap": 30.0})}
 
 
 # the interpreter run takes two of the cases (its time is the suite's long pole)
 HEAD_CASES = ([("fused-gemm", 3), ("chunks-fp32", None)] if INTERPRET else
-              [(p, k) for p in ("fused-gemm", "chunks-fp32", "chunks-bf16", "softcap") for k in (None, 3)])
+              [(p, k) for p in HEAD_PATHS for k in (None, 3)])
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -73,7 +72,7 @@ HEAD_CASES = ([("fused-gemm", 3), ("chunks-fp32", None)] if INTERPRET else
 def test_fused_head_rows_do_not_depend_on_the_batch(device, path, k, settings_override):
     """Forward log-probs, entropy and the d hidden row of the fused head, each row alone and inside
     batches: bitwise equal. Chunk budgets small enough that the chunk width would follow N."""
-    _, dtype, setting, kw = next(p for p in _head_paths(device) if p[0] == path)
+    dtype, setting, kw = HEAD_PATHS[path]
     settings_override(**setting)
     v, hd, sizes, probe = _sizes(device)
     if device == "cpu":  # chunk widths that would change with N (a budget of a few columns a row)

@@ -378,9 +378,9 @@ def pick_config(kernel: str, smem_limit: int | None, promote: bool = False):
     fits with SMEM_MARGIN to spare, else SMALL_SMEM_CONFIG's, else None (the caller takes the
     cuBLAS path). The lm_head_tiles setting replaces CONFIG."""
     if kernel.startswith("matmul"):
+        swept = settings.lm_head_tiles  # a sweep's table replaces the shipped one where it names the GEMM
         shipped = PROMOTE_MATMUL_CONFIG if promote else MATMUL_CONFIG
-        tables = ((settings.lm_head_tiles or {}).get(kernel) and settings.lm_head_tiles or shipped,
-                  SMALL_SMEM_MATMUL_CONFIG)
+        tables = (swept if swept and kernel in swept else shipped, SMALL_SMEM_MATMUL_CONFIG)
     else:
         tables = (settings.lm_head_tiles or (PROMOTE_CONFIG if promote else CONFIG), SMALL_SMEM_CONFIG)
     elem = 4 if kernel == "matmul32" else 2
