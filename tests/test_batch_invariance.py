@@ -59,7 +59,11 @@ def _equal_rows(name, results, row):
 # switched off; a softcap)
 HEAD_PATHS = {"fused-gemm": (torch.bfloat16, {}, {}), "chunks-fp32": (torch.float32, {}, {}),
               "chunks-bf16": (torch.bfloat16, {"lm_head_fused_gemm": frozenset()}, {}),
-              "softcap": (torch.bfloat16, {}, {"softcap": 30.0})}
+              "softcap": (torch.bfloat16, {}, {"softcap": 30.0}),
+              # the sampler's support: token-row chunks of whole rows (the row count per chunk
+              # does not follow N, but the last chunk's size does)
+              "support": (torch.bfloat16, {"lm_head_support_chunk_bytes": {"cuda": 4 * 151936 * 96}},
+                          {"top_k": 50, "top_p": 0.95})}
 
 
 # the interpreter run takes two of the cases (its time is the suite's long pole)

@@ -439,3 +439,149 @@ def test_sampler_kernels_setting_switches_the_route_not_the_result(device, setti
     assert bool((out[True][1][:, 0] >= 7).all())  # the kernels list each row's (>= 7) kept ids
     assert torch.equal(out[False][0], out[True][0])
     torch.testing.assert_close(out[False][2], out[True][2], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused lm_head over the sampler's support (token-row chunks of whole logits rows): against the
+# logits ops on the float64 logits of the same inputs (the rule itself is tested above)
+# ---------------------------------------------------------------------------------------------
+def _head_inputs(device, n, hd, v, seed, k=None, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hd, generator=g) * 0.6
+    w = torch.randn(v, hd, generator=g) * 0.6
+    b = torch.randn(v, generator=g) * 0.5 if bias else None
+    # ids drawn from each row's top logits (inside the support) and uniformly (mostly outside)
+    z = h.double() @ w.double().T
+    top = z.topk(4, -1).indices
+    shape = (n,) if k is None else (n, k)
+    idx = torch.randint(0, v, shape, generator=g)
+    pick = torch.randint(0, 4, shape, generator=g)
+    inside = torch.rand(shape, generator=g) < 0.7
+    idx = torch.where(inside, top.gather(-1, pick.reshape(n, -1)).reshape(shape), idx)
+    idx.view(-1)[1] = -100
+    return h.to(device), w.to(device), None if b is None else b.to(device), idx.to(device)
+
+
+def _head_logits64(h, w, b, logit_scale=1.0, softcap=None):
+    z = torch.nn.functional.linear(h, w, b)
+    return softcap * torch.tanh(logit_scale * z / softcap) if softcap is not None else z * logit_scale
+
+
+HEAD_SUPPORT_CASES = [
+    (dict(top_k=5), dict()),
+    (dict(top_p=0.7), dict(softcap=2.0, logit_scale=0.8, temperature=1.3)),
+    (dict(top_k=20, top_p=0.9, min_p=0.02), dict(logit_scale=1.5, temperature=0.8, shift=True)),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw,extra", HEAD_SUPPORT_CASES[:1] if INTERPRET else HEAD_SUPPORT_CASES, ids=str)
+@pytest.mark.parametrize("k", [3] if INTERPRET else [None, 3])
+def test_fused_head_over_the_support_matches_the_logits_ops(device, kw, extra, k, settings_override):
+    """Log-probs, entropy and the gradients of hidden, weight and bias: the head (fp32 inputs,
+    several token-row chunks) against logprobs_and_entropy on the float64 logits. Ids outside the
+    support: -inf at the same positions, no gradient."""
+    n, hd, v = (9, 8, 70) if INTERPRET else (23, 16, 300)
+    settings_override(lm_head_support_chunk_bytes={"cpu": 4 * v * 4, "cuda": 4 * v * 4})  # 4 rows a chunk
+    shift = extra.get("shift", False)
+    h, w, b, idx = _head_inputs(device, n, hd, v, seed=5 + (k or 0), k=k)
+    if shift:  # [2, L+1, H] hidden states scoring [2, L] ids
+        h, idx = h[: 2 * (n // 2)].reshape(2, n // 2, hd), idx[: 2 * (n // 2) - 2].reshape(2, n // 2 - 1, *idx.shape[1:])
+    opts = {key: val for key, val in extra.items() if key != "shift"}
+    hf, wf, bf = (t.clone().requires_grad_(True) for t in (h, w, b))
+    lp, ent = torch_fused.linear_logprobs_and_entropy(hf, wf, idx, bias=bf, shift=shift, **opts, **kw)
+    h64, w64, b64 = (t.detach().double().cpu().requires_grad_(True) for t in (h, w, b))
+    z = _head_logits64(h64, w64, b64, opts.get("logit_scale", 1.0), opts.get("softcap"))
+    lr, er = torch_fused.logprobs_and_entropy(z, idx.cpu(), temperature=opts.get("temperature", 1.0), shift=shift, **kw)
+    finite = torch.isfinite(lr)
+    assert torch.equal(torch.isfinite(lp).cpu(), finite)
+    assert bool((lp.cpu()[~finite] == NINF).all()) and bool(finite.any()) and bool((~finite).any())
+    torch.testing.assert_close(lp.double().cpu()[finite], lr[finite], rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent.double().cpu(), er, rtol=0, atol=2e-5)
+    g = torch.Generator().manual_seed(1)
+    g_lp, g_ent = torch.randn(lr.shape, generator=g, dtype=torch.float64), torch.randn(er.shape, generator=g,
+                                                                                          dtype=torch.float64)
+    got = torch.autograd.grad((torch.where(torch.isfinite(lp), lp, 0.0) * g_lp.to(device).float()).sum()
+                              + (ent * g_ent.to(device).float()).sum(), (hf, wf, bf))
+    want = torch.autograd.grad((torch.where(finite, lr, 0.0) * g_lp).sum() + (er * g_ent).sum(), (h64, w64, b64))
+    for name, a, e in zip(("hidden", "weight", "bias"), got, want):
+        torch.testing.assert_close(a.double().cpu(), e, rtol=1e-4, atol=2e-5, msg=lambda m: f"d {name}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.skipif(INTERPRET, reason="the checks run before any kernel: the plain CPU run covers them")
+def test_fused_head_bad_sampler_option_names_it(mode):
+    h, w, idx = torch.randn(3, 4), torch.randn(9, 4), torch.randint(0, 9, (3,))
+
+    def fn(h, w, idx):
+        return torch_fused.linear_logprobs_and_entropy(h, w, idx, top_p=1.5)
+
+    if mode == "compiled":
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError if mode == "eager" else Exception, match=r"top_p: expected None or a number in \(0, 1\]"):
+        fn(h, w, idx)
+    with pytest.raises(ValueError, match="top_k: expected None or an int >= 1"):
+        torch.ops.fused.linear_logprobs_and_entropy(h, w, idx, top_k=0)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the op's registration and tracing: the plain CPU run covers it")
+def test_fused_head_over_the_support_opcheck_and_compiled_without_recompile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(2, 6, 8, generator=g, requires_grad=True)
+    w = torch.randn(40, 8, generator=g, requires_grad=True)
+    idx = torch.randint(0, 40, (2, 5), generator=g)
+    for op, args in ((torch.ops.fused.linear_logprobs_and_entropy, (h, w, idx)),
+                     (torch.ops.fused._linear_logprobs_entropy_forward,
+                      (h, w, idx, None, 1.0, -100, True, 1.0, None, 7, 0.8, None))):
+        torch.library.opcheck(op, args, dict(shift=True, top_k=7, top_p=0.8) if len(args) == 3 else {})
+
+    def loss(h, w, idx):
+        lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx, shift=True, top_k=7, top_p=0.8)
+        return torch.where(torch.isfinite(lp), lp, 0.0).sum() + ent.sum()
+
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(loss, backend=cnt, fullgraph=True, dynamic=True)
+    frames = []
+    for length in (5, 8, 11):
+        hl = torch.randn(2, length + 1, 8, generator=g, requires_grad=True)
+        il = torch.randint(0, 40, (2, length), generator=g)
+        got = step(hl, w, il)
+        dh, dw = torch.autograd.grad(got, (hl, w))
+        want = loss(hl, w, il)
+        wdh, wdw = torch.autograd.grad(want, (hl, w))
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(dh, wdh)
+        torch.testing.assert_close(dw, wdw)
+        frames.append(cnt.frame_count)
+    # (the first call may trace twice: Dynamo restarts once to specialize the float defaults)
+    assert frames[0] == frames[-1], f"recompiled across sequence lengths: frames {frames}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kw", [dict(top_k=50), dict(top_p=0.9), dict(min_p=0.05)], ids=str)
+def test_fused_head_over_the_support_at_vocabulary_size(kw):
+    """bf16 hidden states and weight at (N 1024, H 1024, V 151936), several token-row chunks:
+    log-probs and entropy within 1e-4 of the logits ops on the fp32 logits of the same inputs,
+    the same ids outside the support, and d hidden close to theirs."""
+    g = torch.Generator().manual_seed(7)
+    n, hd, v = 1024, 1024, 151936
+    h = (torch.randn(n, hd, generator=g) * 0.05).to(torch.bfloat16).cuda().requires_grad_(True)
+    w = (torch.randn(v, hd, generator=g) * 0.05).to(torch.bfloat16).cuda()
+    z32 = h.detach().float() @ w.float().T
+    idx = torch.where(torch.rand(n, device="cuda") < 0.8, z32.argmax(-1),
+                      torch.randint(0, v, (n,), device="cuda"))
+    lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx, **kw)
+    x = z32.clone().requires_grad_(True)
+    lr, er = torch_fused.logprobs_and_entropy(x, idx, **kw)
+    assert torch.equal(torch.isfinite(lp), torch.isfinite(lr))
+    fin = torch.isfinite(lr)
+    torch.testing.assert_close(lp[fin], lr[fin], rtol=0, atol=1e-4)
+    torch.testing.assert_close(ent, er, rtol=0, atol=1e-4)
+    (dh,) = torch.autograd.grad(torch.where(fin, lp, 0.0).sum() + ent.sum(), h)
+    (dx,) = torch.autograd.grad(torch.where(fin, lr, 0.0).sum() + er.sum(), x)
+    want = (dx.to(torch.bfloat16).float() @ w.float()).to(torch.bfloat16)
+    torch.testing.assert_close(dh.float(), want.float(), rtol=2e-2, atol=2e-3)

@@ -595,7 +595,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "head-bad-id-triton-only", "46 the head's out-of-range id contained on the Triton path only",
         "torch_fused/ops/linear_logprobs.py", CPU,
-        [("    if glp is not None:\n        # an id outside the vocabulary", "    if glp is not None and path.triton:  # MUTANT\n        # an id outside the vocabulary")],
+        [("    glp, idx2, bad_rows = _contain_bad_ids(glp, idx2, ignore_index, v_total)",
+          "    glp, idx2, bad_rows = _contain_bad_ids(glp, idx2, ignore_index, v_total) if path.triton else (glp, idx2, None)  # MUTANT")],
         ["tests/test_vocab_parallel.py"],
     ),
     # 47, 48: the masked helpers' float weights: the sums of loss * w taken without the weights
@@ -825,6 +826,12 @@ MUTANTS: list[Mutant] = [
         "torch_fused/ops/linear_logprobs.py", TRITON,
         [("_matmul_into(dh, dz, w[v0:v1], accumulate=v0 != 0)", "_matmul_into(dh, dz, w[v0:v1], accumulate=False)  # MUTANT")],
         LM_HEAD_TESTS,
+    ),
+    Mutant(
+        "head-support-backward-full-vocabulary", "72 the head's support backward spreading d logits over the whole vocabulary",
+        "torch_fused/ops/linear_logprobs.py", CPU,
+        [("                                      threshold=tau)", "                                      threshold=None)  # MUTANT")],
+        ["tests/test_sampler_support.py"],
     ),
 ]
 

@@ -93,7 +93,7 @@ def _sampler(top_k, top_p, min_p, logits) -> dict:
         _check_sampler(_LogprobOptions(**given))
         if _is_dtensor(logits):
             raise NotImplementedError(f"{', '.join(given)}: the sampler's support is not supported on DTensor "
-                                      "(vocabulary-parallel) logits; call with the full logits")
+                                      "(vocabulary-parallel) inputs; call with plain tensors (the full vocabulary)")
     return given
 
 
@@ -266,6 +266,9 @@ def linear_logprobs_and_entropy(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     mesh_dim: int | str | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A fused lm_head: log-probs at ``index`` and entropy of ``softmax(z / temperature)`` with
     ``z = softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap)`` (no tanh when
@@ -285,6 +288,13 @@ def linear_logprobs_and_entropy(
         softcap: caps the logits as ``c * tanh(z / c)`` (Gemma-style), or None.
         mesh_dim: for a DTensor weight, the mesh dim that shards the vocabulary (None: the only
             dim of a 1-D mesh).
+        top_k, top_p, min_p: the log-prob and entropy under the sampler's support, with the rule
+            of :func:`selective_log_softmax` applied to ``z / temperature`` (ids outside it give
+            ``-inf`` and no gradient). The head then runs over chunks of token rows whose fp32
+            logits ``[rows, V]`` it holds one chunk at a time (the ``lm_head_support_chunk_bytes``
+            setting: 512 MiB on CUDA): a row's threshold needs all of its logits. Its backward
+            recomputes each chunk's logits and sums d weight over the chunks in an fp32 ``[V, H]``
+            accumulator (extra memory beside the chunk). Plain tensors only.
 
     Vocab-parallel head: ``weight`` may be a DTensor ``Shard(0)`` (``bias`` then None or a DTensor
     placed like it), with ``hidden`` and ``index`` plain tensors (the same on every rank) or
@@ -302,6 +312,7 @@ def linear_logprobs_and_entropy(
         rounds them (on CUDA; the CPU path runs its GEMMs in fp32 and keeps fp32 d logits),
         every GEMM accumulating in fp32.
     """
+    sampler = _sampler(top_k, top_p, min_p, weight if _is_dtensor(weight) else hidden)
     if _is_dtensor(weight) or _is_dtensor(hidden):
         return _parallel().linear_logprobs_and_entropy(
             hidden, weight, index, bias=bias, temperature=temperature, ignore_index=_ignore_index(ignore_index),
@@ -316,7 +327,7 @@ def linear_logprobs_and_entropy(
                          "whose temperature may be a differentiable tensor")
     return torch.ops.fused.linear_logprobs_and_entropy(
         hidden, weight, index, bias=bias, temperature=temperature, ignore_index=_ignore_index(ignore_index),
-        shift=_shift(shift), logit_scale=logit_scale, softcap=softcap)
+        shift=_shift(shift), logit_scale=logit_scale, softcap=softcap, **sampler)
 
 
 def distill(

@@ -5,7 +5,8 @@
 (ops/linear_logprobs.py), the fakes here, the implementations and the vocabulary-parallel head
 (parallel.py) derive theirs from it. Adding an option: a field of ``HeadOptions``, its check in
 ``check_linear``, its use in ops/linear_logprobs.py (and the kernels or the reference where it acts), and
-the public function's keyword (torch_fused/__init__.py).
+the public function's keyword (torch_fused/__init__.py). The sampler's fields (``top_k``, ``top_p``,
+``min_p``) are the log-prob family's, with its checks (``check_sampler``).
 
 ``check_linear`` is the one validation function, called by the fakes and by every
 implementation, so eager and compiled calls fail with the same message. Shapes and dtypes only.
@@ -19,11 +20,11 @@ import math
 import torch
 
 from .._library import FLOAT_DTYPES, acc_dtype, check, check_value
-from .logprobs import check_logits_index, row_shape
+from .logprobs import check_logits_index, check_sampler, restricts_support, row_shape
 
 
 # the schema type of each HeadOptions field's annotation
-_SCHEMA_TYPES = {"float": "float", "int": "int", "bool": "bool", "float | None": "float?"}
+_SCHEMA_TYPES = {"float": "float", "int": "int", "bool": "bool", "float | None": "float?", "int | None": "int?"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,19 @@ class HeadOptions:
     shift: bool = False
     logit_scale: float = 1.0
     softcap: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+    def restricts_support(self) -> bool:
+        """Whether the sampler options leave out part of the vocabulary (the head then runs over
+        token-row chunks of logits: ops/linear_logprobs.py ``_support_forward``)."""
+        return restricts_support(self)
+
+    def stats_width(self) -> int:
+        """Row statistics the forward saves for the backward: (max, log2 sum), and the row's
+        threshold where the sampler's support is restricted."""
+        return 3 if self.restricts_support() else 2
 
     def values(self) -> tuple:
         """The fields in order: the op's positional arguments."""
@@ -76,6 +90,7 @@ def check_linear(hidden, weight, index, bias, opts: HeadOptions) -> None:
     if softcap is not None:
         check_value(0 < softcap < math.inf,
                     lambda: f"softcap: expected None or a positive finite number, got {softcap}")
+    check_sampler(opts)
     # index and temperature: the log-prob ops' checks, with the hidden states in the logits' place
     # (their leading dims are the logits' rows)
     check_logits_index(hidden, index, temperature, None, shift, what="hidden")
@@ -87,7 +102,7 @@ def linear_forward_fake(hidden, weight, index, bias, *options):
     dt = acc_dtype(hidden.dtype)
     lead = row_shape(hidden, opts.shift)
     return (hidden.new_empty(index.shape, dtype=dt), hidden.new_empty(lead, dtype=dt),
-            hidden.new_empty(lead + (2,), dtype=dt))
+            hidden.new_empty(lead + (opts.stats_width(),), dtype=dt))
 
 
 def linear_backward_fake(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, *options,

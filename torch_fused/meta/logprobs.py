@@ -89,8 +89,7 @@ class LogprobOptions:
 
     def restricts_support(self) -> bool:
         """Whether the sampler options leave out part of the vocabulary."""
-        return (self.top_k is not None or (self.top_p is not None and self.top_p < 1.0)
-                or (self.min_p is not None and self.min_p > 0.0))
+        return restricts_support(self)
 
     @classmethod
     def public_fields(cls) -> tuple:
@@ -209,7 +208,14 @@ def check_support(logits: torch.Tensor, shift: bool, threshold: torch.Tensor | N
                       f"{tuple(support.shape)}" + ("" if threshold is not None else " without one"))
 
 
-def check_sampler(opts: LogprobOptions) -> None:
+def restricts_support(opts) -> bool:
+    """Whether options with the sampler's fields (``top_k``, ``top_p``, ``min_p``: the log-prob
+    family's or the fused head's) leave out part of the vocabulary."""
+    return (opts.top_k is not None or (opts.top_p is not None and opts.top_p < 1.0)
+            or (opts.min_p is not None and opts.min_p > 0.0))
+
+
+def check_sampler(opts) -> None:
     """The sampler options' values (ValueError, naming the option)."""
     k, p, mp = opts.top_k, opts.top_p, opts.min_p
     if k is not None:

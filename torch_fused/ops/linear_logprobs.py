@@ -391,6 +391,8 @@ def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c):
 
 def _forward_impl(hidden, weight, index, bias, opts, path):
     meta.check_linear(hidden, weight, index, bias, opts)
+    if opts.restricts_support():
+        return _support_forward(hidden, weight, index, bias, opts, path)
     dt = acc_dtype(hidden.dtype)
     lead = row_shape(hidden, opts.shift)
     logp = new_output(index.shape, dt, hidden.device)
@@ -435,8 +437,9 @@ def _forward_impl(hidden, weight, index, bias, opts, path):
 def _backward_impl(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, opts, hidden_grad,
                    weight_grad, path):
     meta.check_linear(hidden, weight, index, bias, opts)
-    dh, dw, db = backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, opts, path,
-                                 hidden_grad=hidden_grad, weight_grad=weight_grad)
+    chunks = _support_backward if opts.restricts_support() else backward_chunks
+    dh, dw, db = chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, opts, path,
+                        hidden_grad=hidden_grad, weight_grad=weight_grad)
     return (hidden_grad_from_rows(dh, hidden, opts.shift) if hidden_grad else hidden.new_empty(0)), dw, db
 
 
@@ -467,17 +470,7 @@ def backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats,
     ent2 = entropy.reshape(n)
     glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
     gh = grad_entropy.reshape(n) if grad_entropy is not None else None
-    bad_rows = None
-    if glp is not None:
-        # an id outside the vocabulary (NaN forward; no check on the device: it would sync) makes its
-        # row's d hidden NaN, as the logits ops' d logits row: the d logits use the row as if the
-        # id were ignore_index, so d weight and d bias, which sum over every row, stay finite. On
-        # the CPU the forward raises IndexError first, except in a vocabulary-parallel call that
-        # torch.compile traces (parallel._checks_index), which then gives these same NaNs
-        bad = (idx2 != ignore_index) & ((idx2 < 0) | (idx2 >= v_total))
-        glp = glp.masked_fill(bad, 0.0)
-        idx2 = idx2.masked_fill(bad, ignore_index)
-        bad_rows = bad.reshape(n, -1).any(1)
+    glp, idx2, bad_rows = _contain_bad_ids(glp, idx2, ignore_index, v_total)
     dev = hidden.device
     fused = _fused_gemm("backward", path, w, opts) and hm.dtype == w.dtype
     if fused:  # d logits straight from the GEMM tiles: one w.dtype chunk buffer
@@ -523,6 +516,129 @@ def backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats,
     if bad_rows is not None and hidden_grad:
         dh.masked_fill_(bad_rows[:, None], float("nan"))
     return dh, dw, db
+
+
+def _contain_bad_ids(glp, idx2, ignore_index, v_total):
+    """(upstream log-prob gradient, ids, rows holding a bad id or None) for the backward. An id
+    outside the vocabulary (NaN forward; no check on the device: it would sync) makes its row's d
+    hidden NaN, as the logits ops' d logits row: the d logits use the row as if the id were
+    ignore_index, so d weight and d bias, which sum over every row, stay finite. On the CPU the
+    forward raises IndexError first, except in a vocabulary-parallel call that torch.compile traces
+    (parallel._checks_index), which then gives these same NaNs."""
+    if glp is None:
+        return glp, idx2, None
+    bad = (idx2 != ignore_index) & ((idx2 < 0) | (idx2 >= v_total))
+    return (glp.masked_fill(bad, 0.0), idx2.masked_fill(bad, ignore_index),
+            bad.reshape(idx2.shape[0], -1).any(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The head over the sampler's support (top_k, top_p, min_p): token-row chunks of whole logits rows
+# ---------------------------------------------------------------------------------------------
+# A row's threshold needs all of its logits before any of its sums, so this path runs over chunks
+# of token rows [rows, V] (the lm_head_support_chunk_bytes setting) rather than vocabulary
+# chunks: per chunk, the fp32 logits from one GEMM, the rows' thresholds from the sampler's
+# kernels (fused::_sampler_threshold, ops/sampler.py), then the log-prob family's core forward
+# restricted to them. The backward recomputes the chunk's logits, writes their d logits with the
+# same thresholds (d logits 0 outside the support; in place over the fp32 logits for bf16 / fp16
+# weights on the Triton path) and runs the d hidden and d weight GEMMs on them. Saved for the
+# backward: the core's (max, log2 sum) and the threshold per row (stats [..., 3]).
+
+
+def _support_rows(device: torch.device, v: int) -> int:
+    """Token rows per chunk of the support path: the lm_head_support_chunk_bytes budget of fp32 [rows, V],
+    in multiples of 64 past 64 rows, at least one."""
+    budget = settings.lm_head_support_chunk_bytes
+    rows = max(1, budget.get(device.type, budget["cpu"]) // (4 * v))
+    return rows - rows % 64 if rows > 64 else rows
+
+
+def _support_options(opts: meta.HeadOptions) -> tuple[float, LogprobOptions]:
+    """(the chunk's temperature, the log-prob core's options) for the support path's chunks: the
+    logits as _logits_chunk makes them (scaled and capped with a softcap; without one the scale
+    is folded into the temperature), whole rows, no shift (the rows are already shifted)."""
+    t_eff = effective_temperature(opts)
+    return t_eff, LogprobOptions(t_eff, opts.ignore_index, True, False)
+
+
+def _support_forward(hidden, weight, index, bias, opts, path):
+    dt = acc_dtype(hidden.dtype)
+    lead = row_shape(hidden, opts.shift)
+    logp = new_output(index.shape, dt, hidden.device)
+    ent = new_output(lead, dt, hidden.device)
+    stats = new_output(tuple(lead) + (3,), dt, hidden.device)
+    h2, idx2 = _rows(hidden, index, opts.shift)
+    n, v = h2.shape[0], weight.shape[0]
+    if n == 0:
+        return logp, ent, stats
+    if not path.triton and hidden.device.type == "cpu":
+        reference.check_index_range(idx2, v, opts.ignore_index)
+    w, h2 = _gemm_operands(weight, h2, not path.triton)
+    t_eff, lopts = _support_options(opts)
+    invariant = _invariant(path, h2, w)
+    lp2, ent2, st2 = logp.view(idx2.shape), ent.view(n), stats.view(n, 3)
+    step = _support_rows(hidden.device, v)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        z = _logits_chunk(h2[r0:r1], w, bias, opts, invariant)
+        tau, _ = torch.ops.fused._sampler_threshold(z, None, t_eff, False, opts.top_k, opts.top_p, opts.min_p)
+        # ids below the threshold: -inf from the core (and no gradient in its backward)
+        lp_c, ent_c, st_c = lp_ops._core(z, idx2[r0:r1], None, *lopts.values(), tau, None)
+        lp2[r0:r1] = lp_c
+        ent2[r0:r1] = ent_c
+        st2[r0:r1, :2] = st_c
+        st2[r0:r1, 2] = tau
+        del z
+    return logp, ent, stats
+
+
+def _support_backward(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, opts, path, *,
+                      hidden_grad=True, weight_grad=True):
+    """(d hidden rows [N, H] in fp32 (fp64), d weight, d bias) of the support path: token-row chunks."""
+    h2, idx2 = _rows(hidden, index, opts.shift)
+    n, v = h2.shape[0], weight.shape[0]
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    dh = torch.zeros(n if hidden_grad else 0, h2.shape[1], dtype=acc, device=hidden.device)
+    dw_acc = torch.zeros(weight.shape if weight_grad else (0,), dtype=acc, device=hidden.device)
+    db_acc = torch.zeros(bias.shape if bias is not None else (0,), dtype=acc, device=hidden.device)
+    if n > 0 and (grad_logp is not None or grad_entropy is not None):
+        w, hm = _gemm_operands(weight, h2, not path.triton)
+        t_eff, _ = _support_options(opts)
+        st3 = stats.reshape(n, 3)
+        ent2 = entropy.reshape(n)
+        glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
+        gh = grad_entropy.reshape(n) if grad_entropy is not None else None
+        glp, idx2, bad_rows = _contain_bad_ids(glp, idx2, opts.ignore_index, v)
+        in_place = path.triton and opts.softcap is None and w.dtype in (torch.bfloat16, torch.float16)
+        invariant = _invariant(path, hm, w)
+        step = _support_rows(hidden.device, v)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            z = _logits_chunk(hm[r0:r1], w, bias, opts, invariant)
+            args = (None if glp is None else glp[r0:r1], None if gh is None else gh[r0:r1], z, idx2[r0:r1],
+                    st3[r0:r1, :2], ent2[r0:r1], t_eff, opts.ignore_index)
+            tau = st3[r0:r1, 2].contiguous()
+            if in_place:  # row r's w.dtype d logits in the first bytes of its fp32 logits
+                dz = z.view(w.dtype)[:, :v]
+                path.backward(*args, out=dz, threshold=tau)
+            else:
+                dz, _ = path.backward(*args, out_dtype=z.dtype if opts.softcap is not None else w.dtype,
+                                      threshold=tau)
+            if opts.softcap is not None:  # d y = d z * s (1 - tanh^2), tanh = z / c, in fp32
+                dz = dz.mul_(z.div_(opts.softcap).square_().neg_().add_(1.0)).mul_(opts.logit_scale).to(w.dtype)
+            if weight_grad:
+                _addmm_f32_(dw_acc, dz.t(), hm[r0:r1])
+            if hidden_grad and invariant and dh.dtype == torch.float32:
+                _matmul_into(dh[r0:r1], dz, w, accumulate=False)
+            elif hidden_grad:
+                _addmm_f32_(dh[r0:r1], dz, w, first=True)
+            if bias is not None:
+                db_acc += dz.sum(0, dtype=acc)
+            del z, dz
+        if bad_rows is not None and hidden_grad:
+            dh.masked_fill_(bad_rows[:, None], float("nan"))
+    dw = dw_acc.to(weight.dtype) if weight_grad else weight.new_empty(0)
+    return dh, dw, db_acc.to(hidden.dtype)
 
 
 def hidden_grad_from_rows(dh, hidden, shift):
