@@ -9,6 +9,9 @@ For each lm_head shape (bf16 hidden states and weight):
 - the largest log-prob and entropy error against float64 of the same inputs, on the first rows:
   the fused head with and without promotion, an fp32 head (fp32 GEMM without TF32, then
   log_softmax), and bf16 logits then log_softmax;
+- the head over the sampler's support (top_k 50, top_p 0.9, both): forward+backward time as a
+  multiple of the same bare GEMMs (the bar for top_k: 1.5x) and its peak extra memory, under the
+  settings' current values;
 - batch invariance: the first rows alone against the same rows inside the whole batch (reversed
   order), counted where the log-prob, the entropy or the d hidden row differ in any bit, with the
   setting on and off.
@@ -21,13 +24,14 @@ import torch
 import torch_fused
 
 from ..settings import override
-from .common import Row, bench_ms, warm_up
+from .common import Row, bench_ms, peak_extra_mb, warm_up
 
 SHAPES = [(8192, 4096, 151936), (16384, 3584, 151936), (32768, 4096, 32000)]  # (N, H, V)
 PROBE_ROWS = 20
 ERROR_ROWS = 512
-COMBOS = [("invariant, promoted (default)", True, True), ("invariant, not promoted", True, False),
+COMBOS = [("invariant, promoted", True, True), ("invariant, not promoted", True, False),
           ("not invariant, promoted", False, True), ("neither", False, False)]
+SUPPORT = [dict(top_k=50), dict(top_p=0.9), dict(top_k=50, top_p=0.9)]
 
 
 def _errors(h, w, idx):
@@ -110,6 +114,24 @@ def run(report, copy_gbps, quick=False):
             row.floor_ms, row.frac_floor = floor_ms, floor_ms / ms
             report.rows.append(row)
             print(f"{shape:22s} {name:32s} {ms:8.3f} ms  {ms / floor_ms:.3f}x GEMMs", flush=True)
+        for kw in SUPPORT:  # the head over the sampler's support (token-row chunks), default settings
+            name = "sampler support " + " ".join(f"{k}={v}" for k, v in kw.items())
+
+            def support(kw=kw):
+                lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx, **kw)
+                return torch.autograd.grad(torch.where(torch.isfinite(lp), lp, 0.0).sum() + ent.sum(), (h, w))
+
+            warm_up(support, ms=100.0)
+            before = bench_ms(floor)
+            ms = bench_ms(support, warmup=3, rep=30)
+            floor_ms = (before + bench_ms(floor)) / 2
+            pk = peak_extra_mb(support)
+            times[name] = ms / floor_ms
+            row = Row("lm_head fwd+bwd (agreement settings)", shape, name, ms, 0, peak_extra_mb=pk,
+                      note=f"{ms / floor_ms:.3f}x the bare GEMMs ({floor_ms:.3f} ms beside it); bar 1.5x for top_k")
+            row.floor_ms, row.frac_floor = floor_ms, floor_ms / ms
+            report.rows.append(row)
+            print(f"{shape:22s} {name:32s} {ms:8.3f} ms  {ms / floor_ms:.3f}x GEMMs  {pk:.0f} MiB", flush=True)
         del dl
         torch.cuda.empty_cache()
         errs = _errors(hb[:ERROR_ROWS], wb, idx[:ERROR_ROWS])
