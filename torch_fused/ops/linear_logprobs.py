@@ -391,13 +391,11 @@ def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c):
 
 def _forward_impl(hidden, weight, index, bias, opts, path):
     meta.check_linear(hidden, weight, index, bias, opts)
-    if opts.restricts_support():
-        return _support_forward(hidden, weight, index, bias, opts, path)
     dt = acc_dtype(hidden.dtype)
     lead = row_shape(hidden, opts.shift)
     logp = new_output(index.shape, dt, hidden.device)
     ent = new_output(lead, dt, hidden.device)
-    stats = new_output(tuple(lead) + (2,), dt, hidden.device)
+    stats = new_output(tuple(lead) + (opts.stats_width(),), dt, hidden.device)
     h2, idx2 = _rows(hidden, index, opts.shift)
     n, v = h2.shape[0], weight.shape[0]
     if n == 0:
@@ -405,9 +403,12 @@ def _forward_impl(hidden, weight, index, bias, opts, path):
     if not path.triton and hidden.device.type == "cpu":
         reference.check_index_range(idx2, v, opts.ignore_index)
     w, h2 = _gemm_operands(weight, h2, not path.triton)
+    invariant = _invariant(path, h2, w)
+    if opts.restricts_support():
+        _support_forward(h2, w, idx2, bias, opts, path, invariant, logp.view(idx2.shape), ent.view(n), stats.view(n, 3))
+        return logp, ent, stats
     t_eff = effective_temperature(opts)
     c = LOG2E / t_eff
-    invariant = _invariant(path, h2, w)
     step = _chunk_cols(hidden.device, n, 4, min_cols=settings.lm_head_min_cols.get(hidden.device.type, 1),
                        invariant=invariant)
     ids = idx2.reshape(n, -1).contiguous()
@@ -561,23 +562,12 @@ def _support_options(opts: meta.HeadOptions) -> tuple[float, LogprobOptions]:
     return t_eff, LogprobOptions(t_eff, opts.ignore_index, True, False)
 
 
-def _support_forward(hidden, weight, index, bias, opts, path):
-    dt = acc_dtype(hidden.dtype)
-    lead = row_shape(hidden, opts.shift)
-    logp = new_output(index.shape, dt, hidden.device)
-    ent = new_output(lead, dt, hidden.device)
-    stats = new_output(tuple(lead) + (3,), dt, hidden.device)
-    h2, idx2 = _rows(hidden, index, opts.shift)
-    n, v = h2.shape[0], weight.shape[0]
-    if n == 0:
-        return logp, ent, stats
-    if not path.triton and hidden.device.type == "cpu":
-        reference.check_index_range(idx2, v, opts.ignore_index)
-    w, h2 = _gemm_operands(weight, h2, not path.triton)
+def _support_forward(h2, w, idx2, bias, opts, path, invariant, lp2, ent2, st2):
+    """Writes the support path's log-probs lp2, entropy ent2 [N] and statistics st2 [N, 3] of the rows
+    h2 [N, H] (the GEMM's operands w, h2 as _forward_impl prepared them)."""
+    n, v = h2.shape[0], w.shape[0]
     t_eff, lopts = _support_options(opts)
-    invariant = _invariant(path, h2, w)
-    lp2, ent2, st2 = logp.view(idx2.shape), ent.view(n), stats.view(n, 3)
-    step = _support_rows(hidden.device, v)
+    step = _support_rows(h2.device, v)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         z = _logits_chunk(h2[r0:r1], w, bias, opts, invariant)
@@ -589,7 +579,6 @@ def _support_forward(hidden, weight, index, bias, opts, path):
         st2[r0:r1, :2] = st_c
         st2[r0:r1, 2] = tau
         del z
-    return logp, ent, stats
 
 
 def _support_backward(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, opts, path, *,
