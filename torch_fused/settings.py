@@ -25,6 +25,7 @@ in ``torch.compiler.config.cache_key_tag`` (a torch setting), written while the 
 | ``lm_head_tma`` | True | | the fused GEMMs read their operands through TMA on compute capability 9 and later |
 | ``lm_head_part_bytes`` | 64 MiB | | the fused forward's tile statistics buffer, at most |
 | ``lm_head_support_chunk_bytes`` | {"cuda": 512 MiB, "cpu": 4 MiB} | | the fused lm_head over the sampler's support (``top_k``, ``top_p``, ``min_p``): bytes of its token-row chunk of fp32 logits [rows, V] (whole rows: a row's threshold needs all of its logits), per device type; at least one row |
+| ``lm_head_support_listed`` | True | | the fused lm_head with ``top_k`` <= 512: its forward lists each row's kept ids and their logits, and its backward runs from that list (d logits at the listed ids only: a gather-sum of weight rows for d hidden, a sparse product for d weight) without recomputing the logits or any GEMM; a row whose support is not listed (ties past the k-th id, a NaN row) sends the call to the chunked backward. Off: the chunked backward always |
 | ``lm_head_batch_invariant`` | False | ``TORCH_FUSED_BATCH_INVARIANT`` (1: on) | the fused lm_head's results for a row do not depend on the other rows of the call (log-probs, entropy, d hidden; d weight and d bias sum over rows and are exempt): the forward's tile statistics are merged per row in a Triton kernel, the d logits kernel adds the ids' gradients in id order, its GEMMs that cuBLAS would run (the d hidden GEMM; the logits GEMMs of fp32 weights or a softcap) run in a Triton GEMM with fixed tiles and no split of the reduction, and its vocabulary chunks have a fixed width (``lm_head_min_cols`` / ``lm_head_dlogits_min_cols``, 128 without one). Off: torch's merge, cuBLAS, and chunks as wide as ``lm_head_chunk_bytes`` allows. float64 always takes cuBLAS. Off by default until its cost is measured on a GPU (``python -m torch_fused.bench --only agreement``) |
 | ``lm_head_promote`` | False | ``TORCH_FUSED_LM_HEAD_PROMOTE`` (1: on) | the fused lm_head's bf16 / fp16 GEMM tiles add each K step's product (64 deep) to their fp32 sum with a rounded add, instead of accumulating the whole reduction inside the tensor-core instructions, which truncate (kernels/lm_head.py ``_accumulate``); 128-column tiles (kernels/lm_head.py ``PROMOTE_CONFIG``). Off by default until its cost is measured on a GPU (the agreement suite) |
 | ``distill_chunk_bytes`` | {"cuda": 256 MiB, "cpu": 4 MiB} | | the distillation head's token-row chunk: bytes of both models' fp32 logits [rows, V], per device type; at most N / 32 rows (the two chunks within 1/16 of one [N, V] fp32 logits tensor), at least ``distill_min_rows`` |
@@ -107,6 +108,7 @@ DEFAULTS = dict(
     lm_head_tma=True,
     lm_head_part_bytes=64 << 20,
     lm_head_support_chunk_bytes={"cuda": 512 << 20, "cpu": 4 << 20},
+    lm_head_support_listed=True,
     lm_head_batch_invariant=_env_flag("TORCH_FUSED_BATCH_INVARIANT", False),
     lm_head_promote=_env_flag("TORCH_FUSED_LM_HEAD_PROMOTE", False),
     distill_chunk_bytes={"cuda": 256 << 20, "cpu": 4 << 20},

@@ -20,7 +20,7 @@ import math
 import torch
 
 from .._library import FLOAT_DTYPES, acc_dtype, check, check_value
-from .logprobs import check_logits_index, check_sampler, restricts_support, row_shape
+from .logprobs import SUPPORT_CAP, check_logits_index, check_sampler, restricts_support, row_shape
 
 
 # the schema type of each HeadOptions field's annotation
@@ -45,10 +45,21 @@ class HeadOptions:
         token-row chunks of logits: ops/linear_logprobs.py ``_support_forward``)."""
         return restricts_support(self)
 
-    def stats_width(self) -> int:
-        """Row statistics the forward saves for the backward: (max, log2 sum), and the row's
-        threshold where the sampler's support is restricted."""
-        return 3 if self.restricts_support() else 2
+    def listed_ids(self, v: int) -> int:
+        """Ids per row that the support path lists in its forward for a backward without GEMMs
+        (ops/linear_logprobs.py ``_listed_backward``): ``top_k`` (at most V) where it is at most
+        SUPPORT_CAP, else 0 (no list: the backward recomputes the logits)."""
+        k = self.top_k
+        return min(k, v) if self.restricts_support() and k is not None and k <= SUPPORT_CAP else 0
+
+    def stats_width(self, v: int) -> int:
+        """Row statistics the forward saves for the backward: (max, log2 sum); where the sampler's
+        support is restricted, the row's threshold; where its ids are listed, their count (-1:
+        not listed), the ids (as floats) and their logits (``listed_ids`` each)."""
+        if not self.restricts_support():
+            return 2
+        k = self.listed_ids(v)
+        return 4 + 2 * k if k else 3
 
     def values(self) -> tuple:
         """The fields in order: the op's positional arguments."""
@@ -102,7 +113,7 @@ def linear_forward_fake(hidden, weight, index, bias, *options):
     dt = acc_dtype(hidden.dtype)
     lead = row_shape(hidden, opts.shift)
     return (hidden.new_empty(index.shape, dtype=dt), hidden.new_empty(lead, dtype=dt),
-            hidden.new_empty(lead + (opts.stats_width(),), dtype=dt))
+            hidden.new_empty(lead + (opts.stats_width(weight.shape[0]),), dtype=dt))
 
 
 def linear_backward_fake(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, *options,

@@ -395,7 +395,7 @@ def _forward_impl(hidden, weight, index, bias, opts, path):
     lead = row_shape(hidden, opts.shift)
     logp = new_output(index.shape, dt, hidden.device)
     ent = new_output(lead, dt, hidden.device)
-    stats = new_output(tuple(lead) + (opts.stats_width(),), dt, hidden.device)
+    stats = new_output(tuple(lead) + (opts.stats_width(weight.shape[0]),), dt, hidden.device)
     h2, idx2 = _rows(hidden, index, opts.shift)
     n, v = h2.shape[0], weight.shape[0]
     if n == 0:
@@ -405,7 +405,8 @@ def _forward_impl(hidden, weight, index, bias, opts, path):
     w, h2 = _gemm_operands(weight, h2, not path.triton)
     invariant = _invariant(path, h2, w)
     if opts.restricts_support():
-        _support_forward(h2, w, idx2, bias, opts, path, invariant, logp.view(idx2.shape), ent.view(n), stats.view(n, 3))
+        _support_forward(h2, w, idx2, bias, opts, path, invariant, logp.view(idx2.shape), ent.view(n),
+                         stats.view(n, stats.shape[-1]))
         return logp, ent, stats
     t_eff = effective_temperature(opts)
     c = LOG2E / t_eff
@@ -563,10 +564,12 @@ def _support_options(opts: meta.HeadOptions) -> tuple[float, LogprobOptions]:
 
 
 def _support_forward(h2, w, idx2, bias, opts, path, invariant, lp2, ent2, st2):
-    """Writes the support path's log-probs lp2, entropy ent2 [N] and statistics st2 [N, 3] of the rows
-    h2 [N, H] (the GEMM's operands w, h2 as _forward_impl prepared them)."""
+    """Writes the support path's log-probs lp2, entropy ent2 [N] and statistics st2 [N, width] of the
+    rows h2 [N, H] (the GEMM's operands w, h2 as _forward_impl prepared them): the core's (max,
+    log2 sum), the threshold and, with ``top_k`` <= SUPPORT_CAP, the listed support (HeadOptions.stats_width)."""
     n, v = h2.shape[0], w.shape[0]
     t_eff, lopts = _support_options(opts)
+    k = opts.listed_ids(v)
     step = _support_rows(h2.device, v)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -578,22 +581,38 @@ def _support_forward(h2, w, idx2, bias, opts, path, invariant, lp2, ent2, st2):
         ent2[r0:r1] = ent_c
         st2[r0:r1, :2] = st_c
         st2[r0:r1, 2] = tau
+        if k:
+            # the kept ids are the row's largest logits (ties with the threshold included): its top
+            # k where at most k logits reach the threshold; a row with more (ties past the k-th) or
+            # none (NaN) is not listed
+            vals, ids = z.topk(k, dim=1)
+            kept = (z >= tau[:, None]).sum(1)
+            st2[r0:r1, 3] = torch.where((kept > 0) & (kept <= k), kept, -1)
+            st2[r0:r1, 4:4 + k] = ids
+            st2[r0:r1, 4 + k:] = vals
         del z
 
 
 def _support_backward(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, opts, path, *,
                       hidden_grad=True, weight_grad=True):
-    """(d hidden rows [N, H] in fp32 (fp64), d weight, d bias) of the support path: token-row chunks."""
+    """(d hidden rows [N, H] in fp32 (fp64), d weight, d bias) of the support path: from the listed
+    support where every row has one (and the lm_head_support_listed setting is on), else token-row
+    chunks of recomputed logits."""
     h2, idx2 = _rows(hidden, index, opts.shift)
     n, v = h2.shape[0], weight.shape[0]
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    k = opts.listed_ids(v)
+    if (k and n > 0 and settings.lm_head_support_listed and (grad_logp is not None or grad_entropy is not None)
+            and bool((stats.reshape(n, -1)[:, 3] >= 0).all())):  # (one device sync)
+        return _listed_backward(grad_logp, grad_entropy, h2, weight, idx2, bias, stats.reshape(n, -1), entropy.reshape(n),
+                                opts, path, k, acc, hidden_grad, weight_grad)
     dh = torch.zeros(n if hidden_grad else 0, h2.shape[1], dtype=acc, device=hidden.device)
     dw_acc = torch.zeros(weight.shape if weight_grad else (0,), dtype=acc, device=hidden.device)
     db_acc = torch.zeros(bias.shape if bias is not None else (0,), dtype=acc, device=hidden.device)
     if n > 0 and (grad_logp is not None or grad_entropy is not None):
         w, hm = _gemm_operands(weight, h2, not path.triton)
         t_eff, _ = _support_options(opts)
-        st3 = stats.reshape(n, 3)
+        st3 = stats.reshape(n, -1)
         ent2 = entropy.reshape(n)
         glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
         gh = grad_entropy.reshape(n) if grad_entropy is not None else None
@@ -628,6 +647,56 @@ def _support_backward(grad_logp, grad_entropy, hidden, weight, index, bias, stat
             dh.masked_fill_(bad_rows[:, None], float("nan"))
     dw = dw_acc.to(weight.dtype) if weight_grad else weight.new_empty(0)
     return dh, dw, db_acc.to(hidden.dtype)
+
+
+def _listed_backward(grad_logp, grad_entropy, h2, weight, idx2, bias, st, ent, opts, path, k, acc, hidden_grad,
+                     weight_grad):
+    """The support path's backward from the forward's list of each row's kept ids and their logits
+    (no logits recomputed, no GEMM): d logits at those ids only,
+    (1/T) [sum_ids g_lp (1[j = id] - p_j) - g_ent p_j (log p_j + H)] over the ids inside the
+    support (an id outside it passes nothing), then d hidden = a gather-sum of the weight's rows
+    (embedding_bag, fp32 accumulation, rounded once to the weight's dtype), d weight = a sparse
+    [V, N] by [N, H] product in fp32, d bias a scatter-add."""
+    n, v = h2.shape[0], weight.shape[0]
+    w, hm = _gemm_operands(weight, h2, not path.triton)
+    t_eff, _ = _support_options(opts)
+    cnt, ids, zs = st[:, 3], st[:, 4:4 + k].to(torch.int64), st[:, 4 + k:4 + 2 * k]
+    valid = torch.arange(k, device=st.device)[None, :] < cnt[:, None]
+    a = torch.where(valid, zs / t_eff, float("-inf"))
+    logp = a - torch.logsumexp(a, 1, keepdim=True)
+    p = torch.where(valid, logp.exp(), 0.0)
+    dz = torch.zeros_like(zs)
+    glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
+    glp, idx2, bad_rows = _contain_bad_ids(glp, idx2, opts.ignore_index, v)
+    if glp is not None:
+        g2, i2 = glp.reshape(n, -1).to(zs.dtype), idx2.reshape(n, -1)
+        hit = (ids[:, :, None] == i2[:, None, :]) & valid[:, :, None]  # [N, k, K]: id k' at listed place j
+        g_in = torch.where(hit, g2[:, None, :], 0.0)
+        dz += g_in.sum(2) - p * g_in.sum((1, 2))[:, None]
+    if grad_entropy is not None:
+        gh = grad_entropy.reshape(n, 1).to(zs.dtype)
+        dz -= gh * p * torch.where(valid, logp, 0.0).add_(ent.reshape(n, 1).to(zs.dtype))
+    dz = torch.where(valid, dz / t_eff, 0.0)
+    if opts.softcap is not None:  # d y = d z * s (1 - tanh^2), tanh = z / c
+        dz = dz * (1.0 - (zs / opts.softcap).square()) * opts.logit_scale
+    safe_ids = torch.where(valid, ids, 0)
+    if hidden_grad:
+        dh = torch.nn.functional.embedding_bag(safe_ids, w, per_sample_weights=dz.to(w.dtype), mode="sum").to(acc)
+        if bad_rows is not None:
+            dh.masked_fill_(bad_rows[:, None], float("nan"))
+    else:
+        dh = torch.zeros(0, h2.shape[1], dtype=acc, device=h2.device)
+    rows = torch.arange(n, device=st.device)[:, None].expand(n, k)[valid]
+    cols = ids[valid]
+    if weight_grad:
+        d = torch.sparse_coo_tensor(torch.stack([cols, rows]), dz[valid].to(acc), (v, n), check_invariants=False)
+        dw = torch.sparse.mm(d, hm.to(acc)).to(weight.dtype)
+    else:
+        dw = weight.new_empty(0)
+    db = torch.zeros(bias.shape if bias is not None else (0,), dtype=acc, device=h2.device)
+    if bias is not None:
+        db.index_add_(0, cols, dz[valid].to(acc))
+    return dh, dw, db.to(h2.dtype)
 
 
 def hidden_grad_from_rows(dh, hidden, shift):
