@@ -833,6 +833,12 @@ MUTANTS: list[Mutant] = [
         [("                                      threshold=tau)", "                                      threshold=None)  # MUTANT")],
         ["tests/test_sampler_support.py"],
     ),
+    Mutant(
+        "head-listed-backward-no-normalizer", "73 the head's listed backward without the softmax normalizer's term",
+        "torch_fused/ops/linear_logprobs.py", CPU,
+        [("        dz += g_in.sum(2) - p * g_in.sum((1, 2))[:, None]", "        dz += g_in.sum(2)  # MUTANT")],
+        ["tests/test_sampler_support.py"],
+    ),
 ]
 
 

@@ -292,9 +292,10 @@ def linear_logprobs_and_entropy(
             of :func:`selective_log_softmax` applied to ``z / temperature`` (ids outside it give
             ``-inf`` and no gradient). The head then runs over chunks of token rows whose fp32
             logits ``[rows, V]`` it holds one chunk at a time (the ``lm_head_support_chunk_bytes``
-            setting: 512 MiB on CUDA): a row's threshold needs all of its logits. Its backward
-            recomputes each chunk's logits and sums d weight over the chunks in an fp32 ``[V, H]``
-            accumulator (extra memory beside the chunk). Plain tensors only.
+            setting: 512 MiB on CUDA): a row's threshold needs all of its logits. With ``top_k``
+            <= 512 the forward lists each row's kept ids and logits and the backward runs from
+            that list without a GEMM; otherwise it recomputes each chunk's logits. Either way d
+            weight is summed in fp32 ``[V, H]`` (extra memory beside the chunk). Plain tensors only.
 
     Vocab-parallel head: ``weight`` may be a DTensor ``Shard(0)`` (``bias`` then None or a DTensor
     placed like it), with ``hidden`` and ``index`` plain tensors (the same on every rank) or
