@@ -333,6 +333,7 @@ def distill(
     reduction: str = "none",
     return_entropy: bool = False,
     tail: str = "bucket",
+    mesh_dim: int | str | None = None,
 ):
     """The per-token divergence between a student's and a teacher's next-token distributions,
     from their logits, without a softmax or log-softmax of either held in memory.
@@ -376,8 +377,15 @@ def distill(
         its position (and a NaN gradient row) on CUDA.
     """
     if _is_dtensor(student_logits) or _is_dtensor(teacher_logits):
-        raise NotImplementedError("distill: DTensor (vocabulary-parallel) logits are not supported yet; call it with "
-                                  "local tensors")
+        from . import parallel_distill
+
+        div, ent = parallel_distill.distill(
+            student_logits, teacher_logits, teacher_topk_ids=teacher_topk_ids,
+            teacher_topk_logprobs=teacher_topk_logprobs, beta=beta, temperature=temperature, labels=labels,
+            ignore_index=_ignore_index(ignore_index), shift=_shift(shift), reduction=reduction,
+            return_entropy=bool(return_entropy), tail=tail, mesh_dim=mesh_dim)
+        return (div, ent) if return_entropy else div
+    _no_mesh_dim(mesh_dim)
     div, ent = torch.ops.fused.distill(
         student_logits, teacher_logits, teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs,
         beta=float(beta), temperature=float(temperature), labels=labels, ignore_index=_ignore_index(ignore_index),
@@ -407,6 +415,7 @@ def linear_distill(
     teacher_topk_ids: torch.Tensor | None = None,
     teacher_topk_logprobs: torch.Tensor | None = None,
     tail: str = "bucket",
+    mesh_dim: int | str | None = None,
 ):
     """:func:`distill` from both models' hidden states and lm_heads, never holding either model's
     ``[N, V]`` logits: z = softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) (no
@@ -438,9 +447,21 @@ def linear_distill(
         ``student_bias`` only: exact (nothing filtered), d logits rounded once to the student
         weight's dtype (on CUDA; the CPU path keeps them in fp32), every GEMM accumulating in fp32.
     """
-    if _is_dtensor(student_weight) or _is_dtensor(student_hidden) or _is_dtensor(teacher_weight):
-        raise NotImplementedError("linear_distill: DTensor (vocabulary-parallel) heads are not supported yet; "
-                                  "call it with local tensors")
+    if any(_is_dtensor(t) for t in (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                    teacher_bias)):
+        from . import parallel_distill
+
+        div, ent = parallel_distill.linear_distill(
+            student_hidden, student_weight, teacher_hidden, teacher_weight, beta=beta, temperature=temperature,
+            labels=labels, ignore_index=_ignore_index(ignore_index), shift=_shift(shift), reduction=reduction,
+            return_entropy=bool(return_entropy), student_bias=student_bias, teacher_bias=teacher_bias,
+            student_logit_scale=float(student_logit_scale), teacher_logit_scale=float(teacher_logit_scale),
+            student_softcap=None if student_softcap is None else float(student_softcap),
+            teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
+            teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs, tail=tail,
+            mesh_dim=mesh_dim)
+        return (div, ent) if return_entropy else div
+    _no_mesh_dim(mesh_dim)
     div, ent = torch.ops.fused.linear_distill(
         student_hidden, student_weight, teacher_hidden, teacher_weight, beta=float(beta),
         temperature=float(temperature), labels=labels, ignore_index=_ignore_index(ignore_index), shift=_shift(shift),
