@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch_fused._library import INTERPRET
 from torch_fused.collectives import CollectiveCounter
 from _distributed import Checks
+from _helpers import DEVICES, assert_grad_close
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
@@ -324,6 +325,80 @@ def mismatched_layouts_fail_clearly(ctx):
             with pytest.raises(RuntimeError if "vocabulary size" in match else ValueError, match=match):
                 fn()
     ctx.done()
+
+
+# ---------------------------------------------------------------------------------------------
+# The rank-local pieces, without a process group (CPU, and CUDA where the shifts are rounded)
+# ---------------------------------------------------------------------------------------------
+def _ref_divergence(zs, zt, beta):
+    """float64, per row of z = logits / T: TRL's definitions."""
+    ls, lt = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    ps, pt = ls.exp(), lt.exp()
+
+    def kl(p, lp, lq):
+        return torch.where(p > 0, p * (lp - lq), torch.zeros_like(p)).sum(-1)
+
+    if beta == 0.0:
+        return kl(pt, lt, ls)
+    if beta == 1.0:
+        return kl(ps, ls, lt)
+    lm = torch.log((1 - beta) * ps + beta * pt)
+    return beta * kl(pt, lt, lm) + (1 - beta) * kl(ps, ls, lm)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter shifts exactly, as the plain CPU run does")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_slice_pieces_large_logits(device, beta):
+    """What the ranks compute, run here slice after slice: each slice's single-device forward (a
+    plain KL) or statistics pass (the JSD), the merge of all slices' partials (what every rank does
+    with the all-gather's output), the JSD's divergence pass per slice summed (the all-reduce),
+    and each slice's backward with the merged statistics. Logits near 1e4 with an O(1) spread:
+    the slices' shifts must be differenced as the kernels form them (rounded products of m c on
+    the GPU); divergence and entropy within 1e-4 nats of float64, d logits to fp32 accuracy. On
+    CUDA this is the only test of that path."""
+    from torch_fused import parallel as P
+    from torch_fused import parallel_distill as PD
+    from torch_fused._library import LOG2E
+    from torch_fused.meta.distill import DistillOptions
+
+    gen = torch.Generator().manual_seed(3)
+    v, t, n = 5000, 0.7, 6
+    starts, sizes = P.chunk_split(v, 3)
+    xs64 = 1e4 + 3 * torch.randn(2, 3, v, generator=gen, dtype=torch.float64)
+    xt64 = 1e4 + 0.5 + 3 * torch.randn(2, 3, v, generator=gen, dtype=torch.float64)
+    xs, xt = xs64.float().to(device), xt64.float().to(device)
+    lab = torch.zeros(2, 3, dtype=torch.long, device=device)
+    lab[1, 2] = -100
+    opts = DistillOptions(beta=beta, temperature=t, compute_entropy=True)
+    c = LOG2E / t
+    exact = PD._exact(xs, xt, c, c)
+    slices = [(xs[..., s:s + k], xt[..., s:s + k]) for s, k in zip(starts, sizes)]
+    dt = torch.float32
+    if opts.mode != 2:
+        parts = torch.stack([PD.slice_parts(st, ent, div, n, dt) for div, ent, st in
+                             (torch.ops.fused._distill_forward(a, b, lab, *opts.values()) for a, b in slices)])
+        div, ent, stats = PD._finish_world(parts, n, c, c, exact, True, opts.mode, lab, opts, dt, xs.device)
+    else:
+        parts = torch.stack([PD.slice_parts(st, ent, None, n, dt) for _, ent, st in
+                             (torch.ops.fused._distill_slice_forward(a, b, lab, None, *opts.values())
+                              for a, b in slices)])
+        _, ent, stats = PD._finish_world(parts, n, c, c, exact, True, None, lab, opts, dt, xs.device)
+        sums = sum(torch.stack([d.reshape(n), st.reshape(n, 5)[:, 4]], 1) for d, _, st in
+                   (torch.ops.fused._distill_slice_forward(a, b, lab, stats.reshape(2, 3, 5), *opts.values())
+                    for a, b in slices))
+        div = sums[:, 0]
+        stats[:, 4] = sums[:, 1]
+    xr = xs64.float().double().requires_grad_(True)
+    rdiv = _ref_divergence(xr / t, xt64.float().double() / t, beta) * (lab.cpu() != -100)
+    rent = -(torch.log_softmax(xr / t, -1).exp() * torch.log_softmax(xr / t, -1)).sum(-1)
+    assert (div.reshape(2, 3).double().cpu() - rdiv).abs().max().item() <= 1e-4, "divergence"
+    assert (ent.reshape(2, 3).double().cpu() - rent).abs().max().item() <= 1e-4, "entropy"
+    g = torch.randn(2, 3, generator=gen, dtype=torch.float64)
+    dx = torch.cat([torch.ops.fused._distill_backward(g.float().to(device), a, b, lab, stats.reshape(2, 3, 5),
+                                                      *opts.values()) for a, b in slices], -1)
+    (rdx,) = torch.autograd.grad((rdiv * g).sum(), xr)
+    assert_grad_close(dx, rdx, g.abs()[..., None] / t, torch.float32, "d student logits")
 
 
 # ---------------------------------------------------------------------------------------------
