@@ -401,6 +401,39 @@ def test_slice_pieces_large_logits(device, beta):
     assert_grad_close(dx, rdx, g.abs()[..., None] / t, torch.float32, "d student logits")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_slice_ops_opcheck(device):
+    """The slice ops' registrations (fakes, schemas, no autograd of their own): torch.library.opcheck."""
+    if INTERPRET:
+        pytest.skip("plain CPU (on CUDA the kernels' implementations)")
+    from torch_fused.meta.distill import DistillOptions
+
+    gen = torch.Generator().manual_seed(4)
+    ops = torch.ops.fused
+    s, t = torch.randn(2, 5, 13, generator=gen).to(device), torch.randn(2, 5, 13, generator=gen).to(device)
+    lab = torch.tensor([[1, -100, 2, 3], [4, 5, -100, 6]], device=device)
+    sh, sw = torch.randn(2, 5, 8, generator=gen).to(device), torch.randn(13, 8, generator=gen).to(device)
+    sb = torch.randn(13, generator=gen).to(device)
+    th, tw = torch.randn(2, 5, 6, generator=gen).to(device), torch.randn(13, 6, generator=gen).to(device)
+    for want_ent in (True, False):
+        opts = DistillOptions(beta=0.4, shift=True, compute_entropy=want_ent, student_softcap=None)
+        _, _, st = ops._distill_slice_forward(s, t, lab, None, *opts.values())
+        for stats in (None, st):
+            torch.library.opcheck(ops._distill_slice_forward, (s, t, lab, stats, *opts.values()))
+        hopts = DistillOptions(beta=0.4, shift=True, compute_entropy=want_ent, student_softcap=4.0)
+        _, _, hst = ops._linear_distill_slice_forward(sh, sw, sb, th, tw, None, lab, None, *hopts.values())
+        for stats in (None, hst):
+            torch.library.opcheck(ops._linear_distill_slice_forward, (sh, sw, sb, th, tw, None, lab, stats,
+                                                                      *hopts.values()))
+    g = torch.randn(2, 4, generator=gen).to(device)
+    for flags in ((True, True, True), (True, False, False)):
+        torch.library.opcheck(ops._linear_distill_slice_backward, (g, sh, sw, sb, th, tw, None, lab, hst,
+                                                                   *hopts.values()),
+                              dict(zip(("hidden_grad", "weight_grad", "bias_grad"), flags)))
+    with pytest.raises(RuntimeError, match=r"stats: expected the whole rows' statistics \(2, 4, 5\)"):
+        ops._distill_slice_forward(s, t, lab, st[:, :3], *opts.values())
+
+
 # ---------------------------------------------------------------------------------------------
 # The group
 # ---------------------------------------------------------------------------------------------
