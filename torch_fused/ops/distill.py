@@ -27,6 +27,13 @@ Core ops (meta/distill.py: ``DistillOptions``, the checks and the fakes):
   (``fused::_logprobs_entropy_forward`` from logits, ``fused::_linear_logprobs_entropy_forward``
   from the student's head) with the k ids, then an O(N k) formula (reference.distill_topk).
 
+- Vocabulary slices (the vocabulary-parallel path, torch_fused/parallel_distill.py):
+  ``fused::_distill_slice_forward`` / ``fused::_linear_distill_slice_forward`` run one of the two
+  forward passes over a slice (the statistics alone; or the divergence and aux parts from the whole
+  rows' statistics), ``fused::_linear_distill_slice_backward`` the head's backward with d hidden
+  as fp32 rows still to be summed over the slices. A slice's logits backward is
+  ``fused::_distill_backward`` itself, given the whole rows' statistics.
+
 The public ops ``fused::distill`` and ``fused::linear_distill`` are ``CompositeImplicitAutograd``
 over these, so torch.compile sees through them to the opaque core nodes.
 """
