@@ -826,6 +826,30 @@ MUTANTS: list[Mutant] = [
         [("_matmul_into(dh, dz, w[v0:v1], accumulate=v0 != 0)", "_matmul_into(dh, dz, w[v0:v1], accumulate=False)  # MUTANT")],
         LM_HEAD_TESTS,
     ),
+    # 72-74: the vocab-parallel distillation (parallel_distill.py): a plain KL merged from the
+    # slices' KLs without the KL between the slices' probabilities, the JSD's per-slice divergence
+    # sums not all-reduced, the heads' partial d hidden not summed over the ranks
+    Mutant(
+        "distill-parallel-kl-chain-term-dropped", "72 the slices' KLs merged without the KL of their shares",
+        "torch_fused/parallel_distill.py", CPU,
+        [("        term = torch.exp2(lp) * (d_r + (lp - lq) * ln2)\n",
+          "        term = torch.exp2(lp) * d_r  # MUTANT\n")],
+        ["tests/test_distill_parallel.py"],
+    ),
+    Mutant(
+        "distill-parallel-jsd-sums-not-reduced", "73 the JSD's per-slice sums taken as the rows' values",
+        "torch_fused/parallel_distill.py", CPU,
+        [("    sums = P._all_reduce_sum(sums, layout) if sums.numel() else sums\n", "    pass  # MUTANT\n")],
+        ["tests/test_distill_parallel.py"],
+    ),
+    Mutant(
+        "distill-parallel-dhidden-not-reduced", "74 the heads' partial d hidden not summed over the ranks",
+        "torch_fused/parallel_distill.py", CPU,
+        [("            dh = LL.hidden_grad_from_rows(P._all_reduce_sum(dh, layout) if dh.numel() else dh, sh, "
+          "opts.shift)\n",
+          "            dh = LL.hidden_grad_from_rows(dh, sh, opts.shift)  # MUTANT\n")],
+        ["tests/test_distill_parallel.py"],
+    ),
 ]
 
 
