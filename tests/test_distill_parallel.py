@@ -44,8 +44,8 @@ check = CHECKS.check
 
 # |out - single device| <= FWD * (|ref| + 1 + ln V) (twice test_distill's fp32 bound: both are within
 # it of float64); gradients norm-wise relative to the single-device gradient's norm
-FWD = {torch.float32: 4e-6, torch.float64: 2e-12}
-GRAD = {torch.float32: 8e-6, torch.float64: 2e-10}
+FWD = {torch.bfloat16: 4e-6, torch.float32: 4e-6, torch.float64: 2e-12}  # fp32 outputs for bf16 inputs
+GRAD = {torch.bfloat16: 1.6e-2, torch.float32: 8e-6, torch.float64: 2e-10}
 
 
 def _split(v, world):
@@ -98,6 +98,7 @@ LOGIT_CASES = [
     (0.3, 37, torch.float64, 1.0, True, "sum", True),
     (1.0, 4, torch.float32, 1.0, False, "none", True),  # world 3: shards of 2, 2, 0 columns
     (0.5, 4, torch.float32, 0.8, False, "none", False),
+    (0.5, 37, torch.bfloat16, 0.8, True, "none", True),  # d logits rounded once to bf16
 ]
 INTERPRET_CASES = [1]  # the JSD: both slice passes and the backward kernel
 
@@ -151,11 +152,12 @@ def logits_forms(ctx):
 
 
 HEAD_CASES = [
-    # beta, V, T, shift, reduction, biases, student softcap, hidden as Replicate DTensors
-    (0.0, 37, 0.8, True, "none", True, None, False),
-    (0.5, 37, 1.0, False, "none", True, 5.0, True),
-    (1.0, 37, 1.2, False, "token-mean", False, None, False),
-    (0.5, 4, 1.0, True, "sum", True, None, False),  # world 3: an empty weight shard
+    # beta, V, T, shift, reduction, biases, student softcap, hidden as Replicate DTensors, dtype
+    (0.0, 37, 0.8, True, "none", True, None, False, torch.float32),
+    (0.5, 37, 1.0, False, "none", True, 5.0, True, torch.float32),
+    (1.0, 37, 1.2, False, "token-mean", False, None, False, torch.float32),
+    (0.5, 4, 1.0, True, "sum", True, None, False, torch.float32),  # world 3: an empty weight shard
+    (1.0, 37, 1.0, False, "none", True, None, False, torch.bfloat16),
 ]
 
 
@@ -164,16 +166,16 @@ def head_forms(ctx):
     import torch_fused
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    for i, (beta, v, t, shift, red, has_bias, cap, h_dtensor) in enumerate(HEAD_CASES):
-        label = f"head case {i}: beta={beta} V={v} T={t} shift={shift} {red} bias={has_bias} softcap={cap}"
+    for i, (beta, v, t, shift, red, has_bias, cap, h_dtensor, dtype) in enumerate(HEAD_CASES):
+        label = f"head case {i}: beta={beta} V={v} T={t} shift={shift} {red} bias={has_bias} softcap={cap} {dtype}"
         g = torch.Generator().manual_seed(40 + i)
         b, l, hs, ht = 2, 4, 8, 12  # the teacher is wider
-        shf = torch.randn(b, l + shift, hs, generator=g)
-        thf = torch.randn(b, l + shift, ht, generator=g)
-        swf = torch.randn(v, hs, generator=g) / hs**0.5 * 2
-        twf = torch.randn(v, ht, generator=g) / ht**0.5 * 2
-        sbf = torch.randn(v, generator=g) if has_bias else None
-        tbf = torch.randn(v, generator=g) if has_bias else None
+        shf = torch.randn(b, l + shift, hs, generator=g).to(dtype)
+        thf = torch.randn(b, l + shift, ht, generator=g).to(dtype)
+        swf = (torch.randn(v, hs, generator=g) / hs**0.5 * 2).to(dtype)
+        twf = (torch.randn(v, ht, generator=g) / ht**0.5 * 2).to(dtype)
+        sbf = torch.randn(v, generator=g).to(dtype) if has_bias else None
+        tbf = torch.randn(v, generator=g).to(dtype) if has_bias else None
         labels = torch.randint(0, v, (b, l), generator=g)
         labels[1, 0] = -100
         kw = dict(beta=beta, temperature=t, labels=labels, shift=shift, reduction=red, return_entropy=True,
@@ -212,10 +214,11 @@ def head_forms(ctx):
         a, c = _split(v, ctx.world)[ctx.rank]
         with ctx.soft(label + " gradients"):
             dh = sh.grad.to_local() if h_dtensor else sh.grad
-            _grad_close(dh, rh.grad, torch.float32, "d student hidden")
-            _grad_close(sw.grad.to_local(), rw.grad[a:c], torch.float32, "d student weight shard")
+            assert dh.dtype == dtype and sw.grad.dtype == dtype, (dh.dtype, sw.grad.dtype)
+            _grad_close(dh, rh.grad, dtype, "d student hidden")
+            _grad_close(sw.grad.to_local(), rw.grad[a:c], dtype, "d student weight shard")
             if has_bias:
-                _grad_close(sb.grad.to_local(), rb.grad[a:c], torch.float32, "d student bias shard")
+                _grad_close(sb.grad.to_local(), rb.grad[a:c], dtype, "d student bias shard")
             if shift:
                 assert bool((dh[:, -1] == 0).all())
     ctx.done()
