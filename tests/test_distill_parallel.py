@@ -437,6 +437,59 @@ def test_slice_ops_opcheck(device):
         ops._distill_slice_forward(s, t, lab, st[:, :3], *opts.values())
 
 
+def _compiled_fullgraph(ctx, device, backend):
+    """torch.compile(fullgraph=True) of both forms (a plain KL and the JSD, reduced losses) equal to
+    eager, gradients placed as eager's. Not in the gloo group (tracing takes ~20 s on CPU): the
+    CUDA test below runs it on a one-rank NCCL group."""
+    import torch_fused
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(12)
+    xs, xt = torch.randn(2, 5, 23, generator=g).to(device), torch.randn(2, 5, 23, generator=g).to(device)
+    lab = torch.randint(0, 23, (2, 4), generator=g).to(device)
+    lab[0, 1] = -100
+    w, wt = torch.randn(23, 8, generator=g).to(device), torch.randn(23, 6, generator=g).to(device)
+    h, ht = torch.randn(2, 5, 8, generator=g).to(device), torch.randn(2, 5, 6, generator=g).to(device)
+
+    def loss(x, y, sw, tw, hh, beta):
+        a = torch_fused.distill(x, y, beta=beta, labels=lab, shift=True, reduction="token-mean")
+        b = torch_fused.linear_distill(hh, sw, ht, tw, beta=beta, labels=lab, shift=True, reduction="sum")
+        return a.to_local() + b.to_local()
+
+    for beta in (0.0, 0.5):
+        torch._dynamo.reset()
+        outs = []
+        for fn in (loss, torch.compile(loss, backend=backend, fullgraph=True)):
+            x = distribute_tensor(xs, ctx.mesh, [Shard(-1)]).requires_grad_(True)
+            sw = distribute_tensor(w, ctx.mesh, [Shard(0)]).requires_grad_(True)
+            hh = h.clone().requires_grad_(True)
+            value = fn(x, distribute_tensor(xt, ctx.mesh, [Shard(-1)]), sw, distribute_tensor(wt, ctx.mesh, [Shard(0)]),
+                       hh, beta)
+            value.backward()
+            outs.append((value, x.grad, sw.grad, hh.grad))
+        (v0, dx0, dw0, dh0), (v1, dx1, dw1, dh1) = outs
+        assert dx1.placements == dx0.placements and dw1.placements == dw0.placements
+        torch.testing.assert_close(v1, v0)
+        torch.testing.assert_close(dx1.to_local(), dx0.to_local())
+        torch.testing.assert_close(dw1.to_local(), dw0.to_local())
+        torch.testing.assert_close(dh1, dh0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_compiled_on_one_nccl_rank(backend, tmp_path):
+    """Both forms compiled (fullgraph) on CUDA through a one-rank NCCL group: equal to eager."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from _distributed import Ctx
+
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        _compiled_fullgraph(Ctx(0, 1, init_device_mesh("cuda", (1,))), "cuda", backend)
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------
 # The group
 # ---------------------------------------------------------------------------------------------
