@@ -154,6 +154,19 @@ def logits_forms(ctx):
         with ctx.soft(label + " gradient"):
             a, c = _split(v, ctx.world)[ctx.rank]
             _grad_close(xs.grad.to_local(), ref_x.grad[..., a:c], dtype, "d student logits shard")
+    if not INTERPRET:  # the student's last shard all -inf where the teacher's is not: KL(t || s) = inf
+        g = torch.Generator().manual_seed(30)
+        xs_full, xt_full = torch.randn(2, 3, 37, generator=g), torch.randn(2, 3, 37, generator=g)
+        lo, hi = _split(37, ctx.world)[-1]
+        xs_full[0, :, lo:hi] = float("-inf")
+        for beta in (0.0, 1.0, 0.5):
+            with ctx.soft(f"student without probability on a shard, beta={beta}"):
+                out = torch_fused.distill(distribute_tensor(xs_full, ctx.mesh, [Shard(-1)]),
+                                          distribute_tensor(xt_full, ctx.mesh, [Shard(-1)]), beta=beta).to_local()
+                ref = torch_fused.distill(xs_full, xt_full, beta=beta)
+                assert torch.equal(torch.isinf(out), torch.isinf(ref)) and bool(torch.isinf(ref).any()) == (beta == 0)
+                fin = torch.isfinite(ref)
+                _close(out[fin], ref[fin], 37, torch.float32, "divergence")
     ctx.done()
 
 
