@@ -273,7 +273,8 @@ def topk_forms(ctx):
             rdiv, rent = torch_fused.distill(rx, **kw)
             got, want = [x], [rx]
         else:
-            hf, wf, bf = torch.randn(b, l, hd, generator=g), torch.randn(v, hd, generator=g), torch.randn(v, generator=g)
+            hf, wf = torch.randn(b, l, hd, generator=g), torch.randn(v, hd, generator=g)
+            bf = torch.randn(v, generator=g)
             h = hf.clone().requires_grad_(True)
             w = distribute_tensor(wf, ctx.mesh, [Shard(0)]).requires_grad_(True)
             bias = distribute_tensor(bf, ctx.mesh, [Shard(0)]).requires_grad_(True)
@@ -289,9 +290,12 @@ def topk_forms(ctx):
             _close(div.to_local(), rdiv, v, torch.float32, "divergence")
             _close(ent.to_local(), rent, v, torch.float32, "entropy")
         with ctx.soft(label + " gradients"):
-            for p, rp in zip(got, want):
+            for j, (p, rp) in enumerate(zip(got, want)):
                 gr = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                sl = rp.grad if p is got[0] and form == "head" else (rp.grad[..., a:c] if form == "logits" else rp.grad[a:c])
+                if form == "logits":
+                    sl = rp.grad[..., a:c]  # the student logits' shard
+                else:
+                    sl = rp.grad if j == 0 else rp.grad[a:c]  # d hidden whole; d weight, d bias shards
                 _grad_close(gr, sl, torch.float32, f"gradient {tuple(rp.shape)}")
     ctx.done()
 
