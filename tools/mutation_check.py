@@ -827,14 +827,38 @@ MUTANTS: list[Mutant] = [
         [("_matmul_into(dh, dz, w[v0:v1], accumulate=v0 != 0)", "_matmul_into(dh, dz, w[v0:v1], accumulate=False)  # MUTANT")],
         LM_HEAD_TESTS,
     ),
+    # 72-74: the vocab-parallel distillation (parallel_distill.py): a plain KL merged from the
+    # slices' KLs without the KL between the slices' probabilities, the JSD's per-slice divergence
+    # sums not all-reduced, the heads' partial d hidden not summed over the ranks
     Mutant(
-        "head-support-backward-full-vocabulary", "72 the head's support backward spreading d logits over the whole vocabulary",
+        "distill-parallel-kl-chain-term-dropped", "72 the slices' KLs merged without the KL of their shares",
+        "torch_fused/parallel_distill.py", CPU,
+        [("        term = torch.exp2(lp) * (d_r + (lp - lq) * ln2)\n",
+          "        term = torch.exp2(lp) * d_r  # MUTANT\n")],
+        ["tests/test_distill_parallel.py"],
+    ),
+    Mutant(
+        "distill-parallel-jsd-sums-not-reduced", "73 the JSD's per-slice sums taken as the rows' values",
+        "torch_fused/parallel_distill.py", CPU,
+        [("    sums = P._all_reduce_sum(sums, layout) if sums.numel() else sums\n", "    pass  # MUTANT\n")],
+        ["tests/test_distill_parallel.py"],
+    ),
+    Mutant(
+        "distill-parallel-dhidden-not-reduced", "74 the heads' partial d hidden not summed over the ranks",
+        "torch_fused/parallel_distill.py", CPU,
+        [("            dh = LL.hidden_grad_from_rows(P._all_reduce_sum(dh, layout) if dh.numel() else dh, sh, "
+          "opts.shift)\n",
+          "            dh = LL.hidden_grad_from_rows(dh, sh, opts.shift)  # MUTANT\n")],
+        ["tests/test_distill_parallel.py"],
+    ),
+    Mutant(
+        "head-support-backward-full-vocabulary", "75 the head's support backward spreading d logits over the whole vocabulary",
         "torch_fused/ops/linear_logprobs.py", CPU,
         [("                                      threshold=tau)", "                                      threshold=None)  # MUTANT")],
         ["tests/test_sampler_support.py"],
     ),
     Mutant(
-        "head-listed-backward-no-normalizer", "73 the head's listed backward without the softmax normalizer's term",
+        "head-listed-backward-no-normalizer", "76 the head's listed backward without the softmax normalizer's term",
         "torch_fused/ops/linear_logprobs.py", CPU,
         [("        dz += g_in.sum(2) - p * g_in.sum((1, 2))[:, None]", "        dz += g_in.sum(2)  # MUTANT")],
         ["tests/test_sampler_support.py"],

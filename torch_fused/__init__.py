@@ -345,6 +345,7 @@ def distill(
     reduction: str = "none",
     return_entropy: bool = False,
     tail: str = "bucket",
+    mesh_dim: int | str | None = None,
 ):
     """The per-token divergence between a student's and a teacher's next-token distributions,
     from their logits, without a softmax or log-softmax of either held in memory.
@@ -379,6 +380,22 @@ def distill(
             kept positions divided by their count, 0 when none is kept).
         return_entropy: also return the student's entropy (nats) per position (a by-product of
             the same pass; no gradient flows through it).
+        mesh_dim: for DTensor logits sharded on the vocabulary (vocab-parallel), the mesh dim that
+            shards it; None: the only dim of a 1-D mesh.
+
+    Vocab-parallel: ``student_logits`` and ``teacher_logits`` may be DTensors ``Shard(-1)`` with the
+    same layout (the same mesh and placements: each rank holds both models' logits of the same
+    vocabulary slice; on ``mesh_dim`` with ``Replicate()`` elsewhere; uneven splits allowed);
+    ``labels`` (and a top-k teacher's tensors) plain tensors, the same on every rank, or
+    ``Replicate()`` DTensors. The results are ``Replicate()`` DTensors equal to the single-device
+    ones (fp32 accuracy), from O(rows) collectives only: ``beta`` 0 or 1 ONE all-gather of the
+    slices' statistics and divergences (merged by the chain rule of the KL divergence); a
+    ``beta`` between them TWO (an all-gather of the statistics, then an all-reduce of the
+    divergence's per-slice sums: the mixture needs both models' whole-row normalizers first).
+    The student logits' gradient is a ``Shard(-1)`` DTensor computed locally (no collective).
+    With a top-k teacher only the student's logits are sharded: its log-probs at the k ids come
+    from one all-gather, as :func:`selective_log_softmax`'s. ``temperature`` must be a float.
+    See torch_fused/parallel_distill.py.
 
     Returns:
         float32 (float64 for float64 student logits): ``[..., L]`` with ``reduction="none"``, a
@@ -388,8 +405,15 @@ def distill(
         its position (and a NaN gradient row) on CUDA.
     """
     if _is_dtensor(student_logits) or _is_dtensor(teacher_logits):
-        raise NotImplementedError("distill: DTensor (vocabulary-parallel) logits are not supported yet; call it with "
-                                  "local tensors")
+        from . import parallel_distill
+
+        div, ent = parallel_distill.distill(
+            student_logits, teacher_logits, teacher_topk_ids=teacher_topk_ids,
+            teacher_topk_logprobs=teacher_topk_logprobs, beta=beta, temperature=temperature, labels=labels,
+            ignore_index=_ignore_index(ignore_index), shift=_shift(shift), reduction=reduction,
+            return_entropy=bool(return_entropy), tail=tail, mesh_dim=mesh_dim)
+        return (div, ent) if return_entropy else div
+    _no_mesh_dim(mesh_dim)
     div, ent = torch.ops.fused.distill(
         student_logits, teacher_logits, teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs,
         beta=float(beta), temperature=float(temperature), labels=labels, ignore_index=_ignore_index(ignore_index),
@@ -419,6 +443,7 @@ def linear_distill(
     teacher_topk_ids: torch.Tensor | None = None,
     teacher_topk_logprobs: torch.Tensor | None = None,
     tail: str = "bucket",
+    mesh_dim: int | str | None = None,
 ):
     """:func:`distill` from both models' hidden states and lm_heads, never holding either model's
     ``[N, V]`` logits: z = softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) (no
@@ -444,15 +469,42 @@ def linear_distill(
             ``[V, H_s]``, d bias) until the backward, which only scales them by the upstream
             gradient: no GEMM is recomputed. For a full teacher; a top-k teacher's loss
             is reduced after the head's log-probs (its backward recomputes the student's head).
+        mesh_dim: for DTensor weights, the mesh dim that shards the vocabulary (None: the only
+            dim of a 1-D mesh).
+
+    Vocab-parallel heads: ``student_weight`` and ``teacher_weight`` may be DTensors ``Shard(0)``
+    with the same layout (each bias, if any, a DTensor placed like its weight), the hidden states
+    and ``labels`` plain tensors (the same on every rank) or ``Replicate()`` DTensors. Each rank runs
+    the chunk loop on its rows of both heads; the collectives are those of :func:`distill` (one
+    all-gather of O(rows) for ``beta`` 0 or 1, an all-gather and an all-reduce for the JSD, whose
+    second pass recomputes the rank's GEMMs). Results are ``Replicate()`` DTensors equal to the
+    single-device ones. Backward: d weight and d bias stay ``Shard(0)`` (local); d hidden is summed
+    over the ranks with ONE all-reduce of ``[N, H_s]`` (fp32, rounded once to hidden's dtype). With
+    ``"sum"`` / ``"token-mean"`` the loss is reduced from the per-token divergence and the backward
+    recomputes the rank's GEMMs (its gradients need the whole rows' statistics, known only after
+    the forward's collective). A top-k teacher needs only ``student_weight`` sharded (one
+    all-gather, as :func:`linear_logprobs_and_entropy`'s).
 
     Returns:
         as :func:`distill`. Gradients flow to ``student_hidden``, ``student_weight`` and
         ``student_bias`` only: exact (nothing filtered), d logits rounded once to the student
         weight's dtype (on CUDA; the CPU path keeps them in fp32), every GEMM accumulating in fp32.
     """
-    if _is_dtensor(student_weight) or _is_dtensor(student_hidden) or _is_dtensor(teacher_weight):
-        raise NotImplementedError("linear_distill: DTensor (vocabulary-parallel) heads are not supported yet; "
-                                  "call it with local tensors")
+    if any(_is_dtensor(t) for t in (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                    teacher_bias)):
+        from . import parallel_distill
+
+        div, ent = parallel_distill.linear_distill(
+            student_hidden, student_weight, teacher_hidden, teacher_weight, beta=beta, temperature=temperature,
+            labels=labels, ignore_index=_ignore_index(ignore_index), shift=_shift(shift), reduction=reduction,
+            return_entropy=bool(return_entropy), student_bias=student_bias, teacher_bias=teacher_bias,
+            student_logit_scale=float(student_logit_scale), teacher_logit_scale=float(teacher_logit_scale),
+            student_softcap=None if student_softcap is None else float(student_softcap),
+            teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
+            teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs, tail=tail,
+            mesh_dim=mesh_dim)
+        return (div, ent) if return_entropy else div
+    _no_mesh_dim(mesh_dim)
     div, ent = torch.ops.fused.linear_distill(
         student_hidden, student_weight, teacher_hidden, teacher_weight, beta=float(beta),
         temperature=float(temperature), labels=labels, ignore_index=_ignore_index(ignore_index), shift=_shift(shift),

@@ -251,3 +251,51 @@ def linear_backward_fake(grad_div, sh, sw, sb, th, tw, tb, labels, stats, *optio
     check_head(sh, sw, sb, th, tw, tb, labels, DistillOptions(*options))
     return (sh.new_empty(sh.shape if hidden_grad else (0,)), sw.new_empty(sw.shape if weight_grad else (0,)),
             sh.new_empty(sb.shape if bias_grad and sb is not None else (0,)))
+
+
+# ---------------------------------------------------------------------------------------------
+# vocabulary slices (the vocabulary-parallel forward and backward, torch_fused/parallel_distill.py)
+# ---------------------------------------------------------------------------------------------
+def check_slice_stats(stats, lead, rows) -> None:
+    """The whole rows' statistics given to a slice's divergence pass: [...lead, 5] in the
+    accumulation dtype of ``rows`` (the student's logits or hidden states), on their device."""
+    if stats is None:
+        return
+    want = tuple(lead) + (STATS,)
+    check(tuple(stats.shape) == want and stats.dtype == acc_dtype(rows.dtype) and stats.device == rows.device,
+          lambda: f"stats: expected the whole rows' statistics {want} {acc_dtype(rows.dtype)} on {rows.device}, got "
+                  f"{tuple(stats.shape)} {stats.dtype} on {stats.device}")
+
+
+def _slice_fakes(rows, lead, stats, opts):
+    dt = acc_dtype(rows.dtype)
+    stage_stats = stats is None
+    return (rows.new_empty((0,) if stage_stats else lead, dtype=dt),
+            rows.new_empty(lead if stage_stats and opts.compute_entropy else (0,), dtype=dt),
+            rows.new_empty(tuple(lead) + (STATS,), dtype=dt))
+
+
+def distill_slice_forward_fake(student, teacher, labels, stats, *options):
+    opts = DistillOptions(*options)
+    check_logits(student, teacher, labels, opts)
+    lead = row_shape(student, opts.shift)
+    check_slice_stats(stats, lead, student)
+    return _slice_fakes(student, lead, stats, opts)
+
+
+def linear_slice_forward_fake(sh, sw, sb, th, tw, tb, labels, stats, *options):
+    opts = DistillOptions(*options)
+    check_head(sh, sw, sb, th, tw, tb, labels, opts)
+    lead = row_shape(sh, opts.shift)
+    check_slice_stats(stats, lead, sh)
+    return _slice_fakes(sh, lead, stats, opts)
+
+
+def linear_slice_backward_fake(grad_div, sh, sw, sb, th, tw, tb, labels, stats, *options, hidden_grad=True,
+                               weight_grad=True, bias_grad=True):
+    opts = DistillOptions(*options)
+    check_head(sh, sw, sb, th, tw, tb, labels, opts)
+    n = math.prod(row_shape(sh, opts.shift))
+    return (sh.new_empty((n, sh.shape[-1]) if hidden_grad else (0,), dtype=acc_dtype(sh.dtype)),
+            sw.new_empty(sw.shape if weight_grad else (0,)),
+            sh.new_empty(sb.shape if bias_grad and sb is not None else (0,)))

@@ -27,6 +27,13 @@ Core ops (meta/distill.py: ``DistillOptions``, the checks and the fakes):
   (``fused::_logprobs_entropy_forward`` from logits, ``fused::_linear_logprobs_entropy_forward``
   from the student's head) with the k ids, then an O(N k) formula (reference.distill_topk).
 
+- Vocabulary slices (the vocabulary-parallel path, torch_fused/parallel_distill.py):
+  ``fused::_distill_slice_forward`` / ``fused::_linear_distill_slice_forward`` run one of the two
+  forward passes over a slice (the statistics alone; or the divergence and aux parts from the whole
+  rows' statistics), ``fused::_linear_distill_slice_backward`` the head's backward with d hidden
+  as fp32 rows still to be summed over the slices. A slice's logits backward is
+  ``fused::_distill_backward`` itself, given the whole rows' statistics.
+
 The public ops ``fused::distill`` and ``fused::linear_distill`` are ``CompositeImplicitAutograd``
 over these, so torch.compile sees through them to the opaque core nodes.
 """
@@ -39,7 +46,8 @@ from typing import Callable
 
 import torch
 
-from .._library import (LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, kernel_temperature, new_output,
+from .._library import (LIB, LN2, LOG2E, NAMESPACE, TRITON_DEVICES, acc_dtype, check_value, kernel_temperature,
+                        new_output,
                         no_forward_mode, rows_strides, under_forward_settings)
 from .. import reference
 from ..meta import distill as meta
@@ -419,9 +427,11 @@ class _Grads:
             self.dw_out.copy_(self.dw_acc)
 
 
-def _loop(path, s, t, lab, opts, n, v, stats, ent, div, grads=None, weights=None, forward=True):
+def _loop(path, s, t, lab, opts, n, v, stats, ent, div, grads=None, weights=None, forward=True, stage=None):
     """The chunk loop shared by the forward (statistics, divergence; with ``grads`` the reduced
-    mode's gradients too) and the backward (gradients from the saved statistics)."""
+    mode's gradients too) and the backward (gradients from the saved statistics). ``stage``
+    (the vocabulary-parallel forward's slice passes, no ``grads``): "stats" makes only the
+    statistics, "divergence" only the divergence from the statistics already in ``stats``."""
     dz_bytes = s.w.element_size()
     rows, group = chunk_plan(s.h.device, n, v, dz_bytes)
     if grads is not None:
@@ -435,9 +445,10 @@ def _loop(path, s, t, lab, opts, n, v, stats, ent, div, grads=None, weights=None
         st = stats[r0:r1]
         fused_div = False
         if forward:
-            path.stats(zs, zt, lab_c, ig, st, None if ent is None else ent[r0:r1], s.c, t.c)
+            if stage != "divergence":
+                path.stats(zs, zt, lab_c, ig, st, None if ent is None else ent[r0:r1], s.c, t.c)
             fused_div = grads is not None and opts.mode == 0  # its gradient needs no aux: one pass for both
-            if not fused_div:
+            if not fused_div and stage != "stats":
                 path.divergence(zs, zt, lab_c, ig, st, div[r0:r1], beta, s.c, t.c)
         if grads is not None:
             w = weights if weights.numel() == 1 else weights[r0:r1]
@@ -525,30 +536,39 @@ def _rows_into(full, rows, shift):
         full.copy_(rows.view(full.shape))
 
 
-def _head_backward(grad_div, sh, sw, sb, th, tw, tb, labels, stats, opts, path, hidden_grad, weight_grad, bias_grad):
+def _head_backward(grad_div, sh, sw, sb, th, tw, tb, labels, stats, opts, path, hidden_grad, weight_grad, bias_grad,
+                   hidden_rows=False):
+    """(d hidden, d weight, d bias); with ``hidden_rows`` d hidden is the scored rows' fp32 (fp64)
+    sum [N, H] before its rounding to the hidden dtype (a vocabulary slice's part, still to be
+    summed over the slices)."""
     meta.check_head(sh, sw, sb, th, tw, tb, labels, opts)
     path = _path(path, sh, th)
     dev = sh.device
     want_b = bias_grad and sb is not None
-    dh = new_output(sh.shape if hidden_grad else (0,), sh.dtype, dev)
-    dw = new_output(sw.shape if weight_grad else (0,), sw.dtype, dev)
-    db = new_output(sb.shape if want_b else (0,), sh.dtype, dev)
     lead = row_shape(sh, opts.shift)
     n, v = math.prod(lead), sw.shape[0]
+    acc = acc_dtype(sh.dtype)
+    if hidden_rows:
+        dh = new_output((n, sh.shape[-1]) if hidden_grad else (0,), acc, dev)
+    else:
+        dh = new_output(sh.shape if hidden_grad else (0,), sh.dtype, dev)
+    dw = new_output(sw.shape if weight_grad else (0,), sw.dtype, dev)
+    db = new_output(sb.shape if want_b else (0,), sh.dtype, dev)
     if n == 0 or not (hidden_grad or weight_grad or want_b):
         dh.zero_()
         dw.zero_()
         db.zero_()
         return dh, dw, db
-    acc = acc_dtype(sh.dtype)
     lab = _labels_rows(labels, n)
     s, t = _head_setup(sh, sw, sb, th, tw, tb, opts, path)
-    dh_rows, db_acc = _grad_buffers(sh, sw, sb, n, acc, hidden_grad, weight_grad, want_b)
+    dh_rows, db_acc = _grad_buffers(sh, sw, sb, n, acc, hidden_grad and not hidden_rows, weight_grad, want_b)
+    if hidden_rows and hidden_grad:
+        dh_rows = dh
     _, group = chunk_plan(dev, n, v, s.w.element_size())
     grads = _Grads(s, n, group, dh_rows, dw if weight_grad else None, db_acc)
     g = grad_div.reshape(n).to(acc).contiguous()
     _loop(path, s, t, lab, opts, n, v, stats.reshape(n, meta.STATS).contiguous(), None, None, grads, g, forward=False)
-    if hidden_grad:
+    if hidden_grad and not hidden_rows:
         _rows_into(dh, dh_rows, opts.shift)
     if want_b:
         db.copy_(db_acc)
@@ -653,6 +673,133 @@ def _setup_head_keywords(ctx, inputs, keyword_only_inputs, output):
 
 
 linear_distill_forward.register_autograd(_backward_head, setup_context=_setup_head_keywords)
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocabulary slices (torch_fused/parallel_distill.py): the passes of a slice of the vocabulary
+# ---------------------------------------------------------------------------------------------
+# A rank of a vocabulary-parallel call holds both models' logits (or head rows) for a slice of
+# the vocabulary. The generalized JSD needs the whole rows' statistics before its divergence
+# pass, so its forward runs the two passes apart: "stats" (no ``stats`` argument) makes the
+# slice's own (m, log2 s) per model and the student's entropy over the slice; "divergence" (the
+# whole rows' ``stats`` given) makes the slice's part of the divergence and of aux (the
+# divergence pass over the slice's columns only: summed over the slices, the rows' values). The
+# backward of a slice is the single-device backward with the whole rows' statistics, d hidden
+# returned as fp32 rows to be summed over the slices.
+def _slice_outputs(lead, stats_in, opts, dt, dev):
+    stage = "stats" if stats_in is None else "divergence"
+    div = new_output(lead if stage == "divergence" else (0,), dt, dev)
+    ent = new_output(lead if stage == "stats" and opts.compute_entropy else (0,), dt, dev)
+    st = new_output(tuple(lead) + (meta.STATS,), dt, dev)
+    return stage, div, ent, st
+
+
+def _start_slice_stats(st2, stats_in, stage, n):
+    if stage == "stats":
+        st2[:, 4] = 0
+    else:
+        st2[:, :4] = stats_in.reshape(n, meta.STATS)[:, :4]
+
+
+def _logits_slice_forward(student, teacher, labels, stats_in, opts, path):
+    meta.check_logits(student, teacher, labels, opts)
+    lead = row_shape(student, opts.shift)
+    meta.check_slice_stats(stats_in, lead, student)
+    path = _path(path, student, teacher)
+    dt = acc_dtype(student.dtype)
+    n = math.prod(lead)
+    stage, div, ent, st = _slice_outputs(lead, stats_in, opts, dt, student.device)
+    if n == 0:
+        return div, ent, st
+    c = LOG2E / kernel_temperature(opts.temperature)
+    xs, xt = _logits_rows(student, opts.shift), _logits_rows(teacher, opts.shift)
+    if not path.triton:
+        xs, xt = xs.reshape(n, -1), xt.reshape(n, -1)
+    lab = _labels_rows(labels, n)
+    st2 = st.view(n, meta.STATS)
+    _start_slice_stats(st2, stats_in, stage, n)
+    if stage == "stats":
+        path.stats(xs, xt, lab, opts.ignore_index, st2, ent.view(n) if opts.compute_entropy else None, c, c)
+    else:
+        path.divergence(xs, xt, lab, opts.ignore_index, st2, div.view(n), opts.beta, c, c)
+    return div, ent, st
+
+
+def _head_slice_forward(sh, sw, sb, th, tw, tb, labels, stats_in, opts, path):
+    meta.check_head(sh, sw, sb, th, tw, tb, labels, opts)
+    lead = row_shape(sh, opts.shift)
+    meta.check_slice_stats(stats_in, lead, sh)
+    check_value(not opts.reduced, lambda: "reduction: the slice ops take reduction='none'")
+    path = _path(path, sh, th)
+    dt = acc_dtype(sh.dtype)
+    n, v = math.prod(lead), sw.shape[0]
+    stage, div, ent, st = _slice_outputs(lead, stats_in, opts, dt, sh.device)
+    if n == 0:
+        return div, ent, st
+    lab = _labels_rows(labels, n)
+    s, t = _head_setup(sh, sw, sb, th, tw, tb, opts, path)
+    st2 = st.view(n, meta.STATS)
+    _start_slice_stats(st2, stats_in, stage, n)
+    ent2 = ent.view(n) if stage == "stats" and opts.compute_entropy else None
+    _loop(path, s, t, lab, opts, n, v, st2, ent2, div.view(n) if stage == "divergence" else None, stage=stage)
+    return div, ent, st
+
+
+@torch.library.custom_op(f"{NAMESPACE}::_distill_slice_forward", mutates_args=(), schema=(
+    f"(Tensor student, Tensor teacher, Tensor? labels, Tensor? stats, {_OPTS}) -> (Tensor, Tensor, Tensor)"))
+def distill_slice_forward(student, teacher, labels, stats, *options):
+    """One pass over a vocabulary slice of both models' logits: without ``stats`` (empty
+    divergence, the slice's entropy, the slice's statistics [lead, 5] with aux 0); with the whole
+    rows' ``stats`` (the slice's part of the divergence [lead], empty entropy, ``stats`` with
+    the slice's part of aux)."""
+    return _logits_slice_forward(student, teacher, labels, stats, Options(*options), REFERENCE)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::_linear_distill_slice_forward", mutates_args=(), schema=(
+    f"({_HEAD_TENSORS}, Tensor? stats, {_OPTS}) -> (Tensor, Tensor, Tensor)"))
+def linear_distill_slice_forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                 teacher_bias, labels, stats, *options):
+    """``_distill_slice_forward`` from both heads' rows of a vocabulary slice (the chunk loop,
+    the GEMMs of the slice's rows)."""
+    return _head_slice_forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                               teacher_bias, labels, stats, Options(*options), REFERENCE)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::_linear_distill_slice_backward", mutates_args=(), schema=(
+    f"(Tensor grad_divergence, {_HEAD_TENSORS}, Tensor stats, {_OPTS}, *, bool hidden_grad=True, "
+    "bool weight_grad=True, bool bias_grad=True) -> (Tensor, Tensor, Tensor)"))
+def linear_distill_slice_backward(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden,
+                                  teacher_weight, teacher_bias, labels, stats, *options, hidden_grad=True,
+                                  weight_grad=True, bias_grad=True):
+    """``_linear_distill_backward`` of a vocabulary slice with the whole rows' ``stats``: d hidden
+    as the scored rows' fp32 (fp64) part [N, H], to be summed over the slices."""
+    return _head_backward(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden,
+                          teacher_weight, teacher_bias, labels, stats, Options(*options), REFERENCE, hidden_grad,
+                          weight_grad, bias_grad, hidden_rows=True)
+
+
+distill_slice_forward.register_fake(meta.distill_slice_forward_fake)
+linear_distill_slice_forward.register_fake(meta.linear_slice_forward_fake)
+linear_distill_slice_backward.register_fake(meta.linear_slice_backward_fake)
+
+if TRITON_DEVICES:
+    @distill_slice_forward.register_kernel(TRITON_DEVICES)
+    def _distill_slice_forward_triton(student, teacher, labels, stats, *options):
+        return _logits_slice_forward(student, teacher, labels, stats, Options(*options), TRITON)
+
+    @linear_distill_slice_forward.register_kernel(TRITON_DEVICES)
+    def _linear_distill_slice_forward_triton(student_hidden, student_weight, student_bias, teacher_hidden,
+                                             teacher_weight, teacher_bias, labels, stats, *options):
+        return _head_slice_forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                   teacher_bias, labels, stats, Options(*options), TRITON)
+
+    @linear_distill_slice_backward.register_kernel(TRITON_DEVICES)
+    def _linear_distill_slice_backward_triton(grad_divergence, student_hidden, student_weight, student_bias,
+                                              teacher_hidden, teacher_weight, teacher_bias, labels, stats, *options,
+                                              hidden_grad=True, weight_grad=True, bias_grad=True):
+        return _head_backward(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden,
+                              teacher_weight, teacher_bias, labels, stats, Options(*options), TRITON, hidden_grad,
+                              weight_grad, bias_grad, hidden_rows=True)
 
 
 # ---------------------------------------------------------------------------------------------
