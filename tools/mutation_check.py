@@ -854,7 +854,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "head-support-backward-full-vocabulary", "75 the head's support backward spreading d logits over the whole vocabulary",
         "torch_fused/ops/linear_logprobs.py", CPU,
-        [("                                      threshold=tau)", "                                      threshold=None)  # MUTANT")],
+        [("w.dtype, threshold=tau)", "w.dtype, threshold=None)  # MUTANT")],
         ["tests/test_sampler_support.py"],
     ),
     Mutant(

@@ -551,7 +551,7 @@ def _support_rows(device: torch.device, v: int) -> int:
     """Token rows per chunk of the support path: the lm_head_support_chunk_bytes budget of fp32 [rows, V],
     in multiples of 64 past 64 rows, at least one."""
     budget = settings.lm_head_support_chunk_bytes
-    rows = max(1, budget.get(device.type, budget["cpu"]) // (4 * v))
+    rows = max(1, (budget[device.type] if device.type in budget else budget["cpu"]) // (4 * v))
     return rows - rows % 64 if rows > 64 else rows
 
 
@@ -617,7 +617,6 @@ def _support_backward(grad_logp, grad_entropy, hidden, weight, index, bias, stat
         glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
         gh = grad_entropy.reshape(n) if grad_entropy is not None else None
         glp, idx2, bad_rows = _contain_bad_ids(glp, idx2, opts.ignore_index, v)
-        in_place = path.triton and opts.softcap is None and w.dtype in (torch.bfloat16, torch.float16)
         invariant = _invariant(path, hm, w)
         step = _support_rows(hidden.device, v)
         for r0 in range(0, n, step):
@@ -626,12 +625,9 @@ def _support_backward(grad_logp, grad_entropy, hidden, weight, index, bias, stat
             args = (None if glp is None else glp[r0:r1], None if gh is None else gh[r0:r1], z, idx2[r0:r1],
                     st3[r0:r1, :2], ent2[r0:r1], t_eff, opts.ignore_index)
             tau = st3[r0:r1, 2].contiguous()
-            if in_place:  # row r's w.dtype d logits in the first bytes of its fp32 logits
-                dz = z.view(w.dtype)[:, :v]
-                path.backward(*args, out=dz, threshold=tau)
-            else:
-                dz, _ = path.backward(*args, out_dtype=z.dtype if opts.softcap is not None else w.dtype,
-                                      threshold=tau)
+            # (not in place over the logits: with K ids the kernel reads their logits again in
+            # every block of the row)
+            dz, _ = path.backward(*args, out_dtype=z.dtype if opts.softcap is not None else w.dtype, threshold=tau)
             if opts.softcap is not None:  # d y = d z * s (1 - tanh^2), tanh = z / c, in fp32
                 dz = dz.mul_(z.div_(opts.softcap).square_().neg_().add_(1.0)).mul_(opts.logit_scale).to(w.dtype)
             if weight_grad:
