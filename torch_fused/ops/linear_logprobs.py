@@ -548,10 +548,11 @@ def _contain_bad_ids(glp, idx2, ignore_index, v_total):
 
 
 def _support_rows(device: torch.device, v: int) -> int:
-    """Token rows per chunk of the support path: the lm_head_support_chunk_bytes budget of fp32 [rows, V],
-    in multiples of 64 past 64 rows, at least one."""
+    """Token rows per chunk of the support path: the lm_head_support_chunk_bytes budget of fp32 [rows, V]
+    (a device type it does not name: its "cpu" entry, else 4 MiB), in multiples of 64 past 64 rows,
+    at least one."""
     budget = settings.lm_head_support_chunk_bytes
-    rows = max(1, (budget[device.type] if device.type in budget else budget["cpu"]) // (4 * v))
+    rows = max(1, budget.get(device.type, budget.get("cpu", 4 << 20)) // (4 * v))
     return rows - rows % 64 if rows > 64 else rows
 
 
@@ -587,112 +588,133 @@ def _support_forward(h2, w, idx2, bias, opts, path, invariant, lp2, ent2, st2):
             # none (NaN) is not listed
             vals, ids = z.topk(k, dim=1)
             kept = (z >= tau[:, None]).sum(1)
+            # the kept ids in id order (a tie's order inside topk may follow the batch; the
+            # backward's sums follow this order), the rest after them
+            inside = torch.arange(k, device=z.device)[None, :] < kept[:, None]
+            ids, order = torch.where(inside, ids, v).sort(1)
             st2[r0:r1, 3] = torch.where((kept > 0) & (kept <= k), kept, -1)
             st2[r0:r1, 4:4 + k] = ids
-            st2[r0:r1, 4 + k:] = vals
+            st2[r0:r1, 4 + k:] = vals.gather(1, order)
         del z
 
 
 def _support_backward(grad_logp, grad_entropy, hidden, weight, index, bias, stats, entropy, opts, path, *,
                       hidden_grad=True, weight_grad=True):
-    """(d hidden rows [N, H] in fp32 (fp64), d weight, d bias) of the support path: from the listed
-    support where every row has one (and the lm_head_support_listed setting is on), else token-row
-    chunks of recomputed logits."""
+    """(d hidden rows [N, H] in fp32 (fp64), d weight, d bias) of the support path. A row whose
+    support the forward listed (and the lm_head_support_listed setting on) takes the listed
+    backward (no logits, no GEMM); the other rows take token-row chunks of recomputed logits. The
+    route is the row's own (its listing), so a row's d hidden does not depend on the other rows."""
     h2, idx2 = _rows(hidden, index, opts.shift)
     n, v = h2.shape[0], weight.shape[0]
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    k = opts.listed_ids(v)
-    if (k and n > 0 and settings.lm_head_support_listed and (grad_logp is not None or grad_entropy is not None)
-            and bool((stats.reshape(n, -1)[:, 3] >= 0).all())):  # (one device sync)
-        return _listed_backward(grad_logp, grad_entropy, h2, weight, idx2, bias, stats.reshape(n, -1), entropy.reshape(n),
-                                opts, path, k, acc, hidden_grad, weight_grad)
     dh = torch.zeros(n if hidden_grad else 0, h2.shape[1], dtype=acc, device=hidden.device)
     dw_acc = torch.zeros(weight.shape if weight_grad else (0,), dtype=acc, device=hidden.device)
     db_acc = torch.zeros(bias.shape if bias is not None else (0,), dtype=acc, device=hidden.device)
     if n > 0 and (grad_logp is not None or grad_entropy is not None):
         w, hm = _gemm_operands(weight, h2, not path.triton)
-        t_eff, _ = _support_options(opts)
-        st3 = stats.reshape(n, -1)
+        st = stats.reshape(n, -1)
         ent2 = entropy.reshape(n)
         glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
         gh = grad_entropy.reshape(n) if grad_entropy is not None else None
         glp, idx2, bad_rows = _contain_bad_ids(glp, idx2, opts.ignore_index, v)
-        invariant = _invariant(path, hm, w)
-        step = _support_rows(hidden.device, v)
-        for r0 in range(0, n, step):
-            r1 = min(n, r0 + step)
-            z = _logits_chunk(hm[r0:r1], w, bias, opts, invariant)
-            args = (None if glp is None else glp[r0:r1], None if gh is None else gh[r0:r1], z, idx2[r0:r1],
-                    st3[r0:r1, :2], ent2[r0:r1], t_eff, opts.ignore_index)
-            tau = st3[r0:r1, 2].contiguous()
-            # (not in place over the logits: with K ids the kernel reads their logits again in
-            # every block of the row)
-            dz, _ = path.backward(*args, out_dtype=z.dtype if opts.softcap is not None else w.dtype, threshold=tau)
-            if opts.softcap is not None:  # d y = d z * s (1 - tanh^2), tanh = z / c, in fp32
-                dz = dz.mul_(z.div_(opts.softcap).square_().neg_().add_(1.0)).mul_(opts.logit_scale).to(w.dtype)
-            if weight_grad:
-                _addmm_f32_(dw_acc, dz.t(), hm[r0:r1])
-            if hidden_grad and invariant and dh.dtype == torch.float32:
-                _matmul_into(dh[r0:r1], dz, w, accumulate=False)
-            elif hidden_grad:
-                _addmm_f32_(dh[r0:r1], dz, w, first=True)
-            if bias is not None:
-                db_acc += dz.sum(0, dtype=acc)
-            del z, dz
+        grads = (dh, dw_acc, db_acc, hidden_grad, weight_grad)
+        unlisted = None  # the rows the chunks take (None: all)
+        k = opts.listed_ids(v)
+        if k and settings.lm_head_support_listed:
+            _listed_backward(glp, gh, hm, w, idx2, bias, st, ent2, opts, k, *grads)
+            unlisted = st[:, 3] < 0
+        _chunked_support_backward(glp, gh, hm, w, idx2, bias, st, ent2, opts, path, unlisted, *grads)
         if bad_rows is not None and hidden_grad:
             dh.masked_fill_(bad_rows[:, None], float("nan"))
     dw = dw_acc.to(weight.dtype) if weight_grad else weight.new_empty(0)
     return dh, dw, db_acc.to(hidden.dtype)
 
 
-def _listed_backward(grad_logp, grad_entropy, h2, weight, idx2, bias, st, ent, opts, path, k, acc, hidden_grad,
-                     weight_grad):
-    """The support path's backward from the forward's list of each row's kept ids and their logits
-    (no logits recomputed, no GEMM): d logits at those ids only,
+def _chunked_support_backward(glp, gh, hm, w, idx2, bias, st, ent2, opts, path, unlisted, dh, dw_acc, db_acc,
+                              hidden_grad, weight_grad):
+    """The gradients of the rows ``unlisted`` marks (all where None) from token-row chunks of
+    recomputed logits: d logits from the log-prob core's backward with the rows' thresholds, then
+    the d hidden and d weight GEMMs, added to dh (written where None), dw_acc and db_acc. The
+    chunks are the forward's (the same GEMM shapes give the same logits, so each id is inside or
+    outside the support as in the forward, ties included); a chunk without a marked row is
+    skipped, and the other rows of a chunk pass no upstream gradient."""
+    n, v = hm.shape[0], w.shape[0]
+    t_eff, _ = _support_options(opts)
+    invariant = _invariant(path, hm, w)
+    step = _support_rows(hm.device, v)
+    starts = range(0, n, step)
+    if unlisted is not None:
+        marked = torch.zeros(len(starts), dtype=torch.int64, device=hm.device)
+        marked.index_add_(0, torch.arange(n, device=hm.device) // step, unlisted.to(torch.int64))
+        starts = [r0 for r0, c in zip(starts, marked.tolist()) if c]  # (one device sync)
+        keep = unlisted.to(st.dtype)
+        glp = None if glp is None else glp * keep.reshape((n,) + (1,) * (glp.dim() - 1)).to(glp.dtype)
+        gh = None if gh is None else gh * keep.to(gh.dtype)
+    for r0 in starts:
+        r1 = min(n, r0 + step)
+        z = _logits_chunk(hm[r0:r1], w, bias, opts, invariant)
+        args = (None if glp is None else glp[r0:r1], None if gh is None else gh[r0:r1], z, idx2[r0:r1],
+                st[r0:r1, :2], ent2[r0:r1], t_eff, opts.ignore_index)
+        tau = st[r0:r1, 2].contiguous()
+        # (not in place over the logits: with K ids the kernel reads their logits again in every
+        # block of the row)
+        dz, _ = path.backward(*args, out_dtype=z.dtype if opts.softcap is not None else w.dtype, threshold=tau)
+        if opts.softcap is not None:  # d y = d z * s (1 - tanh^2), tanh = z / c, in fp32
+            dz = dz.mul_(z.div_(opts.softcap).square_().neg_().add_(1.0)).mul_(opts.logit_scale).to(w.dtype)
+        if weight_grad:
+            _addmm_f32_(dw_acc, dz.t(), hm[r0:r1])
+        if hidden_grad and invariant and dh.dtype == torch.float32:
+            _matmul_into(dh[r0:r1], dz, w, accumulate=unlisted is not None)
+        elif hidden_grad:
+            _addmm_f32_(dh[r0:r1], dz, w, first=unlisted is None)
+        if bias is not None:
+            db_acc += dz.sum(0, dtype=db_acc.dtype)
+        del z, dz
+
+
+def _listed_backward(glp, gh, hm, w, idx2, bias, st, ent, opts, k, dh, dw_acc, db_acc, hidden_grad, weight_grad):
+    """Adds the gradients of the rows whose support the forward listed (the others contribute
+    nothing here), from that list of each row's kept ids and their logits, without logits or a
+    GEMM: d logits at those ids only,
     (1/T) [sum_ids g_lp (1[j = id] - p_j) - g_ent p_j (log p_j + H)] over the ids inside the
-    support (an id outside it passes nothing), then d hidden = a gather-sum of the weight's rows
-    (embedding_bag, fp32 accumulation, rounded once to the weight's dtype), d weight = a sparse
-    [V, N] by [N, H] product in fp32, d bias a scatter-add."""
-    n, v = h2.shape[0], weight.shape[0]
-    w, hm = _gemm_operands(weight, h2, not path.triton)
+    support (an id outside it, or ignore_index, passes nothing), then d hidden = a gather-sum of
+    the weight's rows (embedding_bag, accumulating in fp32, rounded once to the weight's dtype),
+    d weight += a sparse [V, N] by [N, H] product in fp32, d bias a scatter-add."""
+    n, v = hm.shape[0], w.shape[0]
     t_eff, _ = _support_options(opts)
     cnt, ids, zs = st[:, 3], st[:, 4:4 + k].to(torch.int64), st[:, 4 + k:4 + 2 * k]
-    valid = torch.arange(k, device=st.device)[None, :] < cnt[:, None]
+    # the forward lists a row's ids by id; an id of -inf logit (a masked vocabulary entry the
+    # threshold keeps when it is -inf) has p 0 and no gradient
+    valid = (torch.arange(k, device=st.device)[None, :] < cnt[:, None]) & (zs > float("-inf"))
     a = torch.where(valid, zs / t_eff, float("-inf"))
-    logp = a - torch.logsumexp(a, 1, keepdim=True)
-    p = torch.where(valid, logp.exp(), 0.0)
+    logp = torch.where(valid, a - torch.logsumexp(a, 1, keepdim=True), 0.0)
+    p = logp.exp() * valid
     dz = torch.zeros_like(zs)
-    glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
-    glp, idx2, bad_rows = _contain_bad_ids(glp, idx2, opts.ignore_index, v)
     if glp is not None:
         g2, i2 = glp.reshape(n, -1).to(zs.dtype), idx2.reshape(n, -1)
-        hit = (ids[:, :, None] == i2[:, None, :]) & valid[:, :, None]  # [N, k, K]: id k' at listed place j
-        g_in = torch.where(hit, g2[:, None, :], 0.0)
-        dz += g_in.sum(2) - p * g_in.sum((1, 2))[:, None]
-    if grad_entropy is not None:
-        gh = grad_entropy.reshape(n, 1).to(zs.dtype)
-        dz -= gh * p * torch.where(valid, logp, 0.0).add_(ent.reshape(n, 1).to(zs.dtype))
+        g2 = g2.masked_fill(i2 == opts.ignore_index, 0.0)
+        g_all = torch.zeros_like(cnt)
+        for j in range(i2.shape[1]):  # the K ids one at a time: [N, k] temporaries
+            hit = (ids == i2[:, j:j + 1]) & valid
+            g_j = torch.where(hit, g2[:, j:j + 1], 0.0)
+            dz += g_j
+            g_all += g_j.sum(1)
+        dz -= p * g_all[:, None]
+    if gh is not None:
+        dz -= gh.reshape(n, 1).to(zs.dtype) * p * (logp + ent.reshape(n, 1).to(zs.dtype))
     dz = torch.where(valid, dz / t_eff, 0.0)
     if opts.softcap is not None:  # d y = d z * s (1 - tanh^2), tanh = z / c
         dz = dz * (1.0 - (zs / opts.softcap).square()) * opts.logit_scale
     safe_ids = torch.where(valid, ids, 0)
     if hidden_grad:
-        dh = torch.nn.functional.embedding_bag(safe_ids, w, per_sample_weights=dz.to(w.dtype), mode="sum").to(acc)
-        if bad_rows is not None:
-            dh.masked_fill_(bad_rows[:, None], float("nan"))
-    else:
-        dh = torch.zeros(0, h2.shape[1], dtype=acc, device=h2.device)
-    rows = torch.arange(n, device=st.device)[:, None].expand(n, k)[valid]
-    cols = ids[valid]
-    if weight_grad:
-        d = torch.sparse_coo_tensor(torch.stack([cols, rows]), dz[valid].to(acc), (v, n), check_invariants=False)
-        dw = torch.sparse.mm(d, hm.to(acc)).to(weight.dtype)
-    else:
-        dw = weight.new_empty(0)
-    db = torch.zeros(bias.shape if bias is not None else (0,), dtype=acc, device=h2.device)
+        dh += torch.nn.functional.embedding_bag(safe_ids, w, per_sample_weights=dz.to(w.dtype), mode="sum")
+    flat_rows = torch.arange(n, device=st.device)[:, None].expand(n, k).reshape(-1)
+    if weight_grad:  # every (id, row) place, zero weight where not valid: no data-dependent shapes
+        d = torch.sparse_coo_tensor(torch.stack([safe_ids.reshape(-1), flat_rows]), dz.reshape(-1).to(dw_acc.dtype),
+                                    (v, n), check_invariants=False)
+        dw_acc.addmm_(d, hm.to(dw_acc.dtype))
     if bias is not None:
-        db.index_add_(0, cols, dz[valid].to(acc))
-    return dh, dw, db.to(h2.dtype)
+        db_acc.index_add_(0, safe_ids.reshape(-1), dz.reshape(-1).to(db_acc.dtype))
 
 
 def hidden_grad_from_rows(dh, hidden, shift):
