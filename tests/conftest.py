@@ -63,6 +63,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
+    # The test that waits for the interpreter run goes last: every other test of this run then
+    # runs beside the interpreter run instead of after it (in file order it would wait before
+    # most of them).
+    items.sort(key=lambda item: "test_suite_under_triton_interpreter" in item.nodeid)
 
 
 # The interpreter run (tests/test_interpreter.py) is a second pytest process. It starts with the

@@ -1,5 +1,6 @@
-"""The small suite's timing arithmetic (torch_fused/bench/small.py): a ratio is taken within each
-round and then summarized, so a drift of the host between rounds does not enter it."""
+"""The benchmarks' timing arithmetic. The small suite's (torch_fused/bench/small.py): a ratio is
+taken within each round and then summarized, so a drift of the host between rounds does not enter
+it. A row timed against its floor (bench/common.py): the floor right before and right after it."""
 
 from __future__ import annotations
 
@@ -31,3 +32,23 @@ def test_a_host_drift_common_to_both_rows_leaves_the_ratio_alone():
 def test_median_of_an_even_count_is_the_mean_of_the_middle_two():
     assert median([4.0, 1.0, 3.0, 2.0]) == 2.5
     assert median([5.0, 1.0, 3.0]) == 3.0
+
+
+def test_the_floor_is_timed_right_before_and_right_after_the_op():
+    # bench/common.timed_against_floor, which distill.py, lm_head.py and agreement.py time their
+    # rows with: floor, op, floor, in this order; the floor's ms is the mean of its two timings
+    from torch_fused.bench.common import timed_against_floor
+
+    calls = []
+    floor_ms = iter([2.0, 4.0])
+
+    def time_floor():
+        calls.append("floor")
+        return next(floor_ms)
+
+    def time_op():
+        calls.append("op")
+        return 9.0
+
+    assert timed_against_floor(time_op, time_floor) == (9.0, 3.0)
+    assert calls == ["floor", "op", "floor"]

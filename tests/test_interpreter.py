@@ -7,8 +7,10 @@ real kernels instead of the plain-PyTorch reference. Shapes are small there (tes
 shrinks the tiles so that small shapes still reach every kernel branch).
 
 The child process starts when the pytest session starts (tests/conftest.py), so that on a machine with
-two cores it runs beside the plain CPU suite; this test waits for it, and its report (progress and
-summary) is printed once, as a section of this run's summary, not inside this run's progress line.
+two cores it runs beside the plain CPU suite; this test, which the collection puts last (so that
+every other plain test runs beside it, none after it), waits for it, and its report (progress
+and summary) is printed once, as a section of this run's summary, not inside this run's
+progress line.
 """
 
 import pytest

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import torch_fused
+from torch_fused._library import INTERPRET
 from torch_fused.masked import AGG_MODES
 
 TOL = dict(rtol=1e-6, atol=1e-7)
@@ -376,7 +377,10 @@ def _assert_matches(out, fn, arg, loss, mask):
     assert bool((err <= 1e-5 * mag + 1e-6).all()), (out, truth)
 
 
-@settings(max_examples=30)
+# Each example compiles its own graph. The plain run sweeps the mask kinds, forms and helpers (the
+# helpers' own code); the interpreter run (the same helpers, with mask_reduce's kernels inside the
+# compiled graph, whose mask strides and forms test_mask_reduce.py sweeps) takes fewer examples.
+@settings(max_examples=8 if INTERPRET else 30)
 @given(b=st.integers(0, 4), l=st.integers(0, 6), kind=st.sampled_from(MASK_KINDS),
        form=st.sampled_from(MASK_FORMS), fn=st.sampled_from(FNS), seed=st.integers(0, 2**16))
 def test_helpers_compiled_with_inductor_match_float64(b, l, kind, form, fn, seed):

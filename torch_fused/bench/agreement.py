@@ -24,7 +24,7 @@ import torch
 import torch_fused
 
 from ..settings import override
-from .common import Row, bench_ms, peak_extra_mb, warm_up
+from .common import Row, bench_ms, peak_extra_mb, timed_against_floor, warm_up
 
 SHAPES = [(8192, 4096, 151936), (16384, 3584, 151936), (32768, 4096, 32000)]  # (N, H, V)
 PROBE_ROWS = 20
@@ -105,9 +105,7 @@ def run(report, copy_gbps, quick=False):
         for name, inv, promote in COMBOS:
             with override(lm_head_batch_invariant=inv, lm_head_promote=promote):
                 warm_up(fused, ms=100.0)
-                before = bench_ms(floor)
-                ms = bench_ms(fused, warmup=5, rep=100)
-                floor_ms = (before + bench_ms(floor)) / 2
+                ms, floor_ms = timed_against_floor(lambda: bench_ms(fused, warmup=5, rep=100), lambda: bench_ms(floor))
             times[name] = ms / floor_ms
             row = Row("lm_head fwd+bwd (agreement settings)", shape, name, ms, 0,
                       note=f"{ms / floor_ms:.3f}x the bare GEMMs ({floor_ms:.3f} ms beside it)")
@@ -122,9 +120,7 @@ def run(report, copy_gbps, quick=False):
                 return torch.autograd.grad(torch.where(torch.isfinite(lp), lp, 0.0).sum() + ent.sum(), (h, w))
 
             warm_up(support, ms=100.0)
-            before = bench_ms(floor)
-            ms = bench_ms(support, warmup=3, rep=30)
-            floor_ms = (before + bench_ms(floor)) / 2
+            ms, floor_ms = timed_against_floor(lambda: bench_ms(support, warmup=3, rep=30), lambda: bench_ms(floor))
             pk = peak_extra_mb(support)
             times[name] = ms / floor_ms
             row = Row("lm_head fwd+bwd (agreement settings)", shape, name, ms, 0, peak_extra_mb=pk,

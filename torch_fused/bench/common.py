@@ -125,6 +125,16 @@ def warm_up(fn, ms: float = 300.0) -> None:
         torch.cuda.synchronize()
 
 
+def timed_against_floor(time_op, time_floor) -> tuple[float, float]:
+    """(op ms, floor ms): the floor timed right before and right after the op, in this order,
+    and its ms the mean of the two, so that the clocks' drift over a suite (GEMMs run the chip at
+    its power limit) weighs on the op and its floor alike. time_op and time_floor take no
+    arguments and return one timing in ms each (bench_ms of the call, or a CPU timer)."""
+    before = time_floor()
+    ms = time_op()
+    return ms, (before + time_floor()) / 2
+
+
 def copy_bandwidth_gbps(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written (device_ms:
     clean L2, the host kept ahead)."""

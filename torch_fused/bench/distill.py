@@ -306,9 +306,8 @@ def measure(device="cuda", *, shapes=SHAPES, student_h=STUDENT_H, teacher_h=TEAC
                 row = dict(group=group, shape=shape, impl=impl_name, floor=floor_name, n=n, v=v, student_h=student_h,
                            teacher_h=th, logits_fp32_mib=logits_fp32_mib, dweight_fp32_mib=dweight_fp32_mib)
                 try:
-                    before = _time_ms(floors[floor_name], device, reps)
-                    ms = _time_ms(fwdbwd, device, reps)
-                    floor_ms = (before + _time_ms(floors[floor_name], device, reps)) / 2
+                    ms, floor_ms = common.timed_against_floor(lambda: _time_ms(fwdbwd, device, reps),
+                                                              lambda: _time_ms(floors[floor_name], device, reps))
                     peak = _peak_mib(fwdbwd, grads_bytes, device)
                     errs = errors(fn, hs, ws, kw.get("ht"), kw.get("wt"), ref_i, r)
                 except OOM as e:

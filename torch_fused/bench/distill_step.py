@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import time
 import traceback
 from dataclasses import asdict, dataclass, field, replace
@@ -174,28 +173,6 @@ class DistillStepper:
         return loss.detach(), ent
 
 
-def _time(stepper, batch, device, warmup, reps):
-    for _ in range(warmup):
-        stepper.step(batch)
-    step._sync(device)
-    ms, losses, ents = [], [], []
-    for _ in range(reps):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            loss, ent = stepper.step(batch)
-            e.record()
-            torch.cuda.synchronize()
-            ms.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            loss, ent = stepper.step(batch)
-            ms.append((time.perf_counter() - t0) * 1e3)
-        losses.append(float(loss))
-        ents.append(None if ent is None else float(ent))
-    return statistics.median(ms), losses, ents
-
-
 def agreement(losses, student, teacher, cfg, batch, device) -> dict:
     """Each path's loss and d lm_head on one batch from the same weights, and their relative
     differences from the materialized path's (no optimizer step)."""
@@ -276,7 +253,7 @@ def measure(cfg: DistillConfig, device, *, paths=PATHS, warmup=2, reps=5, max_ba
             step._sync(device)
             first_s = time.perf_counter() - t0
             first_loss = float(stepper.last_loss)
-            ms, ls, ents = _time(stepper, batch, device, max(warmup - 1, 0), reps)
+            ms, ls, ents = step.time_steps(stepper, batch, device, max(warmup - 1, 0), reps)
             peak, base = step.peak_of_step(stepper, batch, device)
             if not all(math.isfinite(v) for v in ls + [e for e in ents if e is not None]):
                 raise FloatingPointError(f"non-finite loss or entropy: {ls}, {ents}")
@@ -310,7 +287,7 @@ def measure(cfg: DistillConfig, device, *, paths=PATHS, warmup=2, reps=5, max_ba
                 while b > 0:
                     try:
                         big = step.make_batch(s, b, device)
-                        ms, _, _ = _time(stepper, big, device, 1, max(2, reps // 2))
+                        ms, _, _ = step.time_steps(stepper, big, device, 1, max(2, reps // 2))
                         r.update(batch=b, ms=ms, tokens_per_s=b * s.seq / (ms * 1e-3))
                         break
                     except OOM:

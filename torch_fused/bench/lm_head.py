@@ -25,7 +25,7 @@ import torch
 import torch_fused
 
 from ..settings import current as settings, override
-from .common import Row, bench_ms, peak_extra_mb, warm_up
+from .common import Row, bench_ms, peak_extra_mb, timed_against_floor, warm_up
 
 SHAPES = [(8192, 4096, 151936), (16384, 3584, 151936), (32768, 4096, 32000)]  # (N, H, V)
 
@@ -111,11 +111,8 @@ def run(report, copy_gbps, quick=False):
         ratios = {}
         for group, impl, fn, floor_name, grads in cases:
             try:
-                # the floor timed right before and right after the call, so that the clocks' drift
-                # over the suite (these GEMMs run the chip at its power limit) weighs on both alike
-                before = bench_ms(floors[floor_name])
-                ms = bench_ms(fn, warmup=5, rep=200)
-                floor_ms = (before + bench_ms(floors[floor_name])) / 2
+                ms, floor_ms = timed_against_floor(lambda: bench_ms(fn, warmup=5, rep=200),
+                                                   lambda: bench_ms(floors[floor_name]))
                 pk = peak_extra_mb(fn, grads)
             except Exception as e:  # a peer that fails here is reported, not fatal
                 print(f"{impl} failed at {shape}: {type(e).__name__}: {e}", flush=True)

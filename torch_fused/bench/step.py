@@ -348,7 +348,8 @@ def _free(device):
 
 
 def time_steps(stepper, batch, device, warmup, reps):
-    """(median ms, losses, entropies) over reps steps after warmup steps."""
+    """(median ms, losses, entropies) over reps steps after warmup steps; an entropy is None
+    where the stepper returns none (the distillation step, bench/distill_step.py)."""
     for _ in range(warmup):
         stepper.step(batch)
     _sync(device)
@@ -366,7 +367,7 @@ def time_steps(stepper, batch, device, warmup, reps):
             loss, ent = stepper.step(batch)
             ms.append((time.perf_counter() - t0) * 1e3)
         losses.append(float(loss))
-        ents.append(float(ent))
+        ents.append(None if ent is None else float(ent))
     return statistics.median(ms), losses, ents
 
 
