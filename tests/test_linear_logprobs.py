@@ -152,9 +152,10 @@ def test_frozen_input_skips_its_gradient(device, frozen, gemm_path):
     the gradient of the full backward."""
     gen = torch.Generator().manual_seed(6)
     dtype = torch.bfloat16 if device == "cuda" or INTERPRET else torch.float32
+    v = 100 if INTERPRET else 300  # (what it checks is host logic; the kernels: the float64 tests)
     h = torch.randn(2, 6, 16, generator=gen).to(device, dtype)
-    w = torch.randn(300, 16, generator=gen).to(device, dtype)
-    idx = torch.randint(0, 300, (2, 5), generator=gen).to(device)
+    w = torch.randn(v, 16, generator=gen).to(device, dtype)
+    idx = torch.randint(0, v, (2, 5), generator=gen).to(device)
     hf, wf = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     lp, ent = torch_fused.linear_logprobs_and_entropy(hf, wf, idx, shift=True)
     full = dict(zip(("hidden", "weight"), torch.autograd.grad(lp.sum() + 0.5 * ent.sum(), (hf, wf))))
