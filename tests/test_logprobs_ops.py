@@ -233,15 +233,36 @@ def test_inline_setting_keys_the_compile_caches():
 
     saved = cc.cache_key_tag  # (monkeypatch's undo would delete a config entry, not restore it)
     cc.cache_key_tag = "mine"
+    schemas = f"torch_fused:schemas={settings.schemas_fingerprint()}"
     try:
         default = settings._INLINE_DEFAULT
         with torch_fused.settings.override(compile_inline_kernels=default):
-            assert cc.cache_key_tag == "mine"
+            assert cc.cache_key_tag == f"mine|{schemas}"
             with torch_fused.settings.override(compile_inline_kernels=not default):
-                assert cc.cache_key_tag == f"mine|torch_fused:compile_inline_kernels={int(not default)}"
-            assert cc.cache_key_tag == "mine"
+                assert cc.cache_key_tag == f"mine|{schemas}|torch_fused:compile_inline_kernels={int(not default)}"
+            assert cc.cache_key_tag == f"mine|{schemas}"
     finally:
         cc.cache_key_tag = saved
+
+
+def test_compile_caches_are_keyed_by_the_ops_schemas():
+    """A public op's traced call can stay the same while a core op's schema changes (a new
+    argument): the ops' schema fingerprint is in torch.compile's cache tag from import on, and
+    another schema gives another fingerprint, so a graph cached against an earlier release's
+    schemas is not fetched."""
+    import torch.compiler.config as cc
+
+    from torch_fused import settings
+
+    before = settings.schemas_fingerprint()
+    assert f"torch_fused:schemas={before}" in cc.cache_key_tag.split("|")
+    lib = torch.library.Library("fused", "FRAGMENT")
+    try:
+        lib.define("_fingerprint_probe(Tensor x, int k=1) -> Tensor")
+        assert settings.schemas_fingerprint() != before
+    finally:
+        lib._destroy()
+    assert settings.schemas_fingerprint() == before
 
 
 class TestSchemas(expecttest.TestCase):

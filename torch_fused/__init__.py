@@ -17,6 +17,7 @@ import torch
 # Triton's kernels. pyproject.toml requires it; an older torch installed past it gets this warning.
 MIN_TORCH = (2, 10)
 
+from .settings import key_compile_caches_by_schemas as _key_compile_caches_by_schemas  # noqa: E402
 from .settings import torch_release as _torch_release  # noqa: E402
 
 
@@ -515,6 +516,10 @@ def linear_distill(
         teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
         teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs, tail=tail)
     return (div, ent) if return_entropy else div
+
+
+# every op is registered now: torch.compile's caches are keyed by their schemas (settings.py)
+_key_compile_caches_by_schemas()
 
 
 def __dir__():

@@ -206,6 +206,27 @@ def restored(snap):
 
 
 _CACHE_TAG = "torch_fused:compile_inline_kernels="
+_SCHEMAS_TAG = "torch_fused:schemas="
+_schemas_fingerprint: str | None = None
+
+
+def schemas_fingerprint() -> str:
+    """A short hash of every registered ``fused::`` op's schema (names, arguments, defaults)."""
+    import hashlib
+
+    names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("fused::"))
+    text = "\n".join(str(torch._C._get_schema(n, "")) for n in names)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def key_compile_caches_by_schemas() -> None:
+    """Puts the ops' schema fingerprint into torch.compile's cache tag (called once the package
+    has registered its ops). The caches (FX graph, AOTAutograd) key a graph by what Dynamo traced:
+    a public op's call that did not change would otherwise fetch a graph compiled against an
+    earlier release's core-op schema (one argument fewer, say) and fail at its first call."""
+    global _schemas_fingerprint
+    _schemas_fingerprint = schemas_fingerprint()
+    _sync_compile_cache_tag()
 
 
 def _sync_compile_cache_tag() -> None:
@@ -213,12 +234,15 @@ def _sync_compile_cache_tag() -> None:
     does not show whether the log-prob launches were inlined (compile_inline_kernels): a graph
     cached under the other value would be reused. Where the setting differs from its default,
     torch.compiler.config.cache_key_tag carries it (appended to the user's own tag), so such
-    graphs are cached apart; at the default the tag is left as the user set it."""
+    graphs are cached apart. The tag also carries the ops' schema fingerprint
+    (key_compile_caches_by_schemas), after the user's own tag."""
     cfg = getattr(torch.compiler, "config", None)
     tag = getattr(cfg, "cache_key_tag", None)
     if not isinstance(tag, str):  # pragma: no cover - torch without the tag
         return
-    parts = [p for p in tag.split("|") if p and not p.startswith(_CACHE_TAG)]
+    parts = [p for p in tag.split("|") if p and not p.startswith((_CACHE_TAG, _SCHEMAS_TAG))]
+    if _schemas_fingerprint is not None:
+        parts.append(_SCHEMAS_TAG + _schemas_fingerprint)
     if values()["compile_inline_kernels"] != _INLINE_DEFAULT:
         parts.append(_CACHE_TAG + str(int(bool(values()["compile_inline_kernels"]))))
     new = "|".join(parts)
