@@ -62,12 +62,12 @@ HEAD_PATHS = {"fused-gemm": (torch.bfloat16, {}, {}), "chunks-fp32": (torch.floa
               "softcap": (torch.bfloat16, {}, {"softcap": 30.0}),
               # the sampler's support: token-row chunks of whole rows (the row count per chunk
               # does not follow N, but the last chunk's size does)
-              "support": (torch.bfloat16, {"lm_head_support_chunk_bytes": {"cuda": 4 * 151936 * 96}},
+              "support": (torch.bfloat16, {"lm_head_support_chunk_bytes": {"cuda": 4 * 151936 * 96, "cpu": 4 * 130 * 2}},
                           {"top_k": 50, "top_p": 0.95})}
 
 
 # the interpreter run takes two of the cases (its time is the suite's long pole)
-HEAD_CASES = ([("fused-gemm", 3), ("chunks-fp32", None)] if INTERPRET else
+HEAD_CASES = ([("fused-gemm", 3), ("chunks-fp32", None), ("support", 3)] if INTERPRET else
               [(p, k) for p in HEAD_PATHS for k in (None, 3)])
 
 

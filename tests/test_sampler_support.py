@@ -626,3 +626,27 @@ def test_fused_head_over_the_support_at_vocabulary_size(kw):
     (dx,) = torch.autograd.grad(torch.where(fin, lr, 0.0).sum() + er.sum(), x)
     want = (dx.to(torch.bfloat16).float() @ w.float()).to(torch.bfloat16)
     torch.testing.assert_close(dh.float(), want.float(), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_head_row_route_does_not_depend_on_the_batch(device, settings_override):
+    """With top_k <= 512 each row takes its own backward route (its kept ids listed, or recomputed
+    logits where ties run past the k-th id): rows beside an unlisted row get the same d hidden,
+    bit for bit, as without it (batch invariance on)."""
+    settings_override(lm_head_batch_invariant=True)
+    gen = torch.Generator().manual_seed(0)
+    n, hd, v = 3, 16, 64
+    h, w = torch.randn(n, hd, generator=gen), torch.randn(v, hd, generator=gen)
+    z = h[0].double() @ w.double().T  # row 0: its 3rd largest logit repeated in 3 more vocabulary rows
+    third = int(z.topk(3).indices[-1])
+    w[[j for j in z.argsort().tolist() if j != third][:3]] = w[third].clone()
+    h, w = h.to(device), w.to(device)
+    idx = torch.randint(0, v, (n,), generator=gen).to(device)
+
+    def d_hidden(rows):
+        hf = h[rows].clone().requires_grad_(True)
+        lp, ent = torch_fused.linear_logprobs_and_entropy(hf, w, idx[rows], top_k=3)
+        (g,) = torch.autograd.grad(torch.where(torch.isfinite(lp), lp, 0.0).sum() + ent.sum(), hf)
+        return g
+
+    assert torch.equal(d_hidden([1, 2]), d_hidden([0, 1, 2])[1:])

@@ -863,6 +863,16 @@ MUTANTS: list[Mutant] = [
         [("        dz -= p * g_all[:, None]\n", "        pass  # MUTANT\n")],
         ["tests/test_sampler_support.py"],
     ),
+    Mutant(
+        "head-support-route-per-call", "77 the head's support backward choosing one route for the whole call",
+        "torch_fused/ops/linear_logprobs.py", CPU,
+        [("            _listed_backward(glp, gh, hm, w, idx2, bias, st, ent2, opts, k, *grads)\n"
+          "            unlisted = st[:, 3] < 0\n",
+          "            if not bool((st[:, 3] < 0).any()):  # MUTANT\n"
+          "                _listed_backward(glp, gh, hm, w, idx2, bias, st, ent2, opts, k, *grads)\n"
+          "                unlisted = st[:, 3] < 0\n")],
+        ["tests/test_sampler_support.py"],
+    ),
 ]
 
 
