@@ -1121,6 +1121,15 @@ def test_bad_hyperparameters_raise_naming_them(kw, msg):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, 5))], **kw})
 
 
+@pytest.mark.parametrize("lr", ["1e-3", True, None, -1.0, float("nan"), float("inf")])
+def test_functional_step_bad_lr_raises_naming_it(lr):
+    p, g = torch.randn(3, 4), torch.randn(3, 4)
+    before = p.clone()
+    with pytest.raises(ValueError, match=r"lr: expected a finite float >= 0 or a 0-dim tensor, got"):
+        sinkgd_step([p], [g], lr=lr)
+    assert torch.equal(p, before)
+
+
 def test_bad_group_flags_and_param_groups_arguments_raise_naming_them():
     """A group's use_fallback (not a constructor argument) and sinkgd_param_groups' arguments:
     each error names the argument, as the constructor's do."""

@@ -52,6 +52,12 @@ def sinkgd_step(params, grads, *, lr, spectral_vecs=None, lr_scale=0.05, weight_
     if isinstance(lr, torch.Tensor):
         lr = lr.reshape(()).to(dev)
     else:  # float64 where a float64 matrix is stepped (its step is float64 throughout)
+        try:  # a number, a numpy scalar or 0-dim array; not a string ("1e-3") or a bool
+            value = None if isinstance(lr, (bool, str, bytes)) else float(lr)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or not 0 <= value < math.inf:
+            raise ValueError(f"lr: expected a finite float >= 0 or a 0-dim tensor, got {lr!r}")
         wide = any(p.dtype == torch.float64 for p in params)
         lr = torch.tensor(float(lr), dtype=torch.float64 if wide else torch.float32, device=dev)
     if step is None:
