@@ -29,6 +29,7 @@ from torch_fused._library import INTERPRET
 from torch_fused.collectives import CollectiveCounter
 from _distributed import Checks
 from _helpers import DEVICES, assert_grad_close
+from test_distill import ref_divergence  # TRL's definitions, float64
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
@@ -356,22 +357,6 @@ def mismatched_layouts_fail_clearly(ctx):
 # ---------------------------------------------------------------------------------------------
 # The rank-local pieces, without a process group (CPU, and CUDA where the shifts are rounded)
 # ---------------------------------------------------------------------------------------------
-def _ref_divergence(zs, zt, beta):
-    """float64, per row of z = logits / T: TRL's definitions."""
-    ls, lt = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
-    ps, pt = ls.exp(), lt.exp()
-
-    def kl(p, lp, lq):
-        return torch.where(p > 0, p * (lp - lq), torch.zeros_like(p)).sum(-1)
-
-    if beta == 0.0:
-        return kl(pt, lt, ls)
-    if beta == 1.0:
-        return kl(ps, ls, lt)
-    lm = torch.log((1 - beta) * ps + beta * pt)
-    return beta * kl(pt, lt, lm) + (1 - beta) * kl(ps, ls, lm)
-
-
 @pytest.mark.skipif(INTERPRET, reason="the interpreter shifts exactly, as the plain CPU run does")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
@@ -416,7 +401,7 @@ def test_slice_pieces_large_logits(device, beta):
         div = sums[:, 0]
         stats[:, 4] = sums[:, 1]
     xr = xs64.float().double().requires_grad_(True)
-    rdiv = _ref_divergence(xr / t, xt64.float().double() / t, beta) * (lab.cpu() != -100)
+    rdiv = ref_divergence(xr / t, xt64.float().double() / t, beta) * (lab.cpu() != -100)
     rent = -(torch.log_softmax(xr / t, -1).exp() * torch.log_softmax(xr / t, -1)).sum(-1)
     assert (div.reshape(2, 3).double().cpu() - rdiv).abs().max().item() <= 1e-4, "divergence"
     assert (ent.reshape(2, 3).double().cpu() - rent).abs().max().item() <= 1e-4, "entropy"

@@ -237,11 +237,7 @@ def _logits_forward(student, teacher, labels, opts, path):
     stats = new_output(tuple(lead) + (meta.STATS,), dt, student.device)
     if n == 0:
         return div, ent, stats
-    c = LOG2E / kernel_temperature(opts.temperature)
-    xs, xt = _logits_rows(student, opts.shift), _logits_rows(teacher, opts.shift)
-    if not path.triton:
-        xs, xt = xs.reshape(n, -1), xt.reshape(n, -1)
-    lab = _labels_rows(labels, n)
+    c, xs, xt, lab = _row_operands(student, teacher, labels, opts, n, path)
     st2 = stats.view(n, meta.STATS)
     path.stats(xs, xt, lab, opts.ignore_index, st2, ent.view(n) if opts.compute_entropy else None, c, c)
     path.divergence(xs, xt, lab, opts.ignore_index, st2, div.view(n), opts.beta, c, c)
@@ -686,6 +682,16 @@ linear_distill_forward.register_autograd(_backward_head, setup_context=_setup_he
 # divergence pass over the slice's columns only: summed over the slices, the rows' values). The
 # backward of a slice is the single-device backward with the whole rows' statistics, d hidden
 # returned as fp32 rows to be summed over the slices.
+def _row_operands(student, teacher, labels, opts, n, path):
+    """(log2(e) / T, the student's and the teacher's logits rows, the labels' rows) as the row
+    passes read them (the reference path: [N, V] views)."""
+    c = LOG2E / kernel_temperature(opts.temperature)
+    xs, xt = _logits_rows(student, opts.shift), _logits_rows(teacher, opts.shift)
+    if not path.triton:
+        xs, xt = xs.reshape(n, -1), xt.reshape(n, -1)
+    return c, xs, xt, _labels_rows(labels, n)
+
+
 def _slice_outputs(lead, stats_in, opts, dt, dev):
     stage = "stats" if stats_in is None else "divergence"
     div = new_output(lead if stage == "divergence" else (0,), dt, dev)
@@ -711,11 +717,7 @@ def _logits_slice_forward(student, teacher, labels, stats_in, opts, path):
     stage, div, ent, st = _slice_outputs(lead, stats_in, opts, dt, student.device)
     if n == 0:
         return div, ent, st
-    c = LOG2E / kernel_temperature(opts.temperature)
-    xs, xt = _logits_rows(student, opts.shift), _logits_rows(teacher, opts.shift)
-    if not path.triton:
-        xs, xt = xs.reshape(n, -1), xt.reshape(n, -1)
-    lab = _labels_rows(labels, n)
+    c, xs, xt, lab = _row_operands(student, teacher, labels, opts, n, path)
     st2 = st.view(n, meta.STATS)
     _start_slice_stats(st2, stats_in, stage, n)
     if stage == "stats":
