@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The CUDA checks of the paths whose defaults wait for a GPU measurement (docs/MAINTAINERS.md,
+# "Settings"): their CUDA tests with the settings on, then the benchmarks that decide the
+# defaults and hold the figures BENCHMARKS.md lacks. Run from the repository root on a CUDA
+# machine with the peers installed (pip install -e '.[test,trl]' liger-kernel); every step has
+# its own time limit, writes its log under OUT (default ./gpu_checks_<date>), and a failing or
+# timed-out step does not stop the next. Usage: bash tools/gpu_checks.sh [OUT]
+set -u
+OUT=${1:-gpu_checks_$(date +%Y%m%d_%H%M%S)}
+mkdir -p "$OUT/logs"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+step() {
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
+    echo "== $name: exit $? in $((SECONDS - start)) s (log: $OUT/logs/$name.log)"
+    grep -E "FAILED|ERROR| passed| failed" "$OUT/logs/$name.log" | grep -vE "^(DEBUG|INFO)" | tail -12
+}
+# 1. the new GPU paths' tests, with batch invariance and promotion on (the sampler kernels: the
+#    CUDA tests turn them on)
+TORCH_FUSED_BATCH_INVARIANT=1 TORCH_FUSED_LM_HEAD_PROMOTE=1 step tests_settings_on 900 \
+    python -m pytest -v -m cuda -p no:cacheprovider --timeout 300 -rf tests/test_sampler_support.py \
+    tests/test_batch_invariance.py tests/test_linear_logprobs.py tests/test_distill.py tests/test_distill_parallel.py \
+    tests/test_trl_distill.py tests/test_packed.py
+# 2. the benchmarks: the settings' cost and errors, the sampler's support, the distillation heads
+#    and step
+step bench_agreement 900 python -m torch_fused.bench --only agreement --out "$OUT/bench"
+step bench_sampler 600 python -m torch_fused.bench --only sampler --out "$OUT/bench"
+step bench_distill 1200 python -m torch_fused.bench --only distill --out "$OUT/bench"
+step bench_distill_step 1200 python -m torch_fused.bench --only distill_step --out "$OUT/bench"
+# 3. the whole CUDA suite at the defaults
+step tests_cuda 1800 python -m pytest -q -m cuda -p no:cacheprovider --timeout 300 -rf tests
