@@ -19,7 +19,7 @@ step() {
 # 1. the new GPU paths' tests, with batch invariance and promotion on (the sampler kernels: the
 #    CUDA tests turn them on)
 TORCH_FUSED_BATCH_INVARIANT=1 TORCH_FUSED_LM_HEAD_PROMOTE=1 step tests_settings_on 900 \
-    python -m pytest -v -m cuda -p no:cacheprovider --timeout 300 -rf tests/test_sampler_support.py \
+    python -m pytest -v -m cuda -p no:cacheprovider -rf tests/test_sampler_support.py \
     tests/test_batch_invariance.py tests/test_linear_logprobs.py tests/test_distill.py tests/test_distill_parallel.py \
     tests/test_trl_distill.py tests/test_packed.py
 # 2. the benchmarks: the settings' cost and errors, the sampler's support, the distillation heads
@@ -29,4 +29,4 @@ step bench_sampler 600 python -m torch_fused.bench --only sampler --out "$OUT/be
 step bench_distill 1200 python -m torch_fused.bench --only distill --out "$OUT/bench"
 step bench_distill_step 1200 python -m torch_fused.bench --only distill_step --out "$OUT/bench"
 # 3. the whole CUDA suite at the defaults
-step tests_cuda 1800 python -m pytest -q -m cuda -p no:cacheprovider --timeout 300 -rf tests
+step tests_cuda 1800 python -m pytest -q -m cuda -p no:cacheprovider -rf tests
