@@ -57,9 +57,10 @@ def ref_transform(y, scale=1.0, softcap=None, t=1.0):
     return y / t
 
 
-def ref_divergence(zs, zt, beta):
-    """Per row of z (the logits divided by T), in float64: TRL's definitions."""
-    ls, lt = torch.log_softmax(zs.double(), -1), torch.log_softmax(zt.double(), -1)
+def ref_divergence(zs, zt, beta, dtype=torch.float64):
+    """Per row of z (the logits divided by T), in float64 (or ``dtype``: the materialized formula
+    as TRL evaluates it): TRL's definitions."""
+    ls, lt = torch.log_softmax(zs.to(dtype), -1), torch.log_softmax(zt.to(dtype), -1)
     ps, pt = ls.exp(), lt.exp()
 
     def kl(p, lp, lq):
@@ -119,12 +120,17 @@ def assert_div_close(out, ref, v, what):
     assert bool((err <= bound).all()), f"{what}: worst error {err.max().item():.3g} (bound {bound.min().item():.3g}+)"
 
 
-def assert_grad_rel(g, rg, dtype, what):
-    """Norm-wise relative error; a gradient that is exactly 0 (V = 1) against rounding noise far
-    below any gradient's scale (1e-6 of a unit per element) passes."""
+def _grad_rel(g, rg):
     g, rg = g.double().cpu(), rg.double().cpu()
-    rel = ((g - rg).norm() / rg.norm().clamp_min(1e-6 * math.sqrt(rg.numel()))).item()
-    assert rel <= GRAD_REL[dtype], f"{what}: relative error {rel:.3g} > {GRAD_REL[dtype]}"
+    return ((g - rg).norm() / rg.norm().clamp_min(1e-6 * math.sqrt(rg.numel()))).item()
+
+
+def assert_grad_rel(g, rg, dtype, what, floor=0.0):
+    """Norm-wise relative error within GRAD_REL[dtype], or within ``floor`` where that is larger;
+    a gradient that is exactly 0 (V = 1) against rounding noise far below any gradient's scale
+    (1e-6 of a unit per element) passes."""
+    rel, bound = _grad_rel(g, rg), max(GRAD_REL[dtype], floor)
+    assert rel <= bound, f"{what}: relative error {rel:.3g} > {bound:.3g}"
 
 
 def _labels(gen, shape, device, frac=0.3):
@@ -156,7 +162,18 @@ def _check_logits(device, dtype, beta, t, shift, with_labels, v=37, b=2, l=5, se
     assert_div_close(div, rdiv, v, f"divergence {what}")
     assert_div_close(ent, ref_entropy(rows(sd.detach()) / t), v, f"entropy {what}")
     assert ds.dtype == dtype and ds.shape == s.shape
-    assert_grad_rel(ds, rds, dtype, f"d student_logits {what}")
+    floor = 0.0
+    if dtype == torch.float32:
+        # fp32 logits: the JSD gradient p_s (ln(p_s / m) - KL(s || m)) cancels where the supports
+        # barely overlap, so the rounding of fp32 log-probs sets its accuracy: no worse than the
+        # materialized formula evaluated in fp32 (as TRL runs it) on the same inputs
+        s32 = s.detach().requires_grad_(True)
+        r32 = ref_divergence(rows(s32) / t, rows(tt.float()) / t, beta, torch.float32)
+        if lab is not None:
+            r32 = torch.where(lab != -100, r32, torch.zeros_like(r32))
+        (ds32,) = torch.autograd.grad((r32 * g).sum(), s32)
+        floor = _grad_rel(ds32, rds)
+    assert_grad_rel(ds, rds, dtype, f"d student_logits {what}", floor)
     if shift:
         assert bool((ds[:, -1] == 0).all())
     if lab is not None:

@@ -141,8 +141,8 @@ def full_impls(beta, temperature):
 
         jsd = LigerFusedLinearJSD(jsd_beta=beta, temperature=temperature)
 
-        def liger(hs, ws, ht, wt):
-            return jsd(hs, ws, ht, wt), None
+        def liger(hs, ws, ht, wt):  # shift_labels None: every token kept (its 0.8 API takes it positionally)
+            return jsd(hs, ws, ht, wt, None), None
 
         out[LIGER] = liger
     except Exception as e:  # noqa: BLE001

@@ -128,14 +128,24 @@ def _log2_probs(p_srow, p_trow, o, mask, m_s, l_s, m_t, l_t, c_s, c_t, EXACT_SHI
 
 
 @triton.jit
-def _log2_mixture(b_a, b_b, lb_s, lb_t):
-    """log2((1 - beta) 2^a + beta 2^b) (lb_s = log2(1 - beta), lb_t = log2 beta); -inf where both
-    probabilities are 0."""
-    b_ma = b_a + lb_s
-    b_mb = b_b + lb_t
-    b_hi = tl.maximum(b_ma, b_mb)
-    b_lo = tl.minimum(b_ma, b_mb)
-    return tl.where(b_hi == float("-inf"), float("-inf"), b_hi + tl.log2(1.0 + tl.exp2(b_lo - b_hi)))
+def _log2_sum2(u, w):
+    """log2(2^u + 2^w), the larger exponent taken out: no overflow, -inf where both are -inf."""
+    hi = tl.maximum(u, w)
+    lo = tl.minimum(u, w)
+    return tl.where(hi == float("-inf"), float("-inf"), hi + tl.log2(1.0 + tl.exp2(lo - hi)))
+
+
+@triton.jit
+def _log2_ratios(b_a, b_b, lb_s, lb_t):
+    """(log2(p_s / m), log2(p_t / m)) for the mixture m = (1 - beta) p_s + beta p_t (lb_s =
+    log2(1 - beta), lb_t = log2 beta), from the difference delta = log2 p_t - log2 p_s alone:
+    log2(p_s / m) = -log2((1 - beta) + beta 2^delta), log2(p_t / m) = -log2((1 - beta) 2^-delta + beta).
+    Formed as log2 p - log2 m, both of size up to |log2 p| ~ 40, the difference would carry their
+    rounding (~4e-6), which the JSD gradient p_s (ln(p_s / m) - KL(s || m)) magnifies where the two
+    terms nearly cancel (disjoint supports: both near ln 2); from delta it is within a few ulps of 1.
+    Lanes where p_s or p_t is 0 give +-inf or NaN, which every caller masks by p > 0."""
+    b_dl = b_b - b_a
+    return -_log2_sum2(lb_s, lb_t + b_dl), -_log2_sum2(lb_s - b_dl, lb_t)
 
 
 @triton.jit
@@ -149,15 +159,25 @@ def _load_stats(p_stats, row):
 
 @triton.jit
 def _distill_divergence_kernel(
-    p_s, p_t, p_lab, p_stats, p_div, p_aux,
+    p_s, p_t, p_lab, p_stats, p_div, p_aux, p_mass,
     V, s_inner, s_outer, s_stride, t_inner, t_outer, t_stride,
     c_s, c_t, beta, lb_s, lb_t, ignore_index, segs, seg_len, div_rs, aux_rs,
-    HAS_LABELS: tl.constexpr, MODE: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_LABELS: tl.constexpr, MODE: tl.constexpr, MASS: tl.constexpr, EXACT_SHIFT: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """The divergence (nats) of columns seg * seg_len .. of row pid // segs at
     p_div[row * div_rs + seg], and its aux at p_aux[row * aux_rs + seg] (mode 1: the divergence;
     mode 2: KL(s || m); mode 0: 0): with one segment the row's own (the host points p_aux at the
-    statistics' fifth column), else partial sums the host adds up."""
+    statistics' fifth column), else partial sums the host adds up.
+
+    MASS (modes 1 and 2) takes the student's side as a ratio sum p_s u / sum p_s over the row:
+    the p_s = 2^(d - log2 s) of these passes sum to 1 only up to the rounding of log2 s and of
+    each 2^, and the backward's p_s (u - aux) magnifies a relative error e of the mass into e aux /
+    (u - aux) where u and aux nearly cancel (a JSD over nearly disjoint supports: both near ln 2);
+    with aux a ratio over the same p_s the row's gradient sums to 0 and that term is gone.
+    MASS 1: one segment, the division here; MASS 2: the segment's sum p_s at p_mass[row * aux_rs
+    + seg] and aux, div left as sums, which the host divides (ops/distill.py _finish_partials);
+    MASS 0: plain sums (vocabulary slices, whose mass is a sum over ranks)."""
     pid = tl.program_id(0).to(tl.int64)
     row = pid // segs
     seg = pid % segs
@@ -180,27 +200,41 @@ def _distill_divergence_kernel(
         o_v = tl.arange(0, BLOCK_V)
         acc_d = tl.zeros([BLOCK_V], dtype=tl.float32)
         acc_a = tl.zeros([BLOCK_V], dtype=tl.float32)
+        acc_p = tl.zeros([BLOCK_V], dtype=tl.float32)
         for start in range(0, v_seg, BLOCK_V):
             o = start + o_v
             _, b_a, b_b = _log2_probs(p_srow, p_trow, o, o < v_seg, m_s, l_s, m_t, l_t, c_s, c_t, EXACT_SHIFT)
             b_pa = tl.exp2(b_a)
             b_pb = tl.exp2(b_b)
+            if MASS != 0:
+                acc_p += b_pa
             if MODE == 0:
                 acc_d += tl.where(b_pb > 0.0, b_pb * (b_b - b_a), 0.0)
             elif MODE == 1:
                 acc_d += tl.where(b_pa > 0.0, b_pa * (b_a - b_b), 0.0)
             else:
-                b_lm = _log2_mixture(b_a, b_b, lb_s, lb_t)
-                acc_a += tl.where(b_pa > 0.0, b_pa * (b_a - b_lm), 0.0)
-                acc_d += tl.where(b_pb > 0.0, b_pb * (b_b - b_lm), 0.0)
+                b_rs, b_rt = _log2_ratios(b_a, b_b, lb_s, lb_t)
+                acc_a += tl.where(b_pa > 0.0, b_pa * b_rs, 0.0)
+                acc_d += tl.where(b_pb > 0.0, b_pb * b_rt, 0.0)
+        mass = 1.0
+        if MASS != 0:
+            mass = tl.sum(acc_p, axis=0)
         if MODE == 0:
             div = tl.sum(acc_d, axis=0) * LN2
         elif MODE == 1:
-            div = tl.sum(acc_d, axis=0) * LN2
-            aux = div
+            aux = tl.sum(acc_d, axis=0) * LN2
+            if MASS == 1:
+                aux = aux / tl.where(mass > 0.0, mass, 1.0)
+            div = aux
         else:
             aux = tl.sum(acc_a, axis=0) * LN2
+            if MASS == 1:
+                aux = aux / tl.where(mass > 0.0, mass, 1.0)
             div = beta * (tl.sum(acc_d, axis=0) * LN2) + (1.0 - beta) * aux
+        if MASS == 2:
+            tl.store(p_mass + row * aux_rs + seg, mass)
+    elif MASS == 2:
+        tl.store(p_mass + row * aux_rs + seg, 0.0)
     tl.store(p_div + row * div_rs + seg, div)
     tl.store(p_aux + row * aux_rs + seg, aux)
 
@@ -254,8 +288,8 @@ def _distill_grad_kernel(
             elif MODE == 1:
                 b_dz = tl.where(b_pa > 0.0, b_pa * ((b_a - b_b) * LN2 - aux), 0.0)
             else:
-                b_lm = _log2_mixture(b_a, b_b, lb_s, lb_t)
-                b_dz = (1.0 - beta) * tl.where(b_pa > 0.0, b_pa * ((b_a - b_lm) * LN2 - aux), 0.0)
+                b_rs, _ = _log2_ratios(b_a, b_b, lb_s, lb_t)
+                b_dz = (1.0 - beta) * tl.where(b_pa > 0.0, b_pa * (b_rs * LN2 - aux), 0.0)
             b_dx = b_dz * wk
             if HAS_CAP:
                 b_th = b_xs / cap
@@ -301,11 +335,11 @@ def compile_cases():
                {"HAS_LABELS": labels, "HAS_ENT": ent, "SEGMENTED": segmented, "EXACT_SHIFT": False, "BLOCK_V": 1024,
                 "EPT_S": 8, "EPT_T": 4}, 2)
     div = dict({"p_s": "*fp32", "p_t": "*fp32", "p_lab": "*i64", "p_stats": "*fp32", "p_div": "*fp32",
-                "p_aux": "*fp32"}, **lay, c_s="fp32", c_t="fp32", beta="fp32", lb_s="fp32", lb_t="fp32",
+                "p_aux": "*fp32", "p_mass": "*fp32"}, **lay, c_s="fp32", c_t="fp32", beta="fp32", lb_s="fp32", lb_t="fp32",
                ignore_index="i32", **seg, div_rs="i32", aux_rs="i32")
-    for m in (0, 1, 2):
-        yield (f"distill_divergence mode={m}", _distill_divergence_kernel, div,
-               {"HAS_LABELS": True, "MODE": m, "EXACT_SHIFT": False, "BLOCK_V": 1024}, 4)
+    for m, mass in ((0, 0), (1, 1), (2, 1), (2, 2), (1, 0)):
+        yield (f"distill_divergence mode={m} mass={mass}", _distill_divergence_kernel, div,
+               {"HAS_LABELS": True, "MODE": m, "MASS": mass, "EXACT_SHIFT": False, "BLOCK_V": 1024}, 4)
     grad = dict({"p_s": "*fp32", "p_t": "*fp32", "p_lab": "*i64", "p_stats": "*fp32", "p_w": "*fp32",
                  "p_dx": "*bf16", "p_div": "*fp32", "p_aux": "*fp32"}, **lay, d_inner="i32", d_outer="i64",
                 d_stride="i64", c_s="fp32", c_t="fp32", k="fp32", cap="fp32", beta="fp32", lb_s="fp32", lb_t="fp32",

@@ -83,8 +83,8 @@ def _stats_reference(xs, xt, lab, ignore_index, stats, ent, cs, ct):
         stats[a:b, :4] = st.to(stats.dtype)
 
 
-def _divergence_reference(xs, xt, lab, ignore_index, stats, div, beta, cs, ct):
-    """div [n] and stats[:, 4] (aux) of the rows; 0 at ignored rows."""
+def _divergence_reference(xs, xt, lab, ignore_index, stats, div, beta, cs, ct, ratio=True):
+    """div [n] and stats[:, 4] (aux) of the rows; 0 at ignored rows (float64: ``ratio`` changes nothing)."""
     n = xs.shape[0]
     for a, b in reference._chunks(n, 2 * xs.shape[1]):
         d, aux = reference.distill_divergence(xs[a:b], xt[a:b], stats[a:b], beta, cs, ct)
@@ -143,22 +143,35 @@ def _stats_triton(xs, xt, lab, ignore_index, stats, ent, cs, ct):
     stats[:, :4] = st
 
 
-def _partial_sums(n, segs, div, stats, device):
+def _partial_sums(n, segs, div, stats, device, parts=2):
     """(div target, its row stride, aux target, its row stride, partial buffers or None): one
-    segment writes div [n] and stats[:, 4] itself; several write [n, segs] partials."""
+    segment writes div [n] and stats[:, 4] itself; several write [parts, n, segs] partials (the
+    third, with ``parts=3``, the student's mass of each segment)."""
     if segs == 1:
         return div, 1, stats[:, 4], stats.stride(0), None
-    part = torch.empty(2, n, segs, dtype=torch.float32, device=device)
+    part = torch.empty(parts, n, segs, dtype=torch.float32, device=device)
     return part[0], segs, part[1], segs, part
 
 
-def _finish_partials(part, div, stats):
-    if part is not None:
-        div.copy_(part[0].sum(1))
-        stats[:, 4] = part[1].sum(1)
+def _finish_partials(part, div, stats, beta=0.0):
+    """The segments' sums added up; with a third part (the student's mass, modes 1 and 2), aux
+    taken as the ratio sum p_s u / sum p_s and the divergence's student side with it."""
+    if part is None:
+        return
+    d, a = part[0].sum(1), part[1].sum(1)
+    if part.shape[0] == 3:
+        mass = part[2].sum(1)
+        a_ratio = torch.where(mass > 0, a / torch.where(mass > 0, mass, 1.0), a)
+        d = a_ratio if beta == 1.0 else d + (1.0 - beta) * (a_ratio - a)
+        a = a_ratio
+    div.copy_(d)
+    stats[:, 4] = a
 
 
-def _divergence_triton(xs, xt, lab, ignore_index, stats, div, beta, cs, ct):
+def _divergence_triton(xs, xt, lab, ignore_index, stats, div, beta, cs, ct, ratio=True):
+    """``ratio`` (modes 1 and 2): aux (and the divergence's student side) as a ratio over the
+    student's own mass (kernels/distill.py _distill_divergence_kernel, MASS); False for a
+    vocabulary slice, whose parts are plain sums added over the ranks."""
     from ..kernels import distill as K
 
     (xs, ls), (xt, lt) = _layout(xs), _layout(xt)
@@ -166,12 +179,14 @@ def _divergence_triton(xs, xt, lab, ignore_index, stats, div, beta, cs, ct):
     block, warps = K.pick_block(v, "div")
     segs, seg_len = K.segments(n, v, block, xs.device)
     lb_s, lb_t = K.mixture_logs(beta)
-    p_div, div_rs, p_aux, aux_rs, part = _partial_sums(n, segs, div, stats, xs.device)
+    mode = K.mode(beta)
+    mass = 0 if not ratio or mode == 0 else 1 if segs == 1 else 2
+    p_div, div_rs, p_aux, aux_rs, part = _partial_sums(n, segs, div, stats, xs.device, 3 if mass == 2 else 2)
     K._distill_divergence_kernel[(n * segs,)](
-        xs, xt, lab, stats, p_div, p_aux, v, *ls, *lt, cs, ct, beta, lb_s, lb_t, ignore_index, segs, seg_len,
-        div_rs, aux_rs, HAS_LABELS=lab is not None, MODE=K.mode(beta), EXACT_SHIFT=K.exact(cs, ct), BLOCK_V=block,
-        num_warps=warps)
-    _finish_partials(part, div, stats)
+        xs, xt, lab, stats, p_div, p_aux, part[2] if mass == 2 else None, v, *ls, *lt, cs, ct, beta, lb_s, lb_t,
+        ignore_index, segs, seg_len, div_rs, aux_rs, HAS_LABELS=lab is not None, MODE=mode, MASS=mass,
+        EXACT_SHIFT=K.exact(cs, ct), BLOCK_V=block, num_warps=warps)
+    _finish_partials(part, div, stats, beta)
 
 
 def _grad_triton(xs, xt, lab, ignore_index, stats, w, out, beta, cs, ct, k, softcap=None, div=None):
@@ -445,7 +460,7 @@ def _loop(path, s, t, lab, opts, n, v, stats, ent, div, grads=None, weights=None
                 path.stats(zs, zt, lab_c, ig, st, None if ent is None else ent[r0:r1], s.c, t.c)
             fused_div = grads is not None and opts.mode == 0  # its gradient needs no aux: one pass for both
             if not fused_div and stage != "stats":
-                path.divergence(zs, zt, lab_c, ig, st, div[r0:r1], beta, s.c, t.c)
+                path.divergence(zs, zt, lab_c, ig, st, div[r0:r1], beta, s.c, t.c, ratio=stage is None)
         if grads is not None:
             w = weights if weights.numel() == 1 else weights[r0:r1]
             path.grad(zs, zt, lab_c, ig, st, w, grads.dz[r0 - g0:r1 - g0], beta, s.c, t.c, s.k, s.softcap,
@@ -723,7 +738,7 @@ def _logits_slice_forward(student, teacher, labels, stats_in, opts, path):
     if stage == "stats":
         path.stats(xs, xt, lab, opts.ignore_index, st2, ent.view(n) if opts.compute_entropy else None, c, c)
     else:
-        path.divergence(xs, xt, lab, opts.ignore_index, st2, div.view(n), opts.beta, c, c)
+        path.divergence(xs, xt, lab, opts.ignore_index, st2, div.view(n), opts.beta, c, c, ratio=False)
     return div, ent, st
 
 
