@@ -342,6 +342,15 @@ def _sampler_top_p_kernel(
         hi = _digit_select(p_val, n_samples, t_cut - half, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
         lo = _digit_select(p_val, n_samples, t_cut + half, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
         lo = tl.where(t_cut + half <= w_tot, lo, KEY_MIN)
+        # a band the list cannot hold is no band: lo no lower than the sample's (rank of hi +
+        # n_cap)-th largest, n_cap three quarters of the list's capacity in samples (a row whose top
+        # terms carry the mass below the cut as well: a cut among the top ids, an estimate of
+        # little use)
+        n_cap = (CAP // stride_s) * 3 // 4
+        rank_hi = tl.where(has_hi, _list_count_ge(p_val, n_samples, hi, CHUNK), 0)
+        lo_cap = _digit_select(p_val, n_samples, rank_hi + n_cap, float("-inf"), m, c, False, EXACT_SHIFT, LO_BIT,
+                               CHUNK)
+        lo = tl.where(rank_hi + n_cap <= n_samples, tl.maximum(lo, lo_cap), lo)
         tl.debug_barrier()  # the sample's loads before the band list overwrites it
         # pass 2: the mass above the band (key >= hi), the band [lo, hi) listed (lo raised when
         # the list fills)
