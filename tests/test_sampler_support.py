@@ -289,6 +289,22 @@ def test_threshold_kernels_match_the_rule(dtype, temperature, kw):
 
 
 @KERNEL_PATH
+def test_top_p_band_settles_the_ordinary_rows(settings_override):
+    """top-p alone at a moderate V with the real tiles (a sample of every 8th id): the sampled
+    band holds the cut of the ordinary rows, whose support holds hundreds of ids (a sample's own
+    mass above a value swings with the few largest ids it holds or misses: the cut is estimated
+    from its mass below); the thresholds equal the rule's."""
+    from torch_fused.ops.sampler import threshold_launches
+
+    settings_override(small_tiles=False)
+    x = _rows_with_hard_cases(16, 4096, torch.bfloat16, "cpu", seed=11)
+    tau, sup, finish = threshold_launches(x, None, 1.0, False, None, 0.9, None, finish=False)
+    assert int((sup[4:, 0] == -2).sum()) <= 1, sup[:, 0]
+    finish()
+    _check_thresholds(x, 1.0, None, 0.9, None, tau, sup)
+
+
+@KERNEL_PATH
 def test_exact_threshold_kernel_alone_matches_the_rule(settings_override):
     """The exact kernel on every row (the sampler_exact setting): min-p, top-k and top-p at once,
     fp16 logits (keys on a grid of 2^13)."""

@@ -19,9 +19,10 @@ Three kernels, one per route (ops/sampler.py picks them):
   is compacted. At the end tau comes from the list, which holds every element >= L and so the
   whole support; top-p then runs over the list. The list needs no second read of the row.
 - ``_sampler_top_p_kernel`` (top-p alone): the row's statistics (max m and sum s of 2^((x-m)c),
-  the log-prob kernels' own numerics) with a strided sample of the row, from which the cut's
-  rank is estimated; a second pass sums the mass above a band of sample values around that
-  estimate and lists the band's elements, and the cut is found in the band.
+  the log-prob kernels' own numerics) with a strided sample of the row, from which the cut is
+  estimated (the sample's mass below it against the exact (1 - top_p) s); a second pass sums the
+  mass above a band of sample values around that estimate and lists the band's elements (raising
+  the band's floor should the list fill), and the cut is found in the band.
 - ``_sampler_exact_kernel``: the rows the others could not settle (a list that overflowed: more
   ties at the top than the list holds, or a band that missed the cut), or every row where the
   fast routes do not apply (a top_k past the list's capacity): max, then digit-by-digit
@@ -148,20 +149,26 @@ def _finish_list(p_tau, p_sup_row, row, tau, p_val, p_pos, n, SUP_CAP: tl.conste
 @triton.jit
 def _shrink(p_val, p_pos, cnt, L, top_k, HAS_TOPK: tl.constexpr, LO_BIT: tl.constexpr, CHUNK: tl.constexpr):
     """Raises L to the list's k-th largest (top-k, once the list holds k) and compacts the list
-    in place to its elements >= L, a chunk at a time (a chunk's stores land at or before its own
-    place, after every thread has read it). Returns (count, L)."""
+    to its elements >= L (_compact). Returns (count, L)."""
     tl.debug_barrier()  # the appends of every thread before these loads
     if HAS_TOPK:
         if cnt >= top_k:
             r = _digit_select(p_val, cnt, top_k, float("-inf"), 0.0, 1.0, False, True, LO_BIT, CHUNK)
             L = tl.maximum(L, _key_value(r, LO_BIT))
+    return _compact(p_val, p_pos, cnt, L, KEY_MIN, CHUNK), L
+
+
+@triton.jit
+def _compact(p_val, p_pos, cnt, floor, r, CHUNK: tl.constexpr):
+    """Compacts the list in place to its elements >= floor with a key >= r, a chunk at a time (a chunk's
+    stores land at or before its own place, after every thread has read it). Returns the count."""
     o = tl.arange(0, CHUNK)
     total = tl.full((), 0, tl.int32)
     for i0 in range(0, cnt, CHUNK):
         live = i0 + o < cnt
         v = tl.load(p_val + i0 + o, mask=live, other=float("-inf"))
         pos = tl.load(p_pos + i0 + o, mask=live, other=0)
-        keep = live & (v >= L)
+        keep = live & (v >= floor) & (_key(v) >= r)
         ki = keep.to(tl.int32)
         off = total + tl.cumsum(ki, 0) - ki
         tl.debug_barrier()  # every thread's loads of this chunk before any store over it
@@ -169,7 +176,7 @@ def _shrink(p_val, p_pos, cnt, L, top_k, HAS_TOPK: tl.constexpr, LO_BIT: tl.cons
         tl.store(p_pos + off, pos, mask=keep)
         tl.debug_barrier()
         total += tl.sum(ki, 0)
-    return total, L
+    return total
 
 
 @triton.jit
@@ -254,19 +261,43 @@ def _sampler_filter_kernel(
 
 
 @triton.jit
+def _list_sum_sq_below(p_val, n, r, m, c, EXACT_SHIFT: tl.constexpr, CHUNK: tl.constexpr):
+    """sum of (2^((x - m) c))^2 over the list's n values x with a key < r."""
+    o = tl.arange(0, CHUNK)
+    acc = tl.zeros([CHUNK], dtype=tl.float32)
+    for i0 in range(0, n, CHUNK):
+        v = tl.load(p_val + i0 + o, mask=i0 + o < n, other=float("-inf"))
+        e = tl.exp2(_shifted(v, m, c, EXACT_SHIFT))
+        acc += tl.where((i0 + o < n) & (_key(v) < r), e * e, 0.0)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
 def _sampler_top_p_kernel(
     p_x, p_tau, p_sup, p_val, p_pos, p_temp,
     n_rows, V, inner_size, stride_outer, stride_inner,
     t_arg, top_p,
     stride_s, n_samples,  # every stride_s-th element is sampled: n_samples of them
-    z_band,  # the band's half width in standard errors of the cut's rank in the sample
-    w_max,  # the band's half width in samples at most (the working list's capacity)
+    z_band,  # the band's half width in standard errors of the sample's estimate of the mass below the cut
     EXACT_SHIFT: tl.constexpr, T_FROM_PTR: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr,
     SUP_CAP: tl.constexpr, BLOCK_V: tl.constexpr, EPT: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """top-p alone: two passes over each row (statistics with a sample; the band around the
     sample's estimate of the cut). A persistent grid as _sampler_filter_kernel; the sample and
-    then the band list use the program's working list."""
+    then the band list use the program's working list.
+
+    The estimate. The cut is where the mass above reaches top_p * s, the mass below (1 - top_p) s,
+    with s exact from pass 1. The sample estimates the mass below a value r as stride_s times its
+    own mass below r: a sum of many small terms (every term at most the cut's weight), whose
+    standard error the sample's own squares estimate. Its mass above r would be no estimate at
+    all: the row's few largest terms carry most of it, and a strided sample holds one of them or
+    none. The band [lo, hi) spans z_band standard errors (and two cut weights) of that estimate
+    either side of the cut's, in sample masses.
+
+    The band pass lists the band's elements. Should the list fill (a row whose top terms carry
+    the mass below the cut too, so that the estimate's error spans most of the row), lo is raised
+    to the largest key r where the mass above the band seen so far plus the listed mass >= r
+    reaches top_p * s (tau >= r), as the filter kernel raises its bound, and the list compacted."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     p_val = p_val + pid.to(tl.int64) * CAP
@@ -294,44 +325,72 @@ def _sampler_top_p_kernel(
             head = tl.max(tl.where(first, b_x, float("-inf")), 1)
             tl.store(p_val + q // stride_s, head, mask=(q % stride_s == 0) & (q < V))
         m, s, _ = _forward_combine(m_r, s_r, s_r, c, False, EXACT_SHIFT)
+        target = top_p * s
         tl.debug_barrier()
+        # the sample's key of the cut: its mass above is its total less the mass below the cut
+        # scaled down to the sample (w_tot - (1 - top_p) s / stride_s); then the standard error of
+        # its mass below that key, and the band's two ends
         w_tot = _list_sum(p_val, n_samples, float("-inf"), m, c, EXACT_SHIFT, CHUNK)
-        # the sample's cut and its rank there; the band: w samples either side, where w is z_band
-        # standard errors of that rank (a Poisson count), within the list's capacity
-        r_hat = _digit_select(p_val, n_samples, top_p * w_tot, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
-        rank = _list_count_ge(p_val, n_samples, r_hat, CHUNK)
-        w = tl.minimum(tl.ceil(z_band * tl.sqrt(rank.to(tl.float32))).to(tl.int32) + 2, w_max)
-        has_hi = rank - w >= 1
-        hi = _digit_select(p_val, n_samples, tl.maximum(rank - w, 1), float("-inf"), m, c, False, EXACT_SHIFT, LO_BIT,
-                           CHUNK)
-        has_lo = rank + w <= n_samples
-        lo = _digit_select(p_val, n_samples, tl.minimum(rank + w, n_samples), float("-inf"), m, c, False,
-                           EXACT_SHIFT, LO_BIT, CHUNK)
+        t_cut = w_tot - (s - target) / stride_s
+        r0 = _digit_select(p_val, n_samples, t_cut, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+        # the cut's weight in the sample (the largest, 1, where every sample lies below the cut)
+        w_cut = tl.where(t_cut > 0.0, tl.exp2(_shifted(tl.minimum(_key_value(r0, LO_BIT), m), m, c, EXACT_SHIFT)),
+                         1.0)
+        se = tl.sqrt(_list_sum_sq_below(p_val, n_samples, r0, m, c, EXACT_SHIFT, CHUNK))
+        half = z_band * se + 2.0 * w_cut
+        has_hi = t_cut - half > 0.0
+        hi = _digit_select(p_val, n_samples, t_cut - half, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+        lo = _digit_select(p_val, n_samples, t_cut + half, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+        lo = tl.where(t_cut + half <= w_tot, lo, KEY_MIN)
+        # a band the list cannot hold is no band: lo no lower than the sample's (rank of hi +
+        # n_cap)-th largest, n_cap three quarters of the list's capacity in samples (a row whose top
+        # terms carry the mass below the cut as well: a cut among the top ids, an estimate of
+        # little use)
+        n_cap = (CAP // stride_s) * 3 // 4
+        rank_hi = tl.where(has_hi, _list_count_ge(p_val, n_samples, hi, CHUNK), 0)
+        lo_cap = _digit_select(p_val, n_samples, rank_hi + n_cap, float("-inf"), m, c, False, EXACT_SHIFT, LO_BIT,
+                               CHUNK)
+        lo = tl.where(rank_hi + n_cap <= n_samples, tl.maximum(lo, lo_cap), lo)
         tl.debug_barrier()  # the sample's loads before the band list overwrites it
-        # pass 2: the mass above the band (key >= hi), the band [lo, hi) listed
+        # pass 2: the mass above the band (key >= hi), the band [lo, hi) listed (lo raised when
+        # the list fills)
         a_acc = tl.zeros([BLOCK], dtype=tl.float32)
-        b_acc = tl.zeros([BLOCK], dtype=tl.float32)
         cnt = tl.full((), 0, tl.int32)
+        ok = cnt == 0  # the list holds every element of [lo, hi)
         for start in range(0, V, BLOCK):
             o = start + o_b
             inb = o < V
             b_x = tl.load(p_row + o, mask=inb, other=float("-inf")).to(tl.float32)
             k_x = _key(b_x)
-            b_e = tl.exp2(_shifted(b_x, m, c, EXACT_SHIFT))
             above = tl.where(has_hi, inb & (k_x >= hi), False)
-            band = inb & tl.where(has_lo, k_x >= lo, True) & tl.where(has_hi, k_x < hi, True)
-            a_acc += tl.where(above, b_e, 0.0)
-            b_acc += tl.where(band, b_e, 0.0)
-            bi = band.to(tl.int32)
-            off = cnt + tl.cumsum(bi, 0) - bi
-            fits = off < CAP
-            tl.store(p_pos + off, o, mask=band & fits)
-            tl.store(p_val + off, b_x, mask=band & fits)
-            cnt += tl.sum(bi, 0)
+            a_acc += tl.where(above, tl.exp2(_shifted(b_x, m, c, EXACT_SHIFT)), 0.0)
+            under = tl.where(has_hi, k_x < hi, True)
+            band = inb & (k_x >= lo) & under
+            n = tl.sum(band.to(tl.int32), 0)
+            if ok & (n > 0):
+                if cnt + n > CAP:
+                    # tau >= the largest r with (mass above the band so far) + (listed mass >= r)
+                    # >= target: raise lo there, keep the list's elements >= lo
+                    need = target - tl.sum(a_acc, 0)
+                    tl.debug_barrier()  # the appends of every thread before these loads
+                    r = _digit_select(p_val, cnt, need, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+                    lo = tl.where(need > 0.0, tl.maximum(lo, r), lo)
+                    cnt = _compact(p_val, p_pos, cnt, float("-inf"), lo, CHUNK)
+                    band = inb & (k_x >= lo) & under
+                    n = tl.sum(band.to(tl.int32), 0)
+                    ok = (cnt + n <= CAP) & (need > 0.0)
+                if ok:
+                    bi = band.to(tl.int32)
+                    off = cnt + tl.cumsum(bi, 0) - bi
+                    tl.store(p_pos + off, o, mask=band)
+                    tl.store(p_val + off, b_x, mask=band)
+                    cnt += n
         tl.debug_barrier()
         a = tl.sum(a_acc, 0)
-        target = top_p * s
-        found = (cnt <= CAP) & (a < target) & (a + tl.sum(b_acc, 0) >= target) & (s > 0.0)
+        found = ok & (a < target) & (s > 0.0)
+        if found:
+            b = _list_sum(p_val, cnt, float("-inf"), m, c, EXACT_SHIFT, CHUNK)
+            found = a + b >= target
         if found:
             r3 = _digit_select(p_val, cnt, target - a, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
             tau = _key_value(r3, LO_BIT)
@@ -439,7 +498,7 @@ def lo_bit(dtype) -> int:
 
 # programs of the persistent kernels per multiprocessor (8 warps each)
 PROGRAMS_PER_SM = 4
-# the top-p band's half width, in standard errors of the cut's rank in the sample
+# the top-p band's half width, in standard errors of the sample's mass below the cut
 BAND_Z = 3.0
 
 
@@ -475,7 +534,7 @@ def compile_cases():
         yield (f"sampler_filter minp={mp} topk={tk} topp={tp} t_ptr={tptr}", _sampler_filter_kernel, filt,
                {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr, "LO_BIT": 16,
                 "CAP": 4096, "SUP_CAP": 512, "BLOCK": 2048, "CHUNK": 512}, 8)
-    topp = dict(common, top_p="fp32", stride_s="i32", n_samples="i32", z_band="fp32", w_max="i32")
+    topp = dict(common, top_p="fp32", stride_s="i32", n_samples="i32", z_band="fp32")
     for tptr in (False, True):
         yield (f"sampler_top_p t_ptr={tptr}", _sampler_top_p_kernel, topp,
                {"EXACT_SHIFT": tptr, "T_FROM_PTR": tptr, "LO_BIT": 16, "CAP": 8192, "SUP_CAP": 512,

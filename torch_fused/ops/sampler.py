@@ -98,7 +98,7 @@ def threshold_launches(logits, temperature_t, temperature, shift, top_k, top_p, 
             stride_s = max(cfg.ept, K.triton.next_power_of_2(K.triton.cdiv(v, cap)))
             K._sampler_top_p_kernel[(nprog,)](
                 x, tau, support, val, pos, temperature_t, rows, v, inner, s_outer, s_inner, t, p_arg, stride_s,
-                K.triton.cdiv(v, stride_s), K.BAND_Z, max(1, cap // (2 * stride_s) - 1), EXACT_SHIFT=exact,
+                K.triton.cdiv(v, stride_s), K.BAND_Z, EXACT_SHIFT=exact,
                 T_FROM_PTR=t_ptr, LO_BIT=lo_bit, CAP=cap, SUP_CAP=meta.SUPPORT_CAP, BLOCK_V=cfg.block,
                 EPT=cfg.ept, BLOCK=cfg.block, CHUNK=cfg.chunk, num_warps=cfg.warps)
 
