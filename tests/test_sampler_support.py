@@ -437,6 +437,27 @@ def test_restricted_ops_keep_no_logits_sized_buffer(kw):
     assert extra <= 256 * (SUPPORT_CAP + 2) * 4 + scratch + (4 << 20), extra
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_rule_thresholds_do_not_depend_on_its_chunks(device, settings_override):
+    """The plain-PyTorch rule (sampler_kernels off) works in chunks of rows sized per device type
+    (sampler_rule_chunk_bytes): one row a chunk and the whole batch in one chunk give the same
+    thresholds, for each option and with a tensor temperature."""
+    from torch_fused import reference
+    from torch_fused.meta import sampler as meta
+
+    v = 300
+    x = _rows_with_hard_cases(24, v, torch.bfloat16, device, seed=5)
+    temp = torch.tensor(0.8, device=device)
+    for kw in (dict(top_k=7), dict(top_p=0.9), dict(min_p=0.05), dict(top_k=40, top_p=0.6, min_p=0.01)):
+        opts = meta.sampler_options(1.0, False, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"))
+        taus = []
+        for rows in (1, 5, 24):
+            settings_override(sampler_rule_chunk_bytes={device: 4 * v * rows}, reference_chunk_elems=v * rows)
+            taus.append(reference.sampler_threshold(x, temp, opts))
+        for t in taus[1:]:
+            assert torch.equal(t, taus[0]), kw
+
+
 @pytest.mark.parametrize("device", ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_sampler_kernels_setting_switches_the_route_not_the_result(device, settings_override):
     """sampler_kernels off: the thresholds come from the plain-PyTorch rule on the device (no row

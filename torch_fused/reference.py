@@ -16,8 +16,8 @@ from ._library import LN2, LOG2E, SCALE_MAX, T_MAX, T_MIN, acc_dtype, kernel_tem
 from .settings import current as _settings
 
 
-def _chunks(rows: int, v: int):
-    step = max(1, _settings.reference_chunk_elems // max(v, 1))
+def _chunks(rows: int, v: int, elems: int | None = None):
+    step = max(1, (_settings.reference_chunk_elems if elems is None else elems) // max(v, 1))
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
 
@@ -118,8 +118,9 @@ def sampler_threshold(logits: torch.Tensor, temperature_t: torch.Tensor | None, 
         t = temperature_t.detach().to(dt).clamp(T_MIN, T_MAX)
     else:
         t = kernel_temperature(opts.temperature)
+    budget = _settings.sampler_rule_chunk_bytes.get(logits.device.type)
     with torch.no_grad():
-        for a, b in _chunks(rows, v):
+        for a, b in _chunks(rows, v, None if budget is None else budget // 4):
             x = x2[a:b].to(dt)
             tau = torch.full((b - a, 1), ninf, dtype=dt, device=x.device)
             if opts.min_p is not None and opts.min_p > 0.0:

@@ -36,6 +36,7 @@ in ``torch.compiler.config.cache_key_tag`` (a torch setting), written while the 
 | ``logprobs_bwd_segment`` | 32768 | | the log-prob backward splits a row into programs of about this many columns (0: one program per row) |
 | ``sampler_kernels`` | False | ``TORCH_FUSED_SAMPLER_KERNELS`` (1: on) | the thresholds of the sampler's support (top_k, top_p, min_p of the log-prob ops) come from the Triton kernels of kernels/sampler.py on CUDA; off: from the plain-PyTorch rule on the device (reference.sampler_threshold: a per-row top-k / sort, [rows, V] temporaries). Off by default until the kernels' GPU tests and the sampler benchmark have run (``python -m torch_fused.bench --only sampler``); under the interpreter the test suite turns it on |
 | ``sampler_exact`` | False | | the sampler's support (top_k, top_p, min_p of the log-prob ops) by the exact multi-pass kernel for every row instead of the fast routes (kernels/sampler.py): tests and benchmarks |
+| ``sampler_rule_chunk_bytes`` | {"cuda": 256 MiB} | | the plain-PyTorch rule of the sampler's support (``sampler_kernels`` off; reference.sampler_threshold) on a device type it names works in chunks of rows of about this many bytes of fp32 ``[rows, V]`` (its top-k, sort and cumsum temporaries are a few of these); elsewhere in ``reference_chunk_elems`` chunks. A chunk of a few rows leaves the GPU's top-k and sort nearly idle |
 | ``reference_chunk_elems`` | 2**21 | | the plain-PyTorch implementations (CPU) work in chunks of rows whose float temporaries stay near this many elements |
 | ``small_tiles`` | False | | every kernel takes its smallest tiles, which still take every code path (full blocks, masked tails, several programs and trips) at small shapes: the interpreter test run |
 | ``logprobs_block`` | None | | (BLOCK_V, num_warps) of every log-prob launch instead of the shipped choice (kernels/logprobs.py pick_block): the block sweep |
@@ -119,6 +120,7 @@ DEFAULTS = dict(
     logprobs_bwd_segment=32768,
     sampler_kernels=_env_flag("TORCH_FUSED_SAMPLER_KERNELS", False),
     sampler_exact=False,
+    sampler_rule_chunk_bytes={"cuda": 256 << 20},
     reference_chunk_elems=1 << 21,
     small_tiles=False,
     logprobs_block=None,
