@@ -873,6 +873,14 @@ MUTANTS: list[Mutant] = [
           "                unlisted = st[:, 3] < 0\n")],
         ["tests/test_sampler_support.py"],
     ),
+    # 78: the top-p band with no width around the sample's estimate of the cut (every row whose
+    # estimate is off by one sample goes to the exact kernel)
+    Mutant(
+        "sampler-top-p-band-no-width-triton", "78 the top-p band without its width around the estimated cut",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("        half = z_band * se + 2.0 * w_cut\n", "        half = 0.0 * se  # MUTANT\n")],
+        ["tests/test_sampler_support.py::test_top_p_band_settles_the_ordinary_rows"],
+    ),
 ]
 
 
