@@ -305,6 +305,27 @@ def test_top_p_band_settles_the_ordinary_rows(settings_override):
 
 
 @KERNEL_PATH
+def test_top_p_next_to_one_gives_no_nan_threshold(settings_override):
+    """top_p within an ulp of 1 in fp32 (the cut's target equals the row's whole mass up to the
+    order of a sum): every route gives a real threshold that keeps at least the rule's support
+    (a search that comes back empty would decode as NaN and keep no id)."""
+    from torch_fused import reference
+    from torch_fused.meta import sampler as meta
+    from torch_fused.ops.sampler import threshold_launches
+
+    settings_override(small_tiles=False)
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(6, 300, generator=g, dtype=torch.float64) * 2).to(dtype)
+        for tp in (0.9999999, 1 - 1e-9):
+            for kw in (dict(top_p=tp), dict(top_k=50, top_p=tp)):
+                tau, _ = threshold_launches(x, None, 1.0, False, kw.get("top_k"), tp, None)
+                want = reference.sampler_threshold(x, None, meta.sampler_options(1.0, False, kw.get("top_k"), tp, None))
+                assert not bool(torch.isnan(tau).any()), (dtype, kw, tau)
+                assert bool((tau <= want.to(tau.dtype)).all()), (dtype, kw, tau, want)
+
+
+@KERNEL_PATH
 def test_exact_threshold_kernel_alone_matches_the_rule(settings_override):
     """The exact kernel on every row (the sampler_exact setting): min-p, top-k and top-p at once,
     fp16 logits (keys on a grid of 2^13)."""

@@ -249,7 +249,9 @@ def _sampler_filter_kernel(
                 m_l = _list_max(p_val, cnt, CHUNK)
                 s = _list_sum(p_val, cnt, tau, m_l, c, EXACT_SHIFT, CHUNK)
                 r3 = _digit_select(p_val, cnt, top_p * s, tau, m_l, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
-                tau = tl.where(s > 0.0, tl.maximum(tau, _key_value(r3, LO_BIT)), tau)
+                # KEY_MIN: no key reaches top_p * s in this sum's rounding (top_p within an ulp
+                # of 1): every id the earlier steps kept stays (its key would decode as NaN)
+                tau = tl.where((s > 0.0) & (r3 != KEY_MIN), tl.maximum(tau, _key_value(r3, LO_BIT)), tau)
             _finish_list(p_tau, p_sup_row, row64, tau, p_val, p_pos, cnt, SUP_CAP, CHUNK)
         else:
             if HAS_TOPK or HAS_TOPP:
@@ -391,8 +393,14 @@ def _sampler_top_p_kernel(
         if found:
             b = _list_sum(p_val, cnt, float("-inf"), m, c, EXACT_SHIFT, CHUNK)
             found = a + b >= target
+        r3 = KEY_MIN
         if found:
             r3 = _digit_select(p_val, cnt, target - a, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+            # the list's sum above and this search add in different orders: where a + b lands
+            # within an ulp of the target the search can come back empty (KEY_MIN, which would
+            # decode as a NaN threshold): the exact kernel takes the row
+            found = r3 != KEY_MIN
+        if found:
             tau = _key_value(r3, LO_BIT)
             if has_hi:  # the ids above the band are kept too and were not listed
                 tl.store(p_sup_row, NOT_LISTED)
@@ -486,7 +494,9 @@ def _sampler_exact_kernel(
                 acc += tl.where((o < V) & (b_x >= tau), tl.exp2(_shifted(b_x, m, c, EXACT_SHIFT)), 0.0)
             s = tl.sum(acc, 0)
             r3 = _digit_select(p_row, V, top_p * s, tau, m, c, True, EXACT_SHIFT, LO_BIT, BLOCK)
-            tau = tl.where(s > 0.0, tl.maximum(tau, _key_value(r3, LO_BIT)), tau)
+            # KEY_MIN: no key reaches top_p * s in this sum's rounding (top_p within an ulp of 1):
+            # every id the earlier steps kept stays (its key would decode as NaN)
+            tau = tl.where((s > 0.0) & (r3 != KEY_MIN), tl.maximum(tau, _key_value(r3, LO_BIT)), tau)
         tl.store(p_tau + row, tau)
         tl.store(p_sup_row, NOT_LISTED)
 
