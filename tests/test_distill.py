@@ -835,16 +835,24 @@ def test_out_of_range_topk_id_stays_in_its_row(device):
     torch.testing.assert_close(g[rest], g0[rest])
 
 
-@plain_cpu_only
-def test_nonfinite_rows_stay_in_their_rows():
-    """A NaN logit in one row of the student: NaN divergence there only; an ignored NaN row: 0."""
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("model", ["student", "teacher"])
+def test_nonfinite_rows_stay_in_their_rows(beta, model):
+    """A NaN logit in one row of either model: NaN divergence there only (the kernels' p > 0
+    masks would otherwise drop the NaN lane and report a finite divergence), and a gradient row
+    with NaN in it; an ignored NaN row: 0 and a zero gradient row."""
     gen = torch.Generator().manual_seed(13)
     s, t = torch.randn(3, 11, generator=gen), torch.randn(3, 11, generator=gen)
-    s[1, 4] = float("nan")
-    div = torch_fused.distill(s, t)
-    assert torch.isnan(div[1]) and torch.isfinite(div[[0, 2]]).all()
-    div = torch_fused.distill(s, t, labels=torch.tensor([0, -100, 0]))
+    (s if model == "student" else t)[1, 4] = float("nan")
+    s.requires_grad_(True)
+    div = torch_fused.distill(s, t, beta=beta)
+    assert torch.isnan(div[1]) and torch.isfinite(div[[0, 2]]).all(), div
+    (ds,) = torch.autograd.grad(div[[0, 2]].sum() + div[1], s)
+    assert torch.isnan(ds[1]).any() and torch.isfinite(ds[[0, 2]]).all()
+    div = torch_fused.distill(s, t, beta=beta, labels=torch.tensor([0, -100, 0]))
     assert div[1] == 0 and torch.isfinite(div).all()
+    (ds,) = torch.autograd.grad(div.sum(), s)
+    assert bool((ds[1] == 0).all()) and torch.isfinite(ds).all()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -582,15 +582,22 @@ def distill_divergence(xs, xt, st, beta: float, cs: float, ct: float):
     """(divergence [n], aux [n]) in nats, float64, from the rows and their stats [n, >= 4]."""
     a, b = _distill_log2p(xs, xt, st.double(), cs, ct)
     ps, pt = torch.exp2(a), torch.exp2(b)
+    # a NaN logit (or a row of -inf) makes the row NaN; the p > 0 masks below would drop it
+    bad = (torch.isnan(a) | torch.isnan(b)).any(-1)
+
+    def rows(div, aux):
+        nan = torch.full_like(div, float("nan"))
+        return torch.where(bad, nan, div), torch.where(bad, nan, aux)
+
     if beta == 0.0:
         div = _plogq(pt, b - a) * LN2
-        return div, torch.zeros_like(div)
+        return rows(div, torch.zeros_like(div))
     if beta == 1.0:
         div = _plogq(ps, a - b) * LN2
-        return div, div
+        return rows(div, div)
     lm = _log2_mixture(a, b, beta)
     kl_s = _plogq(ps, a - lm) * LN2
-    return beta * _plogq(pt, b - lm) * LN2 + (1.0 - beta) * kl_s, kl_s
+    return rows(beta * _plogq(pt, b - lm) * LN2 + (1.0 - beta) * kl_s, kl_s)
 
 
 def distill_grad(xs, xt, st, w, beta: float, cs: float, ct: float, k: float, softcap=None):
@@ -607,6 +614,8 @@ def distill_grad(xs, xt, st, w, beta: float, cs: float, ct: float, k: float, sof
     else:
         lm = _log2_mixture(a, b, beta)
         dz = (1.0 - beta) * torch.where(ps > 0, ps * ((a - lm) * LN2 - aux), torch.zeros_like(a))
+    if beta != 0.0:  # a NaN row (aux NaN, distill_divergence's flag): NaN, not masked to 0
+        dz = torch.where(torch.isnan(aux), float("nan"), dz)
     dx = dz * (w.double() * k)[:, None]
     if softcap is not None:
         dx = dx * (1.0 - (xs.double() / softcap) ** 2)

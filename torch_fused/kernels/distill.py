@@ -149,6 +149,13 @@ def _log2_ratios(b_a, b_b, lb_s, lb_t):
 
 
 @triton.jit
+def _nan_lanes(b_a, b_b):
+    """1 where either model's log2-probability is NaN (a NaN logit, or a row of -inf logits whose
+    shift is -inf), else 0: the sums below mask their terms by p > 0, which would drop a NaN."""
+    return tl.where((b_a != b_a) | (b_b != b_b), 1.0, 0.0)
+
+
+@triton.jit
 def _load_stats(p_stats, row):
     m_s = tl.load(p_stats + row * 5).to(tl.float32)
     l_s = tl.load(p_stats + row * 5 + 1).to(tl.float32)
@@ -201,11 +208,13 @@ def _distill_divergence_kernel(
         acc_d = tl.zeros([BLOCK_V], dtype=tl.float32)
         acc_a = tl.zeros([BLOCK_V], dtype=tl.float32)
         acc_p = tl.zeros([BLOCK_V], dtype=tl.float32)
+        acc_nan = tl.zeros([BLOCK_V], dtype=tl.float32)
         for start in range(0, v_seg, BLOCK_V):
             o = start + o_v
             _, b_a, b_b = _log2_probs(p_srow, p_trow, o, o < v_seg, m_s, l_s, m_t, l_t, c_s, c_t, EXACT_SHIFT)
             b_pa = tl.exp2(b_a)
             b_pb = tl.exp2(b_b)
+            acc_nan += _nan_lanes(b_a, b_b)
             if MASS != 0:
                 acc_p += b_pa
             if MODE == 0:
@@ -231,6 +240,9 @@ def _distill_divergence_kernel(
             if MASS == 1:
                 aux = aux / tl.where(mass > 0.0, mass, 1.0)
             div = beta * (tl.sum(acc_d, axis=0) * LN2) + (1.0 - beta) * aux
+        if tl.sum(acc_nan, axis=0) > 0.0:  # a NaN logit (or a row of -inf): the row's results are NaN
+            div = float("nan")
+            aux = float("nan")
         if MASS == 2:
             tl.store(p_mass + row * aux_rs + seg, mass)
     elif MASS == 2:
@@ -275,6 +287,7 @@ def _distill_grad_kernel(
         p_srow = _row_base(p_s, row, s_inner, s_outer, s_stride) + c0
         p_trow = _row_base(p_t, row, t_inner, t_outer, t_stride) + c0
         acc_d = tl.zeros([BLOCK_V], dtype=tl.float32)
+        acc_nan = tl.zeros([BLOCK_V], dtype=tl.float32)
         for start in range(0, v_seg, BLOCK_V):
             o = start + o_v
             mask = o < v_seg
@@ -285,11 +298,14 @@ def _distill_grad_kernel(
                 b_dz = b_pa - b_pb
                 if WITH_DIV:
                     acc_d += tl.where(b_pb > 0.0, b_pb * (b_b - b_a), 0.0)
+                    acc_nan += _nan_lanes(b_a, b_b)
             elif MODE == 1:
                 b_dz = tl.where(b_pa > 0.0, b_pa * ((b_a - b_b) * LN2 - aux), 0.0)
             else:
                 b_rs, _ = _log2_ratios(b_a, b_b, lb_s, lb_t)
                 b_dz = (1.0 - beta) * tl.where(b_pa > 0.0, b_pa * (b_rs * LN2 - aux), 0.0)
+            if MODE != 0:  # a NaN row (its aux NaN, the divergence kernel's flag): NaN, not masked to 0
+                b_dz = tl.where(aux != aux, float("nan"), b_dz)
             b_dx = b_dz * wk
             if HAS_CAP:
                 b_th = b_xs / cap
@@ -297,6 +313,8 @@ def _distill_grad_kernel(
             tl.store(p_drow + o, b_dx.to(p_drow.dtype.element_ty), mask=mask)
         if WITH_DIV:
             div = tl.sum(acc_d, axis=0) * LN2
+            if tl.sum(acc_nan, axis=0) > 0.0:
+                div = float("nan")
     else:
         b_z = tl.zeros([BLOCK_V], dtype=p_drow.dtype.element_ty)
         for start in range(0, v_seg, BLOCK_V):

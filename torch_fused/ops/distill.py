@@ -84,7 +84,8 @@ def _stats_reference(xs, xt, lab, ignore_index, stats, ent, cs, ct):
 
 
 def _divergence_reference(xs, xt, lab, ignore_index, stats, div, beta, cs, ct, ratio=True):
-    """div [n] and stats[:, 4] (aux) of the rows; 0 at ignored rows (float64: ``ratio`` changes nothing)."""
+    """div [n] and stats[:, 4] (aux) of the rows; 0 at ignored rows. float64 arithmetic with plain sums:
+    ``ratio`` (the Triton path's mass ratio) is not applied here."""
     n = xs.shape[0]
     for a, b in reference._chunks(n, 2 * xs.shape[1]):
         d, aux = reference.distill_divergence(xs[a:b], xt[a:b], stats[a:b], beta, cs, ct)
