@@ -477,6 +477,17 @@ def test_rule_thresholds_do_not_depend_on_its_chunks(device, settings_override):
             taus.append(reference.sampler_threshold(x, temp, opts))
         for t in taus[1:]:
             assert torch.equal(t, taus[0]), kw
+    # shifted rows of [B, L+1, V] (not one strided run): the same thresholds as the contiguous
+    # copy's, from chunks that are views of the logits (no copy of the whole batch)
+    x3 = x.reshape(4, 6, v)
+    opts = meta.sampler_options(1.0, True, 7, 0.9, None)
+    want = reference.sampler_threshold(x3[:, :-1].contiguous(), temp, meta.sampler_options(1.0, False, 7, 0.9, None))
+    for rows in (1, 4, 24):
+        settings_override(sampler_rule_chunk_bytes={device: 4 * v * rows}, reference_chunk_elems=v * rows)
+        assert torch.equal(reference.sampler_threshold(x3, temp, opts), want), rows
+    chunks = list(reference._row_chunks(x3[:, :-1], 3))
+    assert [(a, b) for a, b, _ in chunks] == [(0, 3), (3, 5), (5, 8), (8, 10), (10, 13), (13, 15), (15, 18), (18, 20)]
+    assert all(c._base is not None and torch.equal(c, x3[:, :-1].reshape(-1, v)[a:b]) for a, b, c in chunks)
 
 
 @pytest.mark.parametrize("device", ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -22,6 +22,30 @@ def _chunks(rows: int, v: int, elems: int | None = None):
         yield start, min(rows, start + step)
 
 
+def _row_chunks(x: torch.Tensor, step: int):
+    """(a, b, rows a..b of x [..., V] as [b - a, V]) in chunks of at most ``step`` rows, without a
+    copy of the whole of x where its rows are not one strided run (the shifted slice [..., :-1, :]
+    of [B, L+1, V]): there each chunk stays inside one [L, V] block, a view."""
+    v = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    if rows == 0:
+        return
+    try:
+        x2 = x.view(rows, v)
+    except RuntimeError:
+        x2 = None
+    if x2 is not None:
+        for a in range(0, rows, step):
+            yield a, min(rows, a + step), x2[a:a + step]
+        return
+    inner = x.shape[-2]
+    x3 = x.reshape(-1, inner, v)  # a view for a slice of a tensor whose leading dims collapse
+    for o in range(x3.shape[0]):
+        for a in range(0, inner, step):
+            b = min(inner, a + step)
+            yield o * inner + a, o * inner + b, x3[o, a:b]
+
+
 def _index_2d(index: torch.Tensor | None, lead_shape) -> torch.Tensor | None:
     """Index as [rows, K] int64 (K = 1 for one id per row)."""
     if index is None:
@@ -113,15 +137,15 @@ def sampler_threshold(logits: torch.Tensor, temperature_t: torch.Tensor | None, 
     dt = acc_dtype(logits.dtype)
     out = torch.empty(lead, dtype=dt, device=logits.device)
     tau_rows = out.view(rows)
-    x2 = x_all.detach().reshape(rows, v)
     if temperature_t is not None:
         t = temperature_t.detach().to(dt).clamp(T_MIN, T_MAX)
     else:
         t = kernel_temperature(opts.temperature)
     budget = _settings.sampler_rule_chunk_bytes.get(logits.device.type)
+    elems = _settings.reference_chunk_elems if budget is None else budget // 4
     with torch.no_grad():
-        for a, b in _chunks(rows, v, None if budget is None else budget // 4):
-            x = x2[a:b].to(dt)
+        for a, b, x_rows in _row_chunks(x_all.detach(), max(1, elems // max(v, 1))):
+            x = x_rows.to(dt)
             tau = torch.full((b - a, 1), ninf, dtype=dt, device=x.device)
             if opts.min_p is not None and opts.min_p > 0.0:
                 tau = torch.maximum(tau, x.amax(-1, keepdim=True) + t * math.log(opts.min_p))
