@@ -725,8 +725,8 @@ MUTANTS: list[Mutant] = [
     # a top-k teacher left in the support
     Mutant(
         "distill-jsd-weights-swapped", "57 the generalized JSD's weights swapped", "torch_fused/reference.py", CPU,
-        [("    return beta * _plogq(pt, b - lm) * LN2 + (1.0 - beta) * kl_s, kl_s\n",
-          "    return (1.0 - beta) * _plogq(pt, b - lm) * LN2 + beta * kl_s, kl_s  # MUTANT\n")],
+        [("    return rows(beta * _plogq(pt, b - lm) * LN2 + (1.0 - beta) * kl_s, kl_s)\n",
+          "    return rows((1.0 - beta) * _plogq(pt, b - lm) * LN2 + beta * kl_s, kl_s)  # MUTANT\n")],
         ["tests/test_distill.py::test_logits_match_float64"],
     ),
     Mutant(
