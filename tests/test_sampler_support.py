@@ -618,6 +618,31 @@ def test_fused_head_listed_and_chunked_backward_agree(device, ties, dtype, setti
         torch.testing.assert_close(a.float(), e.float(), **tol, msg=lambda m: f"d {name}: {m}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw", [dict(top_k=4), dict(top_k=4, min_p=0.3), dict(top_k=1, min_p=0.3), dict(top_k=60)],
+                         ids=str)
+def test_fused_head_min_p_top_k_threshold_is_the_rules(device, kw):
+    """With min-p / top-k (no top-p) the support path takes its threshold from its listing's own
+    top k (no second pass over the logits): equal to the rule (reference.sampler_threshold) on the
+    same logits, ties past the k-th value, a NaN row and top_k >= V included. Integer-valued
+    inputs make every GEMM exact, so the logits are the rule's whatever the GEMM's blocking."""
+    from torch_fused import reference
+    from torch_fused.meta.sampler import sampler_options
+    g = torch.Generator().manual_seed(3)
+    n, hd, v = 12, 6, 50
+    h = torch.randint(-2, 3, (n, hd), generator=g).float()
+    w = torch.randint(-2, 3, (v, hd), generator=g).float()
+    h[5, 0] = float("nan")
+    idx = torch.randint(0, v, (n,), generator=g)
+    stats = torch.ops.fused._linear_logprobs_entropy_forward(h.to(device), w.to(device), idx.to(device), None, 0.7,
+                                                             -100, False, 1.0, None, kw["top_k"], None,
+                                                             kw.get("min_p"))[2]
+    want = reference.sampler_threshold(h @ w.T, None, sampler_options(0.7, False, kw["top_k"], None, kw.get("min_p")))
+    torch.testing.assert_close(stats[:, 2].cpu(), want, rtol=0, atol=0, equal_nan=True)
+    applies = kw["top_k"] < v or "min_p" in kw  # top_k >= V alone keeps every id: -inf, NaN row or not
+    assert bool(torch.isnan(want[5])) == applies and bool(torch.isfinite(want[:5]).all()) == applies
+
+
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 @pytest.mark.skipif(INTERPRET, reason="the checks run before any kernel: the plain CPU run covers them")
 def test_fused_head_bad_sampler_option_names_it(mode):

@@ -146,11 +146,7 @@ def sampler_threshold(logits: torch.Tensor, temperature_t: torch.Tensor | None, 
     with torch.no_grad():
         for a, b, x_rows in _row_chunks(x_all.detach(), max(1, elems // max(v, 1))):
             x = x_rows.to(dt)
-            tau = torch.full((b - a, 1), ninf, dtype=dt, device=x.device)
-            if opts.min_p is not None and opts.min_p > 0.0:
-                tau = torch.maximum(tau, x.amax(-1, keepdim=True) + t * math.log(opts.min_p))
-            if opts.top_k is not None and opts.top_k < v:
-                tau = torch.maximum(tau, x.topk(opts.top_k, dim=-1).values[..., -1:])
+            tau = min_p_top_k_threshold(x, t, opts)
             if opts.top_p is not None and opts.top_p < 1.0:
                 xs = x.sort(dim=-1, descending=True).values
                 probs = torch.softmax(torch.where(xs >= tau, xs, ninf) / t, -1)
@@ -159,6 +155,21 @@ def sampler_threshold(logits: torch.Tensor, temperature_t: torch.Tensor | None, 
                 tau = torch.maximum(tau, xs.gather(-1, n_kept - 1))
             tau_rows[a:b] = tau[:, 0]
     return out
+
+
+def min_p_top_k_threshold(x: torch.Tensor, t, opts, top_values: torch.Tensor | None = None) -> torch.Tensor:
+    """Steps 1 and 2 of sampler_threshold's rule for rows x [rows, V] (in the threshold's dtype),
+    temperature t (a float, or [rows, 1]): tau [rows, 1], -inf where neither step applies.
+    ``top_values``: ``x.topk(k).values`` for a k >= top_k already at hand (the fused head's support
+    listing), whose column top_k - 1 is the k-th largest value: no second top-k pass."""
+    v = x.shape[-1]
+    tau = torch.full((x.shape[0], 1), float("-inf"), dtype=x.dtype, device=x.device)
+    if opts.min_p is not None and opts.min_p > 0.0:
+        tau = torch.maximum(tau, x.amax(-1, keepdim=True) + t * math.log(opts.min_p))
+    if opts.top_k is not None and opts.top_k < v:
+        kth = (x.topk(opts.top_k, dim=-1).values if top_values is None else top_values)[..., opts.top_k - 1:opts.top_k]
+        tau = torch.maximum(tau, kth)
+    return tau
 
 
 def sampler_outside(logits: torch.Tensor, index: torch.Tensor, tau: torch.Tensor, opts) -> torch.Tensor:

@@ -571,11 +571,18 @@ def _support_forward(h2, w, idx2, bias, opts, path, invariant, lp2, ent2, st2):
     n, v = h2.shape[0], w.shape[0]
     t_eff, lopts = _support_options(opts)
     k = opts.listed_ids(v)
+    top_p = opts.top_p is not None and opts.top_p < 1.0
     step = _support_rows(h2.device, v)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         z = _logits_chunk(h2[r0:r1], w, bias, opts, invariant)
-        tau, _ = torch.ops.fused._sampler_threshold(z, None, t_eff, False, opts.top_k, opts.top_p, opts.min_p)
+        if k:
+            vals, ids = z.topk(k, dim=1)
+        if k and not top_p:
+            # min-p / top-k: the rule's threshold from the listing's own top k (one top-k pass)
+            tau = reference.min_p_top_k_threshold(z, kernel_temperature(t_eff), opts, vals)[:, 0]
+        else:
+            tau, _ = torch.ops.fused._sampler_threshold(z, None, t_eff, False, opts.top_k, opts.top_p, opts.min_p)
         # ids below the threshold: -inf from the core (and no gradient in its backward)
         lp_c, ent_c, st_c = lp_ops._core(z, idx2[r0:r1], None, *lopts.values(), tau, None)
         lp2[r0:r1] = lp_c
@@ -586,7 +593,6 @@ def _support_forward(h2, w, idx2, bias, opts, path, invariant, lp2, ent2, st2):
             # the kept ids are the row's largest logits (ties with the threshold included): its top
             # k where at most k logits reach the threshold; a row with more (ties past the k-th) or
             # none (NaN) is not listed
-            vals, ids = z.topk(k, dim=1)
             kept = (z >= tau[:, None]).sum(1)
             # the kept ids in id order (a tie's order inside topk may follow the batch; the
             # backward's sums follow this order), the rest after them
