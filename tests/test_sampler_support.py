@@ -238,6 +238,21 @@ def _cut_margin(x, temperature, top_k, top_p, min_p):
     return (before - top_p).abs().amin(-1)
 
 
+def _top_p_cut_is_valid(x, temperature, top_p, tau, delta=1e-4):
+    """Per row, whether threshold tau is a top-p cut of the rule within ``delta`` of mass (float64):
+    the mass strictly above tau is below top_p (the last kept id had less than top_p before it)
+    and with the ids at tau it reaches top_p (the next id would not be kept). At V 151936 an id
+    around a randn row's cut holds about 1.2e-5 of the mass and the rule's own fp32 cut (a
+    cumsum of fp32 probabilities) lies up to 4e-5 from float64's, so 1e-4 (about eight ids)
+    accepts fp32 rounding and catches a cut that is wrong by more."""
+    xf = x.cpu().float()
+    p = torch.softmax(xf.double() / float(temperature), -1)
+    t = tau.cpu()[:, None]
+    above = (p * (xf > t)).sum(-1)
+    at = (p * (xf == t)).sum(-1)
+    return (above < top_p + delta) & (above + at >= top_p - delta) & (at > 0)
+
+
 def _check_thresholds(x, temperature, top_k, top_p, min_p, tau, support, margin=1e-5):
     """tau equals the rule's on every row but those whose top-p cut is within ``margin`` of
     top_p; the listed rows list exactly the ids >= tau, in order."""
@@ -423,8 +438,14 @@ def test_threshold_kernels_at_vocabulary_size(v, dtype):
         assert int((sup[4:, 0] == -2).sum()) <= 2, (kw, sup[:, 0])
         finish()
         clear = _check_thresholds(x, t, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"), tau, sup)
-        # a flat row's top-p cut lies within 1e-5 of top_p for about one row in ten at V 151936
-        assert int(clear.sum()) >= 40, kw
+        if set(kw) == {"top_p"}:
+            # at V 151936 the ids around a randn row's cut each hold about 1e-5 of its mass, so no
+            # row is clear of fp32 rounding there: each ordinary row's cut is checked against the
+            # float64 masses instead
+            valid = _top_p_cut_is_valid(x[4:], t, kw["top_p"], tau[4:])
+            assert bool(valid.all()), (kw, torch.nonzero(~valid))
+        else:
+            assert int(clear.sum()) >= 40, kw
 
 
 @pytest.mark.cuda
