@@ -881,6 +881,21 @@ MUTANTS: list[Mutant] = [
         [("        half = z_band * se + 2.0 * w_cut\n", "        half = 0.0 * se  # MUTANT\n")],
         ["tests/test_sampler_support.py::test_top_p_band_settles_the_ordinary_rows"],
     ),
+    # 79 / 80: the fused head's epilogues skip id k's [BM, BN] search where no row of the tile has
+    # that id in it; skipping also a tile where exactly one row has it loses that row's id
+    Mutant(
+        "lm-head-stats-id-skip-triton", "79 the stats epilogue skips a tile where one row has id k",
+        "torch_fused/kernels/lm_head.py", TRITON,
+        [("            if tl.max(inside.to(tl.int32), axis=0) > 0:\n",
+          "            if tl.max(inside.to(tl.int32), axis=0) > 1:  # MUTANT\n")],
+        ["tests/test_linear_logprobs.py::test_matches_materialized_float64"],
+    ),
+    Mutant(
+        "lm-head-dlogits-id-skip-triton", "80 the d logits epilogue skips a tile where one row has id k",
+        "torch_fused/kernels/lm_head.py", TRITON,
+        [("(i_k <= n_hi)).to(tl.int32), axis=0) > 0:\n", "(i_k <= n_hi)).to(tl.int32), axis=0) > 1:  # MUTANT\n")],
+        ["tests/test_linear_logprobs.py::test_matches_materialized_float64"],
+    ),
 ]
 
 

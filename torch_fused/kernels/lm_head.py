@@ -140,9 +140,12 @@ def _stats_epilogue(z, o_m, o_n, pid_n, p_idx, p_part, p_u, p_mo, N, V, K, n_til
         if k < K:
             i_k = tl.load(p_idx + rows * K + k, mask=live, other=-1).to(tl.int64) - v_off
             inside = live & (i_k >= n0) & (i_k < n0 + BN) & (i_k < V)
-            u_k = tl.sum(tl.where(o_n[None, :] == i_k[:, None], d, 0.0), axis=1)
-            tl.store(p_u + rows * K + k, u_k, mask=inside)
-            tl.store(p_mo + rows * K + k, m, mask=inside)
+            # the tile's [BM, BN] search for id k only where one of its rows has that id in this
+            # tile (with K ids a row's ids fall in K of the row's V / BN tiles at most)
+            if tl.max(inside.to(tl.int32), axis=0) > 0:
+                u_k = tl.sum(tl.where(o_n[None, :] == i_k[:, None], d, 0.0), axis=1)
+                tl.store(p_u + rows * K + k, u_k, mask=inside)
+                tl.store(p_mo + rows * K + k, m, mask=inside)
 
 
 @triton.jit
@@ -224,11 +227,16 @@ def _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz,
     d = _shifted(z, m[:, None], scale, EXACT_SHIFT) - log2s[:, None]
     dz = -tl.exp2(d) * (a[:, None] + b[:, None] * tl.maximum(d, D_MIN))
     if HAS_GLP:
+        n_lo = tl.min(o_n, axis=0)
+        n_hi = tl.max(o_n, axis=0)
         for k in tl.static_range(BLOCK_K):
             if k < K:
                 i_k = tl.load(p_idx + rows * K + k).to(tl.int64) - v_off
-                g_k = tl.load(p_g + rows * K + k)
-                dz += tl.where(o_n[None, :] == i_k[:, None], g_k[:, None], 0.0)
+                # as in _stats_epilogue: the [BM, BN] add only where a row's id k is in this tile
+                # (elsewhere it would add 0.0 everywhere; a -0.0 stays -0.0, which no sum can tell)
+                if tl.max((live & (i_k >= n_lo) & (i_k <= n_hi)).to(tl.int32), axis=0) > 0:
+                    g_k = tl.load(p_g + rows * K + k)
+                    dz += tl.where(o_n[None, :] == i_k[:, None], g_k[:, None], 0.0)
     p_out = p_dz + rows[:, None] * stride_dz + o_n[None, :]
     tl.store(p_out, dz.to(p_dz.dtype.element_ty), mask=live[:, None] & (o_n < V)[None, :])
 
