@@ -34,7 +34,7 @@ in ``torch.compiler.config.cache_key_tag`` (a torch setting), written while the 
 | ``distill_segment`` | 4096 | | the distillation row passes split each row into segments of at least this many columns (one program each) where the rows alone would not fill the device (the head's chunks); 0: one program per row |
 | ``distill_min_rows`` | {"cuda": 128} | | the fewest token rows of a distillation head chunk, per device type (fewer rows re-read both heads' weights per chunk) |
 | ``logprobs_bwd_segment`` | 32768 | | the log-prob backward splits a row into programs of about this many columns (0: one program per row) |
-| ``sampler_kernels`` | False | ``TORCH_FUSED_SAMPLER_KERNELS`` (1: on) | the thresholds of the sampler's support (top_k, top_p, min_p of the log-prob ops) come from the Triton kernels of kernels/sampler.py on CUDA; off: from the plain-PyTorch rule on the device (reference.sampler_threshold: a per-row top-k / sort, [rows, V] temporaries). Off by default until the kernels' GPU tests pass and the sampler benchmark meets its bars (``python -m torch_fused.bench --only sampler``; their first H100 test run found the top-p route leaving most rows to the exact kernel, fixed since under the interpreter); under the interpreter and on CUDA the test suite turns it on |
+| ``sampler_kernels`` | True | ``TORCH_FUSED_SAMPLER_KERNELS`` (0: off) | the thresholds of the sampler's support (top_k, top_p, min_p of the log-prob ops) come from the Triton kernels of kernels/sampler.py on CUDA (exactly the rule's thresholds; on an H100 1.1x to 19x faster than the rule, docs/BENCHMARKS.md "Over the sampler's support"); off: from the plain-PyTorch rule on the device (reference.sampler_threshold: a per-row top-k / sort, [rows, V] temporaries). CPU and float64 logits always take the rule |
 | ``sampler_exact`` | False | | the sampler's support (top_k, top_p, min_p of the log-prob ops) by the exact multi-pass kernel for every row instead of the fast routes (kernels/sampler.py): tests and benchmarks |
 | ``sampler_rule_chunk_bytes`` | {"cuda": 256 MiB} | | the plain-PyTorch rule of the sampler's support (``sampler_kernels`` off; reference.sampler_threshold) on a device type it names works in chunks of rows of about this many bytes of fp32 ``[rows, V]`` (its top-k, sort and cumsum temporaries are a few of these); elsewhere in ``reference_chunk_elems`` chunks. A chunk of a few rows leaves the GPU's top-k and sort nearly idle |
 | ``reference_chunk_elems`` | 2**21 | | the plain-PyTorch implementations (CPU) work in chunks of rows whose float temporaries stay near this many elements |
@@ -118,7 +118,7 @@ DEFAULTS = dict(
     distill_min_rows={"cuda": 128},
     distill_segment=4096,
     logprobs_bwd_segment=32768,
-    sampler_kernels=_env_flag("TORCH_FUSED_SAMPLER_KERNELS", False),
+    sampler_kernels=_env_flag("TORCH_FUSED_SAMPLER_KERNELS", True),
     sampler_exact=False,
     sampler_rule_chunk_bytes={"cuda": 256 << 20},
     reference_chunk_elems=1 << 21,
