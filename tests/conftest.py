@@ -37,8 +37,8 @@ warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtim
 # loop, then a masked tail; several programs and trips per matrix); backward rows wider than 48
 # columns split into segments of 48 (three 16-column blocks), the last one ragged, so the
 # segmented launch runs in every backward test past that width.
-# The sampler's threshold kernels are a setting (off by default): the interpreter run and the CUDA
-# tests drive them.
+# The sampler's threshold kernels are a setting (on by default on CUDA): the interpreter run and
+# the CUDA tests drive them whatever the environment says.
 _RUN_SETTINGS = (dict(logprobs_bwd_segment=48, small_tiles=True, sampler_kernels=True) if INTERPRET
                  else dict(sampler_kernels=True) if HAS_CUDA else {})
 

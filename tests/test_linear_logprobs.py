@@ -361,6 +361,34 @@ def test_out_of_range_id_stays_in_its_row(device, k, gemm_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_ids_on_every_column_of_the_tiles(device):
+    """K ids per row that together name every vocabulary column once, so that some row's id sits
+    on the first and the last column of every column tile whatever the tiles' width (the fused
+    epilogues skip an id's work in tiles that do not hold it): log-probs and the gradients of
+    hidden and weight against float64."""
+    g = torch.Generator().manual_seed(8)
+    n, k, hdim = 50, 6, 8
+    v = n * k  # 300: past a 256-column tile
+    h = torch.randn(n, hdim, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(v, hdim, generator=g) / 2).to(device, torch.bfloat16)
+    idx = torch.randperm(v, generator=g).reshape(n, k).to(device)
+    gl = torch.randn(n, k, generator=g, dtype=torch.float64)
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    with override(lm_head_fused_gemm=frozenset({"forward", "backward"})):  # the epilogues' path
+        lp, _ = torch_fused.linear_logprobs_and_entropy(hh, ww, idx)
+        dh, dw = torch.autograd.grad((lp * gl.to(device).float()).sum(), (hh, ww))
+    h64, w64 = (t.detach().double().cpu().requires_grad_(True) for t in (h, w))
+    lr = torch.log_softmax(h64 @ w64.T, -1).gather(1, idx.cpu())
+    dh64, dw64 = torch.autograd.grad((lr * gl).sum(), (h64, w64))
+    torch.testing.assert_close(lp.double().cpu(), lr.detach(), rtol=0, atol=2e-5)
+    # bf16 gradients from bf16 d logits: each row within 1% of its norm (an id's term left out
+    # is about the size of the whole row)
+    for name, a, e in (("hidden", dh, dh64), ("weight", dw, dw64)):
+        err = (a.double().cpu() - e).norm(dim=1) / e.norm(dim=1)
+        assert err.max().item() < 1e-2, (name, err.max().item(), int(err.argmax()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_slice_backward_op_is_the_head_backward_on_a_vocabulary_slice(device):
     """fused::_linear_logprobs_slice_backward (the vocabulary-parallel head's local backward, one
     opaque op under torch.compile): the slices' d hidden rows sum to the whole head's d hidden, and

@@ -882,12 +882,13 @@ MUTANTS: list[Mutant] = [
         ["tests/test_sampler_support.py::test_top_p_band_settles_the_ordinary_rows"],
     ),
     # 79 / 80: the fused head's epilogues skip id k's [BM, BN] search where no row of the tile has
-    # that id in it; skipping also a tile where exactly one row has it loses that row's id
+    # that id in it; skipping also a tile where exactly one row has it loses that row's id (a
+    # tile where several rows have it still runs)
     Mutant(
         "lm-head-stats-id-skip-triton", "79 the stats epilogue skips a tile where one row has id k",
         "torch_fused/kernels/lm_head.py", TRITON,
         [("            if tl.max(inside.to(tl.int32), axis=0) > 0:\n",
-          "            if tl.max(inside.to(tl.int32), axis=0) > 1:  # MUTANT\n")],
+          "            if tl.sum(inside.to(tl.int32), axis=0) > 1:  # MUTANT\n")],
         ["tests/test_linear_logprobs.py::test_matches_materialized_float64"],
     ),
     Mutant(
@@ -895,6 +896,13 @@ MUTANTS: list[Mutant] = [
         "torch_fused/kernels/lm_head.py", TRITON,
         [("(i_k <= n_hi)).to(tl.int32), axis=0) > 0:\n", "(i_k <= n_hi)).to(tl.int32), axis=0) > 1:  # MUTANT\n")],
         ["tests/test_linear_logprobs.py::test_matches_materialized_float64"],
+    ),
+    # 81: the d logits epilogue's tile test one column short (an id on a tile's last column skipped)
+    Mutant(
+        "lm-head-dlogits-id-skip-edge-triton", "81 the d logits epilogue's skip test misses a tile's last column",
+        "torch_fused/kernels/lm_head.py", TRITON,
+        [("(i_k <= n_hi)).to(tl.int32), axis=0) > 0:\n", "(i_k < n_hi)).to(tl.int32), axis=0) > 0:  # MUTANT\n")],
+        ["tests/test_linear_logprobs.py::test_ids_on_every_column_of_the_tiles"],
     ),
 ]
 
