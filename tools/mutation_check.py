@@ -904,6 +904,14 @@ MUTANTS: list[Mutant] = [
         [("(i_k <= n_hi)).to(tl.int32), axis=0) > 0:\n", "(i_k < n_hi)).to(tl.int32), axis=0) > 0:  # MUTANT\n")],
         ["tests/test_linear_logprobs.py::test_ids_on_every_column_of_the_tiles"],
     ),
+    # 82: the fused head's support listing counting only the top k (ties past the k-th value
+    # listed as if the row kept k ids)
+    Mutant(
+        "head-support-kept-ties-ref", "82 the head's kept-id count blind to ties past the k-th value",
+        "torch_fused/ops/linear_logprobs.py", CPU,
+        [("                kept = torch.where(vals[:, k] >= tau, k + 1, kept)\n", "                pass  # MUTANT\n")],
+        ["tests/test_sampler_support.py::test_fused_head_listed_and_chunked_backward_agree"],
+    ),
 ]
 
 

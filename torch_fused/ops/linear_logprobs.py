@@ -578,7 +578,8 @@ def _support_forward(h2, w, idx2, bias, opts, path, invariant, lp2, ent2, st2):
         r1 = min(n, r0 + step)
         z = _logits_chunk(h2[r0:r1], w, bias, opts, invariant)
         if k:
-            vals, ids = z.topk(k, dim=1)
+            # one more than listed where the row has more: whether ties run past the k-th value
+            vals, ids = z.topk(min(k + 1, v), dim=1)
         if k and not top_p:
             # min-p / top-k: the rule's threshold from the listing's own top k (one top-k pass)
             tau = reference.min_p_top_k_threshold(z, kernel_temperature(t_eff), opts, vals)[:, 0]
@@ -593,8 +594,12 @@ def _support_forward(h2, w, idx2, bias, opts, path, invariant, lp2, ent2, st2):
         if k:
             # the kept ids are the row's largest logits (ties with the threshold included): its top
             # k where at most k logits reach the threshold; a row with more (ties past the k-th) or
-            # none (NaN) is not listed
-            kept = (z >= tau[:, None]).sum(1)
+            # none (NaN) is not listed. The count of logits >= tau, from the top k + 1 alone (no
+            # [rows, V] pass): past k where the (k+1)-th reaches tau, else all of them in the top k
+            kept = (vals[:, :k] >= tau[:, None]).sum(1)
+            if vals.shape[1] > k:
+                kept = torch.where(vals[:, k] >= tau, k + 1, kept)
+            vals, ids = vals[:, :k], ids[:, :k]
             # the kept ids in id order (a tie's order inside topk may follow the batch; the
             # backward's sums follow this order), the rest after them
             inside = torch.arange(k, device=z.device)[None, :] < kept[:, None]
