@@ -16,8 +16,8 @@ step() {
     echo "== $name: exit $? in $((SECONDS - start)) s (log: $OUT/logs/$name.log)"
     grep -E "FAILED|ERROR| passed| failed" "$OUT/logs/$name.log" | grep -vE "^(DEBUG|INFO)" | tail -12
 }
-# 1. the new GPU paths' tests, with batch invariance and promotion on (the sampler kernels: the
-#    CUDA tests turn them on)
+# 1. the new GPU paths' tests, with batch invariance and promotion on (the sampler kernels are on
+#    by default)
 TORCH_FUSED_BATCH_INVARIANT=1 TORCH_FUSED_LM_HEAD_PROMOTE=1 step tests_settings_on 900 \
     python -m pytest -v -m cuda -p no:cacheprovider -rf tests/test_sampler_support.py \
     tests/test_batch_invariance.py tests/test_linear_logprobs.py tests/test_distill.py tests/test_distill_parallel.py \
@@ -26,6 +26,8 @@ TORCH_FUSED_BATCH_INVARIANT=1 TORCH_FUSED_LM_HEAD_PROMOTE=1 step tests_settings_
 #    and step
 step bench_agreement 900 python -m torch_fused.bench --only agreement --out "$OUT/bench"
 step bench_sampler 600 python -m torch_fused.bench --only sampler --out "$OUT/bench"
+step sampler_routes 600 python tools/sampler_routes.py --profile
+step distill_chunks 600 python tools/distill_chunks.py --profile
 step bench_distill 1200 python -m torch_fused.bench --only distill --out "$OUT/bench"
 step bench_distill_step 1200 python -m torch_fused.bench --only distill_step --out "$OUT/bench"
 # 3. the whole CUDA suite at the defaults
