@@ -887,8 +887,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "lm-head-stats-id-skip-triton", "79 the stats epilogue skips a tile where one row has id k",
         "torch_fused/kernels/lm_head.py", TRITON,
-        [("            if tl.max(inside.to(tl.int32), axis=0) > 0:\n",
-          "            if tl.sum(inside.to(tl.int32), axis=0) > 1:  # MUTANT\n")],
+        [("        if tl.max(inside.to(tl.int32), axis=0) > 0:\n",
+          "        if tl.sum(inside.to(tl.int32), axis=0) > 1:  # MUTANT\n")],
         ["tests/test_linear_logprobs.py::test_matches_materialized_float64"],
     ),
     Mutant(
@@ -911,6 +911,22 @@ MUTANTS: list[Mutant] = [
         "torch_fused/ops/linear_logprobs.py", CPU,
         [("                kept = torch.where(vals[:, k] >= tau, k + 1, kept)\n", "                pass  # MUTANT\n")],
         ["tests/test_sampler_support.py::test_fused_head_listed_and_chunked_backward_agree"],
+    ),
+    # 83 / 84: the fused head's epilogues loop over the K ids at run time; a bound one short
+    # drops each row's last id (its log-prob, then its gradient)
+    Mutant(
+        "lm-head-stats-id-loop-short-triton", "83 the stats epilogue's loop over the ids one short",
+        "torch_fused/kernels/lm_head.py", TRITON,
+        [("    for k in range(K):\n        i_k = tl.load(p_idx + rows * K + k, mask=live",
+          "    for k in range(K - 1):  # MUTANT\n        i_k = tl.load(p_idx + rows * K + k, mask=live")],
+        ["tests/test_linear_logprobs.py::test_matches_materialized_float64"],
+    ),
+    Mutant(
+        "lm-head-dlogits-id-loop-short-triton", "84 the d logits epilogue's loop over the ids one short",
+        "torch_fused/kernels/lm_head.py", TRITON,
+        [("        for k in range(K):\n            i_k = tl.load(p_idx + rows * K + k).to(tl.int64) - v_off\n",
+          "        for k in range(K - 1):  # MUTANT\n            i_k = tl.load(p_idx + rows * K + k).to(tl.int64) - v_off\n")],
+        ["tests/test_linear_logprobs.py::test_matches_materialized_float64"],
     ),
 ]
 

@@ -120,7 +120,7 @@ def _logits_tile_tma(d_h, d_w, p_b, V, H, pid_m, pid_n,
 
 @triton.jit
 def _stats_epilogue(z, o_m, o_n, pid_n, p_idx, p_part, p_u, p_mo, N, V, K, n_tiles_n, v_off, scale,
-                    EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr, BN: tl.constexpr):
+                    EXACT_SHIFT: tl.constexpr, BN: tl.constexpr):
     c = scale
     m = tl.max(z, axis=1)
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -136,16 +136,17 @@ def _stats_epilogue(z, o_m, o_n, pid_n, p_idx, p_part, p_u, p_mo, N, V, K, n_til
     tl.store(p_row + plane, s, mask=live)
     tl.store(p_row + 2 * plane, t, mask=live)
     n0 = pid_n * BN
-    for k in tl.static_range(BLOCK_K):
-        if k < K:
-            i_k = tl.load(p_idx + rows * K + k, mask=live, other=-1).to(tl.int64) - v_off
-            inside = live & (i_k >= n0) & (i_k < n0 + BN) & (i_k < V)
-            # the tile's [BM, BN] search for id k only where one of its rows has that id in this
-            # tile (with K ids a row's ids fall in K of the row's V / BN tiles at most)
-            if tl.max(inside.to(tl.int32), axis=0) > 0:
-                u_k = tl.sum(tl.where(o_n[None, :] == i_k[:, None], d, 0.0), axis=1)
-                tl.store(p_u + rows * K + k, u_k, mask=inside)
-                tl.store(p_mo + rows * K + k, m, mask=inside)
+    # the ids in a loop at run time: one compiled kernel serves every K (unrolled over a constexpr
+    # K, the kernels of a top-k teacher at K 100 took minutes to compile for sm_90, once per K)
+    for k in range(K):
+        i_k = tl.load(p_idx + rows * K + k, mask=live, other=-1).to(tl.int64) - v_off
+        inside = live & (i_k >= n0) & (i_k < n0 + BN) & (i_k < V)
+        # the tile's [BM, BN] search for id k only where one of its rows has that id in this
+        # tile (with K ids a row's ids fall in K of the row's V / BN tiles at most)
+        if tl.max(inside.to(tl.int32), axis=0) > 0:
+            u_k = tl.sum(tl.where(o_n[None, :] == i_k[:, None], d, 0.0), axis=1)
+            tl.store(p_u + rows * K + k, u_k, mask=inside)
+            tl.store(p_mo + rows * K + k, m, mask=inside)
 
 
 @triton.jit
@@ -153,7 +154,7 @@ def _lm_head_stats_kernel(
     p_h, p_w, p_b, p_idx, p_part, p_u, p_mo,
     N, V, H, K, stride_h, stride_w, n_tiles_n, v_off,
     scale,  # c = log2(e) / T
-    HAS_BIAS: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,  # EXACT_SHIFT: the interpreter
+    HAS_BIAS: tl.constexpr, EXACT_SHIFT: tl.constexpr,  # EXACT_SHIFT: the interpreter
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROMOTE: tl.constexpr,
 ):
     """Rows 0 .. N-1 of hidden against weight rows 0 .. V-1 (vocabulary ids v_off ..). Stores
@@ -165,7 +166,7 @@ def _lm_head_stats_kernel(
     pid_m, pid_n = _tile_of(pid, n_m, n_tiles_n, GROUP_M)
     z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, EXACT_SHIFT, BM, BN, BK, PROMOTE)
     _stats_epilogue(z, o_m, o_n, pid_n, p_idx, p_part, p_u, p_mo, N, V, K, n_tiles_n, v_off, scale,
-                    EXACT_SHIFT, BLOCK_K, BN)
+                    EXACT_SHIFT, BN)
 
 
 @triton.jit
@@ -173,7 +174,7 @@ def _lm_head_stats_tma_kernel(
     d_h, d_w, p_b, p_idx, p_part, p_u, p_mo,
     N, V, H, K, n_tiles_n, v_off,
     scale,  # c = log2(e) / T
-    HAS_BIAS: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EXACT_SHIFT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     PROMOTE: tl.constexpr,
 ):
@@ -184,7 +185,7 @@ def _lm_head_stats_tma_kernel(
         pid_m, pid_n = _tile_of(tile, n_m, n_tiles_n, GROUP_M)
         z, o_m, o_n = _logits_tile_tma(d_h, d_w, p_b, V, H, pid_m, pid_n, HAS_BIAS, BM, BN, BK, PROMOTE)
         _stats_epilogue(z, o_m, o_n, pid_n, p_idx, p_part, p_u, p_mo, N, V, K, n_tiles_n, v_off, scale,
-                        EXACT_SHIFT, BLOCK_K, BN)
+                        EXACT_SHIFT, BN)
 
 
 @triton.jit
@@ -192,7 +193,7 @@ def _lm_head_dlogits_kernel(
     p_h, p_w, p_b, p_idx, p_g, p_coef, p_dz,
     N, V, H, K, stride_h, stride_w, stride_dz, n_tiles_n, v_off,
     scale,  # c = log2(e) / T
-    HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROMOTE: tl.constexpr,
     SUM_G: tl.constexpr,
 ):
@@ -206,12 +207,12 @@ def _lm_head_dlogits_kernel(
     pid_m, pid_n = _tile_of(pid, n_m, n_tiles_n, GROUP_M)
     z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, EXACT_SHIFT, BM, BN, BK, PROMOTE)
     _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz, v_off, scale,
-                      HAS_GLP, EXACT_SHIFT, BLOCK_K, SUM_G)
+                      HAS_GLP, EXACT_SHIFT, SUM_G)
 
 
 @triton.jit
 def _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz, v_off, scale,
-                      HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr, SUM_G: tl.constexpr):
+                      HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr, SUM_G: tl.constexpr):
     live = o_m < N
     rows = tl.where(live, o_m, 0).to(tl.int64)
     m = tl.load(p_coef + rows)
@@ -221,22 +222,20 @@ def _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz,
     if SUM_G:
         # a += the ids' scaled gradients, added here one id after the other: an order that is the
         # row's own (a torch reduction over them may split it by the batch's size)
-        for k in tl.static_range(BLOCK_K):
-            if k < K:
-                a += tl.load(p_g + rows * K + k)
+        for k in range(K):
+            a += tl.load(p_g + rows * K + k)
     d = _shifted(z, m[:, None], scale, EXACT_SHIFT) - log2s[:, None]
     dz = -tl.exp2(d) * (a[:, None] + b[:, None] * tl.maximum(d, D_MIN))
     if HAS_GLP:
         n_lo = tl.min(o_n, axis=0)
         n_hi = tl.max(o_n, axis=0)
-        for k in tl.static_range(BLOCK_K):
-            if k < K:
-                i_k = tl.load(p_idx + rows * K + k).to(tl.int64) - v_off
-                # as in _stats_epilogue: the [BM, BN] add only where a row's id k is in this tile
-                # (elsewhere it would add 0.0 everywhere; a -0.0 stays -0.0, which no sum can tell)
-                if tl.max((live & (i_k >= n_lo) & (i_k <= n_hi)).to(tl.int32), axis=0) > 0:
-                    g_k = tl.load(p_g + rows * K + k)
-                    dz += tl.where(o_n[None, :] == i_k[:, None], g_k[:, None], 0.0)
+        for k in range(K):
+            i_k = tl.load(p_idx + rows * K + k).to(tl.int64) - v_off
+            # as in _stats_epilogue: the [BM, BN] add only where a row's id k is in this tile
+            # (elsewhere it would add 0.0 everywhere; a -0.0 stays -0.0, which no sum can tell)
+            if tl.max((live & (i_k >= n_lo) & (i_k <= n_hi)).to(tl.int32), axis=0) > 0:
+                g_k = tl.load(p_g + rows * K + k)
+                dz += tl.where(o_n[None, :] == i_k[:, None], g_k[:, None], 0.0)
     p_out = p_dz + rows[:, None] * stride_dz + o_n[None, :]
     tl.store(p_out, dz.to(p_dz.dtype.element_ty), mask=live[:, None] & (o_n < V)[None, :])
 
@@ -246,7 +245,7 @@ def _lm_head_dlogits_tma_kernel(
     d_h, d_w, p_b, p_idx, p_g, p_coef, p_dz,
     N, V, H, K, stride_dz, n_tiles_n, v_off,
     scale,  # c = log2(e) / T
-    HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr, EXACT_SHIFT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     PROMOTE: tl.constexpr, SUM_G: tl.constexpr,
 ):
@@ -257,7 +256,7 @@ def _lm_head_dlogits_tma_kernel(
         pid_m, pid_n = _tile_of(tile, n_m, n_tiles_n, GROUP_M)
         z, o_m, o_n = _logits_tile_tma(d_h, d_w, p_b, V, H, pid_m, pid_n, HAS_BIAS, BM, BN, BK, PROMOTE)
         _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz, v_off, scale,
-                          HAS_GLP, EXACT_SHIFT, BLOCK_K, SUM_G)
+                          HAS_GLP, EXACT_SHIFT, SUM_G)
 
 
 @triton.jit
@@ -406,14 +405,14 @@ def compile_cases():
              "n_tiles_n": "i32", "v_off": "i32", "scale": "fp32"}
     bm, bn, bk, gm, warps, _ = CONFIG["stats"]
     yield ("lm_head_stats", _lm_head_stats_kernel, stats,
-           {"HAS_BIAS": True, "EXACT_SHIFT": False, "BLOCK_K": 2, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": gm,
+           {"HAS_BIAS": True, "EXACT_SHIFT": False, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": gm,
             "PROMOTE": True}, warps)
     dl = {"p_h": "*bf16", "p_w": "*bf16", "p_b": "*bf16", "p_idx": "*i64", "p_g": "*fp32", "p_coef": "*fp32",
           "p_dz": "*bf16", "N": "i32", "V": "i32", "H": "i32", "K": "i32", "stride_h": "i32", "stride_w": "i32",
           "stride_dz": "i32", "n_tiles_n": "i32", "v_off": "i32", "scale": "fp32"}
     bm, bn, bk, gm, warps, _ = CONFIG["dlogits"]
     yield ("lm_head_dlogits", _lm_head_dlogits_kernel, dl,
-           {"HAS_BIAS": False, "HAS_GLP": True, "EXACT_SHIFT": False, "BLOCK_K": 1, "BM": bm, "BN": bn, "BK": bk,
+           {"HAS_BIAS": False, "HAS_GLP": True, "EXACT_SHIFT": False, "BM": bm, "BN": bn, "BK": bk,
             "GROUP_M": gm, "PROMOTE": False, "SUM_G": True}, warps)
     for name, kernel, sig, flags in (("lm_head_stats_tma", _lm_head_stats_tma_kernel, stats, {}),
                                      ("lm_head_dlogits_tma", _lm_head_dlogits_tma_kernel, dl,
@@ -421,7 +420,7 @@ def compile_cases():
         bm, bn, bk, gm, warps, _ = CONFIG[name[:-4].replace("lm_head_", "") + "_tma"]
         sig = {k: t for k, t in sig.items() if k not in ("p_h", "p_w", "stride_h", "stride_w")}
         sig = {"d_h": f"tensordesc<bf16[{bm},{bk}]>", "d_w": f"tensordesc<bf16[{bn},{bk}]>", **sig}
-        yield (name, kernel, sig, {"HAS_BIAS": True, "EXACT_SHIFT": False, "BLOCK_K": 2, "BM": bm, "BN": bn, "BK": bk,
+        yield (name, kernel, sig, {"HAS_BIAS": True, "EXACT_SHIFT": False, "BM": bm, "BN": bn, "BK": bk,
                                    "GROUP_M": gm, "NUM_SMS": NOMINAL_SMS, "PROMOTE": True, **flags}, warps)
     yield ("lm_head_tile_merge", _tile_merge_kernel,
            {"p_part": "*fp32", "p_run": "*fp32", "NT": "i32", "plane": "i64", "stride_run": "i32", "scale": "fp32"},

@@ -318,13 +318,13 @@ def _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c):
             K._lm_head_stats_tma_kernel[(min(sms, tiles),)](
                 TensorDescriptor.from_tensor(h2[r0:r1], [cfg["BM"], cfg["BK"]]), d_w, b_ptr, ids[r0:r1], part,
                 u[r0:r1], m_own[r0:r1], r1 - r0, v, hd, k, nt, 0, c,
-                HAS_BIAS=bias is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k, NUM_SMS=sms,
+                HAS_BIAS=bias is not None, EXACT_SHIFT=exact_shift(c), NUM_SMS=sms,
                 PROMOTE=settings.lm_head_promote, **cfg)
         else:
             K._lm_head_stats_kernel[(tiles,)](
                 h2[r0:r1], w, b_ptr, ids[r0:r1], part, u[r0:r1], m_own[r0:r1],
                 r1 - r0, v, hd, k, h2.stride(0), w.stride(0), nt, 0, c,
-                HAS_BIAS=bias is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k,
+                HAS_BIAS=bias is not None, EXACT_SHIFT=exact_shift(c),
                 PROMOTE=settings.lm_head_promote, **cfg)
         if settings.lm_head_batch_invariant:
             # the tiles' statistics folded per row, in the row's own order (a torch reduction
@@ -375,7 +375,7 @@ def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c):
     tiles = -(-n // cfg["BM"]) * nt
     k = ids.shape[1]
     args = (bias.contiguous() if bias is not None else w, ids, g if g is not None else coef, coef, dz)
-    flags = dict(HAS_BIAS=bias is not None, HAS_GLP=g is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=k,
+    flags = dict(HAS_BIAS=bias is not None, HAS_GLP=g is not None, EXACT_SHIFT=exact_shift(c),
                  PROMOTE=settings.lm_head_promote, SUM_G=g is not None and settings.lm_head_batch_invariant, **cfg)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
