@@ -46,7 +46,7 @@ def cases(draw):
         h=draw(st.sampled_from([8, 24])),
         b=draw(st.integers(1, 2)),
         l=draw(st.integers(1, 5 if SMALL else 9)),
-        k=draw(st.sampled_from([None, 2])),
+        k=draw(st.sampled_from([None, 2, 5])),
         shift=draw(st.booleans()),
         bias=draw(st.booleans()),
         t=draw(st.sampled_from([1.0, 0.7])),

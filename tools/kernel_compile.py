@@ -70,10 +70,10 @@ def main(argv=None) -> int:
         name, _, value = item.partition("=")
         overrides[name] = int(value)
     target = GPUTarget("cuda", args.arch, 32)
-    print(f"{'case':32s} {'s':>6s} {'PTX kB':>7s} {'ld.global':>9s} {'bar':>5s} {'tile cvt in loops':>17s}")
-    for name, fn, sig, constexprs, warps in _cases():
-        if not name.startswith(args.only):
-            continue
+    cases = [c for c in _cases() if c[0].startswith(args.only)]
+    w = max([len(c[0]) for c in cases] + [4])
+    print(f"{'case':{w}s} {'s':>6s} {'PTX kB':>7s} {'ld.global':>9s} {'bar':>5s} {'tile cvt in loops':>17s}")
+    for name, fn, sig, constexprs, warps in cases:
         constexprs = {k: overrides.get(k, v) for k, v in constexprs.items()}
         sig = dict(sig, **{k: "constexpr" for k in constexprs})
         t0 = time.perf_counter()
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         ptx = k.asm["ptx"]
         loads = len(re.findall(r"^\s*(?:@!?%p\d+\s+)?ld\.global", ptx, re.M))
         bars = len(re.findall(r"^\s*(?:@!?%p\d+\s+)?bar\.", ptx, re.M))
-        print(f"{name:32s} {dt:6.1f} {len(ptx) / 1e3:7.0f} {loads:9d} {bars:5d} "
+        print(f"{name:{w}s} {dt:6.1f} {len(ptx) / 1e3:7.0f} {loads:9d} {bars:5d} "
               f"{_tile_conversions_in_loops(k.asm['ttgir']):17d}", flush=True)
     return 0
 
