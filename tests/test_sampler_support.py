@@ -640,17 +640,22 @@ def test_fused_head_listed_and_chunked_backward_agree(device, ties, dtype, setti
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kernels", [True, False], ids=["sampler_kernels", "no_sampler_kernels"])
 @pytest.mark.parametrize("kw,scale,dtype", [(dict(top_k=4), 1.0, torch.float32),
                                              (dict(top_k=4, min_p=0.3), 1.0, torch.float32),
                                              (dict(top_k=4, min_p=0.3), 2.0, torch.float32),
                                              (dict(top_k=4, min_p=0.6), 0.5, torch.float64),
                                              (dict(top_k=60), 1.0, torch.float32)], ids=str)
-def test_fused_head_min_p_top_k_threshold_is_the_rules(device, kw, scale, dtype):
-    """With min-p / top-k (no top-p) the support path takes its threshold from its listing's own
-    top k (no second pass over the logits): equal to the rule (reference.sampler_threshold) on the
-    same logits at the head's temperature (T / logit_scale), with ties past the k-th value, a NaN
-    row, a row with one NaN, top_k >= V, fp32 and fp64. Integer-valued inputs make every GEMM
-    exact, so the logits are the rule's whatever the GEMM's blocking."""
+def test_fused_head_min_p_top_k_threshold_is_the_rules(device, kernels, kw, scale, dtype, settings_override):
+    """With min-p / top-k (no top-p) the support path's threshold is the rule's
+    (reference.sampler_threshold) on the same logits at the head's temperature (T / logit_scale),
+    with ties past the k-th value, top_k >= V, fp32 and fp64. On the Triton path with the
+    threshold kernels on (fp32) it comes from them, as the logits ops' does: equal to their
+    threshold on every row, the rows with a NaN or +inf logit included (which may be cut
+    elsewhere than the rule cuts them, sampler_kernels' documented exception); else from the
+    listing's own top k, equal to the rule on those rows too. Integer-valued inputs make every
+    GEMM exact, so the logits are the rule's whatever the GEMM's blocking."""
+    settings_override(sampler_kernels=kernels)
     from torch_fused import reference
     from torch_fused.meta.sampler import sampler_options
     g = torch.Generator().manual_seed(3)
@@ -667,10 +672,17 @@ def test_fused_head_min_p_top_k_threshold_is_the_rules(device, kw, scale, dtype)
                                                              kw.get("min_p"))[2]
     z = h @ w.T
     assert bool(torch.isnan(z[6]).sum() == 1) and bool(torch.isinf(z[6]).sum() == v - 1) and bool(torch.isnan(z[5]).all())
-    want = reference.sampler_threshold(z, None, sampler_options(0.7 / scale, False, kw["top_k"], None, kw.get("min_p")))
+    rule = reference.sampler_threshold(z, None, sampler_options(0.7 / scale, False, kw["top_k"], None, kw.get("min_p")))
+    finite = torch.ones(n, dtype=torch.bool)
+    finite[5:7] = False
+    torch.testing.assert_close(stats[finite, 2].cpu(), rule[finite], rtol=0, atol=0)
+    want = rule
+    if kernels and (INTERPRET or device == "cuda") and dtype != torch.float64:
+        want = torch.ops.fused._sampler_threshold(z.to(device), None, 0.7 / scale, False, kw["top_k"], None,
+                                                  kw.get("min_p"))[0].cpu()
     torch.testing.assert_close(stats[:, 2].cpu(), want, rtol=0, atol=0, equal_nan=True)
     applies = kw["top_k"] < v or "min_p" in kw  # top_k >= V alone keeps every id: -inf, NaN row or not
-    assert bool(torch.isnan(want[5])) == applies and bool(torch.isfinite(want[:5]).all()) == applies
+    assert bool(torch.isnan(rule[5])) == applies and bool(torch.isfinite(rule[:5]).all()) == applies
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])

@@ -928,6 +928,22 @@ MUTANTS: list[Mutant] = [
           "        for k in range(K - 1):  # MUTANT\n            i_k = tl.load(p_idx + rows * K + k).to(tl.int64) - v_off\n")],
         ["tests/test_linear_logprobs.py::test_matches_materialized_float64"],
     ),
+    # 85 / 86: the fused head's support listing from the threshold kernels' list: the ids read one
+    # column early (the count taken for an id); a row keeping more than k ids (ties past the k-th)
+    # listed with k of them
+    Mutant(
+        "head-support-kernel-list-offset-triton", "85 the head's listing from the kernels' list one column early",
+        "torch_fused/ops/linear_logprobs.py", TRITON,
+        [("ids = torch.where(inside, listed[:, 1:1 + k].to(torch.int64), v)",
+          "ids = torch.where(inside, listed[:, 0:k].to(torch.int64), v)  # MUTANT")],
+        ["tests/test_sampler_support.py::test_fused_head_listed_and_chunked_backward_agree"],
+    ),
+    Mutant(
+        "head-support-kernel-list-ties-triton", "86 the head's listing from the kernels' list keeps a row with ties past k",
+        "torch_fused/ops/linear_logprobs.py", TRITON,
+        [("            ok = (kept > 0) & (kept <= k)\n", "            ok = kept > 0  # MUTANT\n")],
+        ["tests/test_sampler_support.py::test_fused_head_listed_and_chunked_backward_agree"],
+    ),
 ]
 
 

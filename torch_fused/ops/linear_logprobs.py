@@ -574,24 +574,40 @@ def _support_forward(h2, w, idx2, bias, opts, path, invariant, lp2, ent2, st2):
     k = opts.listed_ids(v)
     top_p = opts.top_p is not None and opts.top_p < 1.0
     step = _support_rows(h2.device, v)
+    # the threshold kernels (kernels/sampler.py) give each row's threshold and its kept ids in id
+    # order (a count, then the ids) in about one pass over the row, without a top-k; else (the
+    # reference, fp64, the kernels switched off) the listing comes from a top-k of the logits
+    kernel_list = bool(k) and path.triton and settings.sampler_kernels and h2.dtype != torch.float64
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         z = _logits_chunk(h2[r0:r1], w, bias, opts, invariant)
-        if k:
+        if k and not kernel_list:
             # one more than listed where the row has more: whether ties run past the k-th value
             vals, ids = z.topk(min(k + 1, v), dim=1)
-        if k and not top_p:
+        if k and not top_p and not kernel_list:
             # min-p / top-k: the rule's threshold from the listing's own top k (one top-k pass)
             tau = reference.min_p_top_k_threshold(z, kernel_temperature(t_eff), opts, vals)[:, 0]
         else:
-            tau, _ = torch.ops.fused._sampler_threshold(z, None, t_eff, False, opts.top_k, opts.top_p, opts.min_p)
+            tau, listed = torch.ops.fused._sampler_threshold(z, None, t_eff, False, opts.top_k, opts.top_p,
+                                                             opts.min_p)
         # ids below the threshold: -inf from the core (and no gradient in its backward)
         lp_c, ent_c, st_c = lp_ops._core(z, idx2[r0:r1], None, *lopts.values(), tau, None)
         lp2[r0:r1] = lp_c
         ent2[r0:r1] = ent_c
         st2[r0:r1, :2] = st_c
         st2[r0:r1, 2] = tau
-        if k:
+        if kernel_list:
+            # listed: [rows, SUPPORT_CAP + 1], the count of kept ids (-1: more than SUPPORT_CAP)
+            # and the ids in id order; a row keeping more than k (ties past the k-th) or none (a
+            # NaN row) is not listed, as below
+            kept = listed[:, 0].to(torch.int64)
+            ok = (kept > 0) & (kept <= k)
+            inside = (torch.arange(k, device=z.device)[None, :] < kept[:, None]) & ok[:, None]
+            ids = torch.where(inside, listed[:, 1:1 + k].to(torch.int64), v)
+            st2[r0:r1, 3] = torch.where(ok, kept, -1)
+            st2[r0:r1, 4:4 + k] = ids
+            st2[r0:r1, 4 + k:] = z.gather(1, ids.clamp(max=v - 1))
+        elif k:
             # the kept ids are the row's largest logits (ties with the threshold included): its top
             # k where at most k logits reach the threshold; a row with more (ties past the k-th) or
             # none (NaN) is not listed. The count of logits >= tau, from the top k + 1 alone (no
