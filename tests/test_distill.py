@@ -766,6 +766,19 @@ BAD = [
     ("head hidden", "head-hidden", {}, r"teacher_weight: hidden size 4 .* differs from teacher_hidden's last dim 5"),
     ("softcap", "head", {"student_softcap": -1.0}, r"student_softcap: expected None or a positive finite number"),
     ("scale", "head", {"teacher_logit_scale": float("inf")}, r"teacher_logit_scale: expected a positive finite"),
+    # the float and bool keywords' types (a tensor would lose its gradient in the op's float)
+    ("tensor temperature", "logits", {"temperature": torch.tensor(2.0)}, r"temperature: distill takes a float"),
+    ("tensor beta", "head", {"beta": torch.tensor(0.5)}, r"beta: linear_distill takes a float beta"),
+    ("bool beta", "logits", {"beta": True}, r"beta: expected a number, got True"),
+    ("None scale", "head", {"student_logit_scale": None}, r"student_logit_scale: expected a number, got None"),
+    ("bool softcap", "head", {"teacher_softcap": True}, r"teacher_softcap: expected a number or None, got True"),
+    ("return_entropy", "logits", {"return_entropy": "no"}, r"return_entropy: expected a bool, got 'no'"),
+    # a keyword that does not apply to the call
+    ("tail, full teacher", "logits", {"tail": "drop"}, r"tail: expected one of 'bucket', 'renormalize'"),
+    ("both teachers, head", "head", {"teacher_topk_ids": torch.zeros(2, 1, dtype=torch.long),
+                                     "teacher_topk_logprobs": torch.zeros(2, 1)},
+     r"linear_distill: pass either the full teacher"),
+    ("top-k teacher softcap", "head-topk", {"teacher_softcap": 3.0}, r"teacher_logit_scale, teacher_softcap: a top-k"),
 ]
 
 
@@ -786,6 +799,8 @@ def test_bad_input_clear_error(name, kind, kw, msg, mode):
             lp = torch.zeros(2, 2) if kind == "topk-lp" else lpt
             return torch_fused.distill(args[0], teacher_topk_ids=i, teacher_topk_logprobs=lp, **kw)
         a = dict(zip(("sh", "sw", "th", "tw"), args[2:]))
+        if kind == "head-topk":
+            return torch_fused.linear_distill(a["sh"], a["sw"], teacher_topk_ids=ids, teacher_topk_logprobs=lpt, **kw)
         if kind == "head-vocab":
             a["tw"] = torch.randn(9, 5)
         if kind == "head-rows":

@@ -424,6 +424,13 @@ BAD_ARGS = [  # (id, call, exception, message)
      TypeError, r"ignore_index: expected an int, got None"),
     ("targets 0-dim", lambda cu: torch_fused.packed_targets(torch.tensor(3), cu),
      RuntimeError, r"input_ids: expected a tensor \[\.\.\., T\]"),
+    # an ignore_index its dtype cannot hold (a cast would wrap it into a real id or a True)
+    ("targets bool -100", lambda cu: torch_fused.packed_targets(torch.ones(5, dtype=torch.bool), cu),
+     ValueError, r"ignore_index: -100 is not a value of input_ids' dtype torch.bool"),
+    ("targets uint8 -100", lambda cu: torch_fused.packed_targets(torch.ones(5, dtype=torch.uint8), cu),
+     ValueError, r"ignore_index: -100 is not a value of input_ids' dtype torch.uint8"),
+    ("targets int32 2**40", lambda cu: torch_fused.packed_targets(torch.ones(5, dtype=torch.int32), cu, 2**40),
+     ValueError, r"ignore_index: 1099511627776 is not a value of input_ids' dtype torch.int32"),
 ]
 
 

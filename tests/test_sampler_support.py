@@ -135,8 +135,11 @@ def test_without_options_it_is_the_full_vocabulary_op():
                                     (dict(top_k=True), "top_k: expected None or an int >= 1, got True"),
                                     (dict(top_p=0.0), r"top_p: expected None or a number in \(0, 1\], got 0.0"),
                                     (dict(top_p=1.5), r"top_p: expected None or a number in \(0, 1\], got 1.5"),
-                                    (dict(min_p=-0.1), r"min_p: expected None or a number in \[0, 1\], got -0.1")],
-                         ids=["top_k 0", "top_k bool", "top_p 0", "top_p 1.5", "min_p negative"])
+                                    (dict(min_p=-0.1), r"min_p: expected None or a number in \[0, 1\], got -0.1"),
+                                    (dict(top_k=torch.tensor(3)), r"top_k: expected .*, got a tensor of shape \(\)"),
+                                    (dict(top_k=2**63), r"top_k: expected an int64 value, got 9223372036854775808")],
+                         ids=["top_k 0", "top_k bool", "top_p 0", "top_p 1.5", "min_p negative", "top_k tensor",
+                              "top_k 2**63"])
 @pytest.mark.parametrize("mode", ["eager", "op", "compiled"])
 def test_bad_options_name_the_argument(kw, msg, mode):
     x, idx = torch.randn(2, 9), torch.randint(0, 9, (2,))
@@ -145,8 +148,8 @@ def test_bad_options_name_the_argument(kw, msg, mode):
     elif mode == "op":
         def fn(x, idx, **k):
             return torch.ops.fused.selective_log_softmax(x, idx, **k)
-        if "top_k" in kw and isinstance(kw["top_k"], bool):
-            pytest.skip("the op's schema refuses a bool for an int")
+        if "top_k" in kw and (type(kw["top_k"]) is not int or kw["top_k"] >= 2**63):
+            pytest.skip("the op's schema refuses a bool, a tensor or an int past int64 for its int")
     else:
         torch._dynamo.reset()
         fn = torch.compile(lambda x, idx, **k: torch_fused.selective_log_softmax(x, idx, **k), backend="aot_eager",

@@ -7,6 +7,7 @@ the documented Python entry points over them.
 from __future__ import annotations
 
 
+import numbers as _numbers
 import warnings
 
 import torch
@@ -37,6 +38,7 @@ from . import ops as _ops  # noqa: E402,F401  (registers the fused:: ops)
 from ._library import eager_eligible as _eager_eligible, is_dtensor as _is_dtensor  # noqa: E402
 from .ops.logprobs import eager_core as _eager_core  # noqa: E402
 from .meta.logprobs import LogprobOptions as _LogprobOptions, check_sampler as _check_sampler  # noqa: E402
+from .meta.logprobs import shown as _shown  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -74,17 +76,38 @@ def _no_mesh_dim(mesh_dim) -> None:
 
 
 def _ignore_index(value) -> int:
-    """ignore_index as the ops take it: an int (not a bool), else a TypeError naming it."""
+    """ignore_index as the ops take it: an int (not a bool) in int64's range, else an error naming it."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"ignore_index: expected an int (positions holding it give 0 and no gradient; "
-                        f"default -100), got {value!r}")
+                        f"default -100), got {_shown(value)}")
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"ignore_index: expected an int64 value, got {value}")
     return value
 
 
 def _shift(value) -> bool:
+    return _flag("shift", value)
+
+
+def _flag(name: str, value) -> bool:
+    """A bool keyword (True or False, not a truthy value), else a TypeError naming it."""
     if not isinstance(value, bool):
-        raise TypeError(f"shift: expected a bool, got {value!r}")
+        raise TypeError(f"{name}: expected a bool, got {_shown(value)}")
     return value
+
+
+def _number(fn: str, name: str, value, *, optional: bool = False) -> float | None:
+    """A float keyword of ``fn`` that the op takes as a constant: a Python real number (not a
+    bool); None where ``optional``. A tensor is refused (the op's float would drop its gradient,
+    and a compiled call could not read it), naming the argument."""
+    if value is None and optional:
+        return None
+    if isinstance(value, torch.Tensor):
+        raise ValueError(f"{name}: {fn} takes a float {name} (a constant: no gradient flows to it); got "
+                         f"{_shown(value)}. Pass float(t)")
+    if isinstance(value, bool) or not isinstance(value, (_numbers.Real, torch.SymInt, torch.SymFloat)):
+        raise TypeError(f"{name}: expected a number{' or None' if optional else ''}, got {_shown(value)}")
+    return float(value)
 
 
 def _sampler(top_k, top_p, min_p, logits) -> dict:
@@ -366,12 +389,17 @@ def distill(
             ``[..., L, k]`` ids (int64 or int32) and the teacher's log-probs at them (taken as
             given: no temperature is applied to them). The student's side is its
             full-vocabulary log-probs at the k ids (temperature applied). A slot whose id equals
-            ``ignore_index`` or whose teacher log-prob is ``-inf`` is unused (on both sides).
+            ``ignore_index`` or whose teacher log-prob is ``-inf`` is unused (on both sides). Their
+            values are not checked (that would read them on the device): log-probs above 0, a
+            total probability above 1 or an id repeated in a row give a number that is not a
+            divergence. ``teacher_logit_scale`` and ``teacher_softcap`` do not apply to them
+            (a ValueError unless left at 1.0 and None).
         tail: for a top-k teacher: ``"bucket"`` (default) adds a (k+1)-th category holding
             ``1 - sum p`` on each side (as TRL's ``_add_tail_bucket``, its log clamped at
             ``log(1 - exp(-1e-7))``); ``"renormalize"`` renormalizes both sides over the k ids.
         beta: in [0, 1], see above.
-        temperature: > 0, divides both models' logits.
+        temperature: a number > 0 (None: 1.0), divides both models' logits; a constant (a
+            tensor is refused: no gradient flows to it).
         labels: ``[..., L]`` int; positions whose label is ``ignore_index`` give 0 and no
             gradient (their entropy is still computed). None: every position counts.
         shift: the model's call pattern: logits ``[..., L+1, V]``, labels and top-k tensors
@@ -405,6 +433,9 @@ def distill(
         A top-k id outside ``[0, V)`` raises ``IndexError`` on CPU and gives a NaN divergence at
         its position (and a NaN gradient row) on CUDA.
     """
+    beta = _number("distill", "beta", beta)
+    temperature = 1.0 if temperature is None else _number("distill", "temperature", temperature)
+    return_entropy = _flag("return_entropy", return_entropy)
     if _is_dtensor(student_logits) or _is_dtensor(teacher_logits):
         from . import parallel_distill
 
@@ -412,13 +443,13 @@ def distill(
             student_logits, teacher_logits, teacher_topk_ids=teacher_topk_ids,
             teacher_topk_logprobs=teacher_topk_logprobs, beta=beta, temperature=temperature, labels=labels,
             ignore_index=_ignore_index(ignore_index), shift=_shift(shift), reduction=reduction,
-            return_entropy=bool(return_entropy), tail=tail, mesh_dim=mesh_dim)
+            return_entropy=return_entropy, tail=tail, mesh_dim=mesh_dim)
         return (div, ent) if return_entropy else div
     _no_mesh_dim(mesh_dim)
     div, ent = torch.ops.fused.distill(
         student_logits, teacher_logits, teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs,
-        beta=float(beta), temperature=float(temperature), labels=labels, ignore_index=_ignore_index(ignore_index),
-        shift=_shift(shift), reduction=reduction, return_entropy=bool(return_entropy), tail=tail)
+        beta=beta, temperature=temperature, labels=labels, ignore_index=_ignore_index(ignore_index),
+        shift=_shift(shift), reduction=reduction, return_entropy=return_entropy, tail=tail)
     return (div, ent) if return_entropy else div
 
 
@@ -491,6 +522,14 @@ def linear_distill(
         ``student_bias`` only: exact (nothing filtered), d logits rounded once to the student
         weight's dtype (on CUDA; the CPU path keeps them in fp32), every GEMM accumulating in fp32.
     """
+    fn = "linear_distill"
+    beta = _number(fn, "beta", beta)
+    temperature = 1.0 if temperature is None else _number(fn, "temperature", temperature)
+    return_entropy = _flag("return_entropy", return_entropy)
+    scales = dict(student_logit_scale=_number(fn, "student_logit_scale", student_logit_scale),
+                  teacher_logit_scale=_number(fn, "teacher_logit_scale", teacher_logit_scale),
+                  student_softcap=_number(fn, "student_softcap", student_softcap, optional=True),
+                  teacher_softcap=_number(fn, "teacher_softcap", teacher_softcap, optional=True))
     if any(_is_dtensor(t) for t in (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
                                     teacher_bias)):
         from . import parallel_distill
@@ -498,22 +537,16 @@ def linear_distill(
         div, ent = parallel_distill.linear_distill(
             student_hidden, student_weight, teacher_hidden, teacher_weight, beta=beta, temperature=temperature,
             labels=labels, ignore_index=_ignore_index(ignore_index), shift=_shift(shift), reduction=reduction,
-            return_entropy=bool(return_entropy), student_bias=student_bias, teacher_bias=teacher_bias,
-            student_logit_scale=float(student_logit_scale), teacher_logit_scale=float(teacher_logit_scale),
-            student_softcap=None if student_softcap is None else float(student_softcap),
-            teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
+            return_entropy=return_entropy, student_bias=student_bias, teacher_bias=teacher_bias, **scales,
             teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs, tail=tail,
             mesh_dim=mesh_dim)
         return (div, ent) if return_entropy else div
     _no_mesh_dim(mesh_dim)
     div, ent = torch.ops.fused.linear_distill(
-        student_hidden, student_weight, teacher_hidden, teacher_weight, beta=float(beta),
-        temperature=float(temperature), labels=labels, ignore_index=_ignore_index(ignore_index), shift=_shift(shift),
-        reduction=reduction, return_entropy=bool(return_entropy), student_bias=student_bias,
-        teacher_bias=teacher_bias, student_logit_scale=float(student_logit_scale),
-        teacher_logit_scale=float(teacher_logit_scale),
-        student_softcap=None if student_softcap is None else float(student_softcap),
-        teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
+        student_hidden, student_weight, teacher_hidden, teacher_weight, beta=beta,
+        temperature=temperature, labels=labels, ignore_index=_ignore_index(ignore_index), shift=_shift(shift),
+        reduction=reduction, return_entropy=return_entropy, student_bias=student_bias,
+        teacher_bias=teacher_bias, **scales,
         teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs, tail=tail)
     return (div, ent) if return_entropy else div
 

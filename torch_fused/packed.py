@@ -122,6 +122,16 @@ def packed_targets(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, ignore_ind
         raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
     _check(input_ids.dim() >= 1,
            lambda: "input_ids: expected a tensor [..., T] (the packed dim last), got a 0-dim tensor")
+    if input_ids.dtype == torch.bool:
+        fits = ignore_index in (0, 1)
+    elif input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
+        fits = True
+    else:
+        info = torch.iinfo(input_ids.dtype)
+        fits = info.min <= ignore_index <= info.max
+    if not fits:  # (a cast would wrap it into a real id, or make every last position True)
+        raise ValueError(f"ignore_index: {ignore_index} is not a value of input_ids' dtype {input_ids.dtype} "
+                         "(a bool mask takes 0 or 1)")
     check_cu_seqlens(cu_seqlens, input_ids, input_ids.dim() - 1, x_name="input_ids")
     length = input_ids.shape[-1]
     check_cu_values(cu_seqlens, length, "input_ids.shape[-1]")

@@ -215,18 +215,27 @@ def restricts_support(opts) -> bool:
             or (opts.min_p is not None and opts.min_p > 0.0))
 
 
+def shown(value) -> str:
+    """A value as an error message shows it: a tensor by its type and shape (torch.compile traces
+    no repr() of a tensor), anything else by repr()."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return repr(value)
+
+
 def check_sampler(opts) -> None:
     """The sampler options' values (ValueError, naming the option)."""
     k, p, mp = opts.top_k, opts.top_p, opts.min_p
     if k is not None:
         check_value(isinstance(k, int) and not isinstance(k, bool) and k >= 1,
-                    lambda: f"top_k: expected None or an int >= 1, got {k!r}")
+                    lambda: f"top_k: expected None or an int >= 1, got {shown(k)}")
+        check_value(k < 2**63, lambda: f"top_k: expected an int64 value, got {k}")
     if p is not None:
         check_value(not isinstance(p, bool) and isinstance(p, (int, float)) and 0.0 < p <= 1.0,
-                    lambda: f"top_p: expected None or a number in (0, 1], got {p!r}")
+                    lambda: f"top_p: expected None or a number in (0, 1], got {shown(p)}")
     if mp is not None:
         check_value(not isinstance(mp, bool) and isinstance(mp, (int, float)) and 0.0 <= mp <= 1.0,
-                    lambda: f"min_p: expected None or a number in [0, 1], got {mp!r}")
+                    lambda: f"min_p: expected None or a number in [0, 1], got {shown(mp)}")
 
 
 def check_options(logits: torch.Tensor, index: torch.Tensor | None, temperature_t: torch.Tensor | None,

@@ -854,8 +854,12 @@ def _topk_finish(lp_s, ent, logprobs, valid, labels, opts, tail):
 
 def _topk_args(teacher_given, ids, logprobs, rows, rows_name, opts, tail):
     if teacher_given:
-        raise ValueError(f"{rows_name.split('_')[0]}_distill: pass either the full teacher or teacher_topk_ids and "
-                         "teacher_topk_logprobs, not both")
+        fn = "linear_distill" if rows_name == "student_hidden" else "distill"
+        raise ValueError(f"{fn}: pass either the full teacher or teacher_topk_ids and teacher_topk_logprobs, "
+                         "not both")
+    if getattr(opts, "teacher_logit_scale", 1.0) != 1.0 or getattr(opts, "teacher_softcap", None) is not None:
+        raise ValueError("teacher_logit_scale, teacher_softcap: a top-k teacher's log-probs are taken as given "
+                         "(no teacher head is computed); leave them at 1.0 and None")
     if ids is None or logprobs is None:
         raise ValueError("teacher_topk_ids and teacher_topk_logprobs: pass both (the top-k teacher) or neither")
     meta.check_tail(tail)
@@ -884,6 +888,7 @@ def _distill(student_logits, teacher_logits=None, *, teacher_topk_ids=None, teac
         lp, ent, _ = torch.ops.fused._logprobs_entropy_forward(
             student_logits, ids, None, *LogprobOptions(temperature, ignore_index, return_entropy, shift).values())
         return _topk_finish(lp, ent, teacher_topk_logprobs, valid, labels, opts, tail)
+    meta.check_tail(tail)
     if teacher_logits is None:
         raise ValueError("distill: teacher_logits is required (or teacher_topk_ids and teacher_topk_logprobs for a "
                          "top-k teacher)")
@@ -925,6 +930,7 @@ def _linear_distill(student_hidden, student_weight, teacher_hidden=None, teacher
         if not return_entropy:
             ent = ent.new_empty(0)
         return _topk_finish(lp, ent, teacher_topk_logprobs, valid, labels, opts, tail)
+    meta.check_tail(tail)
     if teacher_hidden is None or teacher_weight is None:
         raise ValueError("linear_distill: teacher_hidden and teacher_weight are required (or teacher_topk_ids and "
                          "teacher_topk_logprobs for a top-k teacher)")
