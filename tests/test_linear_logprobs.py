@@ -263,6 +263,10 @@ BAD = [
      {"temperature": torch.tensor(0.7, requires_grad=True)}, r"temperature: .* takes a float temperature"),
     ("hidden size 0", lambda: (torch.randn(2, 0), torch.randn(5, 0), torch.zeros(2, dtype=torch.long)), {},
      r"weight: the hidden size \(dim 1\) must be >= 1"),
+    ("logit_scale None", lambda: (torch.randn(2, 8), torch.randn(5, 8), torch.zeros(2, dtype=torch.long)),
+     {"logit_scale": None}, r"logit_scale: expected a number, got None"),
+    ("softcap bool", lambda: (torch.randn(2, 8), torch.randn(5, 8), torch.zeros(2, dtype=torch.long)),
+     {"softcap": True}, r"softcap: expected a number or None, got True"),
 ]
 
 

@@ -10,6 +10,7 @@ from .ops.mask_reduce import eager_mask_reduce
 from .meta.mask_reduce import _check, check_cu_seqlens, check_dim_type, check_mask_reduce
 from .packed import check_cu_values, per_sequence, segment_sums
 from .reference import stored_view
+from .meta.logprobs import shown as _shown
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -217,11 +218,11 @@ def _norm_len(norm_len, mode: str, packed: bool):
         return None
     if mode != "seq-mean-token-sum-norm":
         raise ValueError(f"norm_len: only for mode 'seq-mean-token-sum-norm' (its constant normalizer), got "
-                         f"norm_len={norm_len!r} with mode {mode!r}")
+                         f"norm_len={_shown(norm_len)} with mode {mode!r}")
     if isinstance(norm_len, bool) or not isinstance(norm_len, (int, float, torch.SymInt, torch.SymFloat)):
-        raise TypeError(f"norm_len: expected a positive int or float, got {norm_len!r}")
+        raise TypeError(f"norm_len: expected a positive int or float, got {_shown(norm_len)}")
     if not (0 < norm_len < float("inf")):
-        raise ValueError(f"norm_len: expected a positive finite number, got {norm_len!r}")
+        raise ValueError(f"norm_len: expected a positive finite number, got {_shown(norm_len)}")
     return norm_len
 
 
@@ -261,7 +262,7 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-me
     ``torch.compile(dynamic=True)``.
     """
     if mode not in AGG_MODES:
-        raise ValueError(f"mode: expected one of {AGG_MODES}, got {mode!r}")
+        raise ValueError(f"mode: expected one of {AGG_MODES}, got {_shown(mode)}")
     norm_len = _norm_len(norm_len, mode, cu_seqlens is not None)
     out = _on_replicated(lambda lo, m, c: aggregate_loss(lo, m, mode, cu_seqlens=c, norm_len=norm_len),
                          dict(loss=loss, mask=mask, cu_seqlens=cu_seqlens))

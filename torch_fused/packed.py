@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._library import acc_dtype, eager_eligible
+from .meta.logprobs import shown
 from .meta.mask_reduce import _check, check_cu_seqlens
 
 
@@ -119,7 +120,7 @@ def packed_targets(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, ignore_ind
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids: expected a tensor [..., T], got {type(input_ids).__name__}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, torch.SymInt)):
-        raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
+        raise TypeError(f"ignore_index: expected an int, got {shown(ignore_index)}")
     _check(input_ids.dim() >= 1,
            lambda: "input_ids: expected a tensor [..., T] (the packed dim last), got a 0-dim tensor")
     if input_ids.dtype == torch.bool:

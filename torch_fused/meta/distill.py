@@ -23,7 +23,7 @@ import math
 import torch
 
 from .._library import FLOAT_DTYPES, INDEX_DTYPES, acc_dtype, check, check_value
-from .logprobs import row_shape
+from .logprobs import row_shape, shown
 
 # the schema type of each DistillOptions field's annotation
 _SCHEMA_TYPES = {"float": "float", "int": "int", "bool": "bool", "str": "str", "float | None": "float?"}
@@ -85,7 +85,7 @@ def _positive(value, name, optional=False) -> None:
     if optional and value is None:
         return
     check_value(not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf,
-                lambda: f"{name}: expected {'None or ' if optional else ''}a positive finite number, got {value!r}")
+                lambda: f"{name}: expected {'None or ' if optional else ''}a positive finite number, got {shown(value)}")
 
 
 def check_options(opts: DistillOptions) -> None:
@@ -93,7 +93,7 @@ def check_options(opts: DistillOptions) -> None:
     b = opts.beta
     check_value(not isinstance(b, bool) and isinstance(b, (int, float)) and 0.0 <= b <= 1.0,
                 lambda: f"beta: expected a number in [0, 1] (0: KL(teacher || student), 1: KL(student || teacher), "
-                        f"between: the generalized JSD), got {b!r}")
+                        f"between: the generalized JSD), got {shown(b)}")
     _positive(opts.temperature, "temperature")
     check_value(opts.reduction in REDUCTIONS,
                 lambda: f"reduction: expected one of {', '.join(map(repr, REDUCTIONS))}, got {opts.reduction!r}")
