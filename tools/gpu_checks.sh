@@ -4,13 +4,15 @@
 # defaults and hold the figures BENCHMARKS.md lacks. Run from the repository root on a CUDA
 # machine with the peers installed (pip install -e '.[test,trl]' liger-kernel); every step has
 # its own time limit, writes its log under OUT (default ./gpu_checks_<date>), and a failing or
-# timed-out step does not stop the next. Usage: bash tools/gpu_checks.sh [OUT]
+# timed-out step does not stop the next. Usage: bash tools/gpu_checks.sh [OUT]; STEPS="name ..."
+# runs only the steps named (e.g. STEPS="head_support distill_quick" for a short session).
 set -u
 OUT=${1:-gpu_checks_$(date +%Y%m%d_%H%M%S)}
 mkdir -p "$OUT/logs"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 step() {
     local name=$1 limit=$2; shift 2
+    if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
     local start=$SECONDS
     timeout "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
     echo "== $name: exit $? in $((SECONDS - start)) s (log: $OUT/logs/$name.log)"
@@ -23,7 +25,10 @@ TORCH_FUSED_BATCH_INVARIANT=1 TORCH_FUSED_LM_HEAD_PROMOTE=1 step tests_settings_
     tests/test_batch_invariance.py tests/test_linear_logprobs.py tests/test_distill.py tests/test_distill_parallel.py \
     tests/test_trl_distill.py tests/test_packed.py
 # 2. the benchmarks: the settings' cost and errors, the sampler's support, the distillation heads
-#    and step
+#    and step; first the two quick ones that time the latest untimed changes (the head's support
+#    list from the threshold kernels; the top-k teacher's epilogues looping over the ids)
+step head_support 600 python tools/sampler_routes.py --head-only --profile
+step distill_quick 600 python -m torch_fused.bench --only distill --quick --out "$OUT/bench_quick"
 step bench_agreement 900 python -m torch_fused.bench --only agreement --out "$OUT/bench"
 step bench_sampler 600 python -m torch_fused.bench --only sampler --out "$OUT/bench"
 step sampler_routes 600 python tools/sampler_routes.py --profile
