@@ -602,14 +602,18 @@ def test_fused_head_over_the_support_matches_the_logits_ops(device, kw, extra, k
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kernels", [True, False], ids=["sampler_kernels", "no_sampler_kernels"])
 @pytest.mark.parametrize("ties,dtype", [(False, torch.bfloat16), (True, torch.float32)] if INTERPRET else
                          [(t, d) for t in (False, True) for d in (torch.float32, torch.bfloat16)])
-def test_fused_head_listed_and_chunked_backward_agree(device, ties, dtype, settings_override):
+def test_fused_head_listed_and_chunked_backward_agree(device, kernels, ties, dtype, settings_override):
     """With top_k <= 512 the backward runs from the forward's list of kept ids (no GEMM); off
     (lm_head_support_listed), from recomputed logits: the same gradients. ``ties``: a weight row
     repeated so that ids tie at the k-th logit of row 0, more kept than k: that row is not listed
     and takes the chunked backward with the setting on too. ignore_index is a real id (row 2's
-    first), which no route may pass a gradient through."""
+    first), which no route may pass a gradient through. ``kernels``: the list from the threshold
+    kernels (on the Triton path) or from a top-k of each row; a row listed by both is listed
+    alike (count, ids, logits)."""
+    settings_override(sampler_kernels=kernels)
     n, hd, v = (6, 8, 40) if INTERPRET else (17, 16, 200)
     h, w, b, idx = _head_inputs(device, n, hd, v, seed=9, k=2)
     ignore = int(idx[2, 0])
@@ -636,6 +640,12 @@ def test_fused_head_listed_and_chunked_backward_agree(device, ties, dtype, setti
     # without ties every row listed; with them row 0 (and any row the repeated weight rows tie) not,
     # the others listed: one call through both routes
     assert bool((stats[0, 3] < 0) == ties) and bool((stats[1:, 3] == 3).all() if not ties else (stats[:, 3] == 3).any())
+    with torch_fused.settings.override(sampler_kernels=not kernels):
+        other = torch.ops.fused._linear_logprobs_entropy_forward(h, w, idx, b, 0.9, ignore, False, 1.0, None, 3, None,
+                                                                 None)[2]
+    both = (stats[:, 3] > 0) & (other[:, 3] > 0)
+    assert bool(both.any())
+    torch.testing.assert_close(stats[both, 3:], other[both, 3:], rtol=0, atol=0)
     # bf16: both routes round d logits to bf16 once, from fp32 values of different formulas
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
     for name, a, e in zip(("hidden", "weight", "bias"), *grads):

@@ -338,6 +338,9 @@ def linear_logprobs_and_entropy(
         every GEMM accumulating in fp32.
     """
     sampler = _sampler(top_k, top_p, min_p, weight if _is_dtensor(weight) else hidden)
+    fn = "linear_logprobs_and_entropy"
+    logit_scale = _number(fn, "logit_scale", logit_scale)
+    softcap = _number(fn, "softcap", softcap, optional=True)
     if _is_dtensor(weight) or _is_dtensor(hidden):
         return _parallel().linear_logprobs_and_entropy(
             hidden, weight, index, bias=bias, temperature=temperature, ignore_index=_ignore_index(ignore_index),
@@ -350,11 +353,9 @@ def linear_logprobs_and_entropy(
         raise ValueError("temperature: linear_logprobs_and_entropy takes a float temperature (no gradient flows "
                          "to it); got a tensor. Pass float(t), or make the logits and call logprobs_and_entropy, "
                          "whose temperature may be a differentiable tensor")
-    fn = "linear_logprobs_and_entropy"
     return torch.ops.fused.linear_logprobs_and_entropy(
         hidden, weight, index, bias=bias, temperature=_number(fn, "temperature", temperature),
-        ignore_index=_ignore_index(ignore_index), shift=_shift(shift),
-        logit_scale=_number(fn, "logit_scale", logit_scale), softcap=_number(fn, "softcap", softcap, optional=True),
+        ignore_index=_ignore_index(ignore_index), shift=_shift(shift), logit_scale=logit_scale, softcap=softcap,
         **sampler)
 
 

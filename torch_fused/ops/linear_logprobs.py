@@ -577,7 +577,9 @@ def _support_forward(h2, w, idx2, bias, opts, path, invariant, lp2, ent2, st2):
     # the threshold kernels (kernels/sampler.py) give each row's threshold and its kept ids in id
     # order (a count, then the ids) in about one pass over the row, without a top-k; else (the
     # reference, fp64, the kernels switched off) the listing comes from a top-k of the logits
-    kernel_list = bool(k) and path.triton and settings.sampler_kernels and h2.dtype != torch.float64
+    # (top_k >= V alone keeps every id: the threshold op then lists no row, the top-k route all)
+    kernel_list = (bool(k) and opts.top_k < v and path.triton and settings.sampler_kernels
+                   and h2.dtype != torch.float64)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         z = _logits_chunk(h2[r0:r1], w, bias, opts, invariant)
