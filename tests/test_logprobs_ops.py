@@ -307,6 +307,9 @@ BAD_INPUTS = [
      r"temperature: expected a positive finite number, got inf"),
     ("empty vocab", lambda: (torch.randn(2, 0), torch.zeros(2, dtype=torch.long), 1.0),
      r"logits: the last dim \(vocabulary V\) must be >= 1"),
+    ("temperature on another device", lambda: (torch.randn(2, 5), torch.zeros(2, dtype=torch.long),
+                                               torch.tensor(0.5, device="meta")),
+     r"temperature: a tensor on meta with logits on cpu"),
 ]
 
 

@@ -130,6 +130,9 @@ def _temperature_args(temperature, logits) -> tuple[float, torch.Tensor | None]:
     if isinstance(temperature, torch.Tensor):
         if temperature.numel() != 1:
             raise ValueError(f"temperature: expected a float or a 1-element tensor, got shape {tuple(temperature.shape)}")
+        if temperature.device != logits.device and temperature.device.type != "cpu":
+            raise ValueError(f"temperature: a tensor on {temperature.device} with logits on {logits.device}; pass it "
+                             "on the logits' device (or on the CPU)")
         return 1.0, temperature.to(logits.device).reshape(())  # differentiable; a CPU scalar moves
     return float(temperature), None
 
