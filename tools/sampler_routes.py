@@ -17,7 +17,7 @@ import argparse
 import torch
 
 import torch_fused
-from torch_fused.bench.common import bench_ms, timed_against_floor, warm_up
+from torch_fused.bench.common import bench_ms, head_inputs, timed_against_floor, warm_up
 from torch_fused.settings import override
 
 OPTIONS = (dict(top_k=50), dict(min_p=0.05), dict(top_p=0.9), dict(top_k=50, top_p=0.9))
@@ -49,11 +49,8 @@ def logits_op_rows():
 def head_rows(profile: bool):
     n, hd, v = 8192, 4096, 151936
     g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(n, hd, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
-    w = (torch.randn(v, hd, device="cuda", generator=g) / hd**0.5 * 2).to(torch.bfloat16).requires_grad_(True)
-    idx = torch.randint(0, v, (n,), device="cuda", generator=g)
+    h, w, idx, dl = head_inputs(n, hd, v, g)
     hb, wb = h.detach(), w.detach()
-    dl = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
     floor = lambda: (hb @ wb.t(), dl @ wb, dl.t() @ hb)  # noqa: E731
     warm_up(floor)
 

@@ -24,7 +24,7 @@ import torch
 import torch_fused
 
 from ..settings import override
-from .common import Row, bench_ms, peak_extra_mb, timed_against_floor, warm_up
+from .common import Row, bench_ms, head_inputs, peak_extra_mb, timed_against_floor, warm_up
 
 SHAPES = [(8192, 4096, 151936), (16384, 3584, 151936), (32768, 4096, 32000)]  # (N, H, V)
 PROBE_ROWS = 20
@@ -86,12 +86,9 @@ def _invariance(h, w, idx):
 def run(report, copy_gbps, quick=False):
     for n, hd, v in SHAPES[:1] if quick else SHAPES:
         g = torch.Generator(device="cuda").manual_seed(0)
-        h = torch.randn(n, hd, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
-        w = (torch.randn(v, hd, device="cuda", generator=g) / hd**0.5 * 2).to(torch.bfloat16).requires_grad_(True)
-        idx = torch.randint(0, v, (n,), device="cuda", generator=g)
+        h, w, idx, dl = head_inputs(n, hd, v, g)
         shape = f"N{n} H{hd} V{v}"
         hb, wb = h.detach(), w.detach()
-        dl = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
 
         def floor():
             return hb @ wb.t(), dl @ wb, dl.t() @ hb

@@ -125,6 +125,18 @@ def warm_up(fn, ms: float = 300.0) -> None:
         torch.cuda.synchronize()
 
 
+def head_inputs(n: int, hd: int, v: int, g: torch.Generator):
+    """The fused-head suites' inputs, drawn in this order from generator ``g`` (on their device):
+    bf16 hidden states ``h`` [n, hd] and weight ``w`` [v, hd] (scaled so the logits are O(1)), both
+    requiring grad, ids ``idx`` [n], and a bf16 d logits ``dl`` [n, v] for the bare backward GEMMs."""
+    dev = g.device
+    h = torch.randn(n, hd, device=dev, generator=g).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(v, hd, device=dev, generator=g) / hd**0.5 * 2).to(torch.bfloat16).requires_grad_(True)
+    idx = torch.randint(0, v, (n,), device=dev, generator=g)
+    dl = torch.randn(n, v, device=dev, dtype=torch.bfloat16, generator=g)
+    return h, w, idx, dl
+
+
 def timed_against_floor(time_op, time_floor) -> tuple[float, float]:
     """(op ms, floor ms): the floor timed right before and right after the op, in this order,
     and its ms the mean of the two, so that the clocks' drift over a suite (GEMMs run the chip at
