@@ -281,12 +281,6 @@ def _placed_like(t, what: str, ref, ref_what: str, optional: bool = False) -> No
                          f"vocabulary split the same way), got {P._fmt(t.placements)}")
 
 
-def _float_temperature(temperature) -> float:
-    if isinstance(temperature, torch.Tensor):
-        raise ValueError("temperature: a tensor temperature is not supported with DTensor inputs; pass a float")
-    return float(temperature)
-
-
 def _out(t, layout):
     return P._replicate(t, layout.mesh)
 
@@ -301,7 +295,7 @@ def distill(student_logits, teacher_logits=None, *, teacher_topk_ids=None, teach
             tail="bucket", mesh_dim=None):
     """(divergence, entropy or None) as ``Replicate()`` DTensors from DTensor logits ``Shard(-1)``
     (see the module docstring); the student logits' gradient is ``Shard(-1)``, local."""
-    opts = DistillOptions(beta=beta, temperature=_float_temperature(temperature), ignore_index=ignore_index,
+    opts = DistillOptions(beta=beta, temperature=temperature, ignore_index=ignore_index,
                           shift=shift, reduction=reduction, compute_entropy=return_entropy)
     meta.check_options(opts)
     if not isinstance(student_logits, DTensor):
@@ -340,7 +334,7 @@ def linear_distill(student_hidden, student_weight, teacher_hidden=None, teacher_
                    teacher_topk_logprobs=None, tail="bucket", mesh_dim=None):
     """(divergence, entropy or None) as ``Replicate()`` DTensors from DTensor weights ``Shard(0)``
     (see the module docstring); d student weight (bias) ``Shard(0)``, d hidden summed once."""
-    opts = DistillOptions(beta, _float_temperature(temperature), ignore_index, shift, reduction, return_entropy,
+    opts = DistillOptions(beta, temperature, ignore_index, shift, reduction, return_entropy,
                           student_logit_scale, teacher_logit_scale, student_softcap, teacher_softcap)
     meta.check_options(opts)
     if not isinstance(student_weight, DTensor):

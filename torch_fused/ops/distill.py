@@ -857,7 +857,7 @@ def _topk_args(teacher_given, ids, logprobs, rows, rows_name, opts, tail):
         fn = "linear_distill" if rows_name == "student_hidden" else "distill"
         raise ValueError(f"{fn}: pass either the full teacher or teacher_topk_ids and teacher_topk_logprobs, "
                          "not both")
-    if getattr(opts, "teacher_logit_scale", 1.0) != 1.0 or getattr(opts, "teacher_softcap", None) is not None:
+    if opts.teacher_logit_scale != 1.0 or opts.teacher_softcap is not None:
         raise ValueError("teacher_logit_scale, teacher_softcap: a top-k teacher's log-probs are taken as given "
                          "(no teacher head is computed); leave them at 1.0 and None")
     if ids is None or logprobs is None:

@@ -539,9 +539,10 @@ def _contain_bad_ids(glp, idx2, ignore_index, v_total):
 # ---------------------------------------------------------------------------------------------
 # A row's threshold needs all of its logits before any of its sums, so this path runs over chunks
 # of token rows [rows, V] (the lm_head_support_chunk_bytes setting) rather than vocabulary
-# chunks: per chunk, the fp32 logits from one GEMM, the rows' thresholds (min-p / top-k alone: from
-# the listing's own top k, reference.min_p_top_k_threshold; otherwise the sampler's kernels,
-# fused::_sampler_threshold, ops/sampler.py), then the log-prob family's core forward
+# chunks: per chunk, the fp32 logits from one GEMM, the rows' thresholds (and with top_k their kept
+# ids) from the sampler's kernels (fused::_sampler_threshold, ops/sampler.py; with the kernels off,
+# on CPU and in fp64 the listing comes from a top-k of the rows, which gives min-p / top-k alone
+# their threshold too: reference.min_p_top_k_threshold), then the log-prob family's core forward
 # restricted to them. The backward recomputes the chunk's logits, writes their d logits with the
 # same thresholds (d logits 0 outside the support; in place over the fp32 logits for bf16 / fp16
 # weights on the Triton path) and runs the d hidden and d weight GEMMs on them. Saved for the
