@@ -356,9 +356,11 @@ def test_exact_threshold_kernel_alone_matches_the_rule(settings_override):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_listed_and_streamed_backward_agree(device):
-    """A row written from its support list (zeros, then the listed columns) equals the same row
-    streamed over its logits with the threshold alone, bitwise; an id outside the support passes
-    no gradient either way (K ids, the entropy, a tensor temperature)."""
+    """A listed row's forward (its statistics summed over the listed logits alone) equals the
+    streamed row's (the whole row read with the threshold) to fp32 rounding, and its backward
+    (zeros, then the listed columns) the streamed backward bitwise from the same statistics; an
+    id outside the support passes no gradient either way (K ids, the entropy, a tensor
+    temperature)."""
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(3, 100, generator=g) * 3).to(device).requires_grad_(True)  # 3 segments in the interpreter run
     idx = torch.randint(0, 100, (3, 3), generator=g).to(device)
@@ -373,21 +375,50 @@ def test_listed_and_streamed_backward_agree(device):
     assert bool((listed[:, 0] >= 0).all())
     gl = torch.randn(3, 3, generator=g).to(device)
     ge = torch.randn(3, generator=g).to(device)
-    grads = []
+    grads, outs = [], []
     for s in (listed, None):
-        lp, ent, _ = torch.ops.fused._logprobs_entropy_forward(x, idx, t, 1.0, -100, True, False, tau, s)
+        lp, ent, stats = torch.ops.fused._logprobs_entropy_forward(x, idx, t, 1.0, -100, True, False, tau, s)
         # the upstream gradient reaches the ids outside the support too: the core passes it on
         # to no logit (neither the id's own nor the kept ones' through G)
         (dx,) = torch.autograd.grad((lp, ent), x, (gl, ge), retain_graph=True)
         grads.append(dx)
-    assert torch.equal(grads[0], grads[1])
+        outs.append((lp, ent, stats))
+    for a, b in zip(outs[0], outs[1]):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+    # the backward from one forward's statistics: listed and streamed rows bitwise equal
+    _, ent0, stats0 = (o.detach() for o in outs[0])
+    dxs = [torch.ops.fused._logprobs_entropy_backward(gl, ge, x.detach(), idx, stats0, ent0, t, 1.0, -100, True,
+                                                        False, tau, s)[0] for s in (listed, None)]
+    assert torch.equal(dxs[0], dxs[1])
+    assert torch.equal(dxs[0], grads[0])
     outside = x.detach().gather(1, idx) < tau[:, None]
     assert bool(outside.any()) and bool((~outside).any())
     kept = x.detach() >= tau[:, None]
     assert bool((grads[0][~kept] == 0).all())
     # within the support: the gradient of the kept ids' log-probs alone
+    lp, ent, _ = outs[0]
     want = torch.autograd.grad((torch.where(outside, 0.0, lp) * gl).sum() + (ent * ge).sum(), x)[0]
     torch.testing.assert_close(grads[0], want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_row_holding_a_nan_is_not_listed(device):
+    """The kernels' support lists leave out a row holding a NaN logit (no list holds the NaN, and
+    the forward sums a listed row's listed logits alone): the log-prob ops read that row whole,
+    and its in-support log-probs are NaN, as without the kernels; the other rows are listed and
+    finite."""
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(3, 64, generator=g) * 3).to(device)
+    x[1, 10] = float("nan")
+    idx = x.nan_to_num(float("-inf")).argmax(-1)  # each row's largest finite logit: in its support
+    for kw in (dict(top_k=5), dict(min_p=0.05), dict(top_k=5, top_p=0.9)):
+        _, sup = torch.ops.fused._sampler_threshold(x, None, 1.0, False, kw.get("top_k"), kw.get("top_p"),
+                                                    kw.get("min_p"))
+        assert sup[:, 0].tolist()[1] == -1 and min(sup[[0, 2], 0].tolist()) >= 1, (kw, sup[:, 0])
+        lp, ent = torch_fused.logprobs_and_entropy(x, idx, **kw)
+        assert bool(torch.isnan(lp[1])) and bool(torch.isnan(ent[1])), kw
+        assert bool(torch.isfinite(lp[[0, 2]]).all()) and bool(torch.isfinite(ent[[0, 2]]).all()), kw
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -41,8 +41,9 @@ logp, ent, stats = L._forward_triton(x, idx, None, 1.0, -100, False, False)
 gl = torch.ones_like(logp)
 c = 1.4426950408889634
 bv, w = K.pick_block(v, 2, "fwd")
-args = (x, idx.reshape(n, 1), logp, None, stats, None, v, 1, n, 0, v, c, -100)
-kw = dict(HAS_INDEX=True, HAS_ENT=False, EXACT_SHIFT=False, T_FROM_PTR=False, BLOCK_V=bv, BLOCK_K=2, EPT=8, num_warps=w)
+args = (x, idx.reshape(n, 1), logp, None, stats, None, None, None, v, 1, n, 0, v, c, -100, 0)
+kw = dict(HAS_INDEX=True, HAS_ENT=False, EXACT_SHIFT=False, T_FROM_PTR=False, HAS_TAU=False, HAS_SUP=False, BLOCK_V=bv,
+          BLOCK_K=2, EPT=8, num_warps=w)
 launch = lambda: K._logprobs_entropy_forward_kernel[(n,)](*args, **kw)
 # the same launch through the compiled kernel's own launcher, Triton's argument binding and cache
 # lookup (done once here) left out: what a launch plan holding the compiled kernel would pay

@@ -163,6 +163,27 @@ def _row_statistics(p_row, V, c, tau, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.con
 
 
 @triton.jit
+def _listed_statistics(p_row, p_list, n, V, c, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr,
+                       BLOCK_V: tl.constexpr, EPT: tl.constexpr):
+    """(m, s, t) as _row_statistics with a threshold, from the row's support list instead of the
+    row: its n positions at p_list are every logit >= the threshold (the list of
+    kernels/sampler.py, which lists no row holding a NaN), gathered and summed in [NR, EPT]
+    blocks of list entries."""
+    NR: tl.constexpr = BLOCK_V // EPT
+    o_v = tl.arange(0, NR)[:, None] * EPT + tl.arange(0, EPT)[None, :]
+    s_r = tl.zeros([NR], dtype=tl.float32)
+    t_r = tl.zeros([NR], dtype=tl.float32)
+    m_r = tl.full([NR], float("-inf"), tl.float32)
+    for i0 in range(0, n, BLOCK_V):
+        o = i0 + o_v
+        pos = tl.load(p_list + o, mask=o < n, other=-1)
+        live = (o < n) & (pos >= 0) & (pos < V)
+        b_x = tl.load(p_row + pos, mask=live, other=float("-inf")).to(tl.float32)
+        m_r, s_r, t_r = _forward_update(b_x, c, m_r, s_r, t_r, HAS_ENT, EXACT_SHIFT)
+    return _forward_combine(m_r, s_r, t_r, c, HAS_ENT, EXACT_SHIFT)
+
+
+@triton.jit
 def _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR: tl.constexpr):
     """(c, 1/T): from the launch arguments, or (T_FROM_PTR) from a device scalar T, which may
     require grad. A T read from memory that is not positive and finite (<= 0, inf, NaN) gives
@@ -183,15 +204,19 @@ def _temperature_scale(scale, inv_t, p_temp, T_FROM_PTR: tl.constexpr):
 
 @triton.jit
 def _logprobs_entropy_forward_kernel(
-    p_x, p_idx, p_logp, p_ent, p_stats, p_temp, p_tau,
+    p_x, p_idx, p_logp, p_ent, p_stats, p_temp, p_tau, p_sup,
     V, K, inner_size, stride_outer, stride_inner,
     scale,  # c = log2(e) / T: a Python float at launch, so fp32 in the kernel
     ignore_index,
+    sup_stride,  # the support lists' row stride (count, then positions)
     HAS_INDEX: tl.constexpr, HAS_ENT: tl.constexpr, EXACT_SHIFT: tl.constexpr, T_FROM_PTR: tl.constexpr,
-    HAS_TAU: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EPT: tl.constexpr,
+    HAS_TAU: tl.constexpr, HAS_SUP: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    EPT: tl.constexpr,
 ):
     """HAS_TAU: the row's logits below its threshold p_tau[row] are taken as -inf (the sampler's
-    support, ops/sampler.py): an id there scores -inf."""
+    support, ops/sampler.py): an id there scores -inf. HAS_SUP: a row whose support list
+    p_sup[row] = (n, positions...) has n >= 0 takes its statistics from the n listed logits
+    (_listed_statistics) without reading the rest of the row."""
     row = tl.program_id(0).to(tl.int64)
     p_row = _row_base(p_x, row, inner_size, stride_outer, stride_inner)
     c, _ = _temperature_scale(scale, scale, p_temp, T_FROM_PTR)
@@ -207,7 +232,15 @@ def _logprobs_entropy_forward_kernel(
         inb = (b_idx >= 0) & (b_idx < V)
         b_xi = _below_tau(tl.load(p_row + b_idx, mask=m_k & inb, other=0.0).to(tl.float32), tau, HAS_TAU)
 
-    m, s, t = _row_statistics(p_row, V, c, tau, HAS_ENT, EXACT_SHIFT, HAS_TAU, BLOCK_V, EPT)
+    if HAS_SUP:
+        n_sup = tl.load(p_sup + row * sup_stride)
+        if n_sup >= 0:
+            m, s, t = _listed_statistics(p_row, p_sup + row * sup_stride + 1, n_sup, V, c, HAS_ENT, EXACT_SHIFT,
+                                         BLOCK_V, EPT)
+        else:
+            m, s, t = _row_statistics(p_row, V, c, tau, HAS_ENT, EXACT_SHIFT, HAS_TAU, BLOCK_V, EPT)
+    else:
+        m, s, t = _row_statistics(p_row, V, c, tau, HAS_ENT, EXACT_SHIFT, HAS_TAU, BLOCK_V, EPT)
     log2s = tl.log2(s)
     tl.store(p_stats + row * 2, m)
     tl.store(p_stats + row * 2 + 1, log2s)
@@ -538,13 +571,15 @@ def compile_cases():
     """(name, kernel, signature, constexprs, warps) for tests/test_kernels_compile.py: every
     constexpr branch the launchers in ops/logprobs.py can take."""
     fwd = {"p_x": "*bf16", "p_idx": "*i64", "p_logp": "*fp32", "p_ent": "*fp32", "p_stats": "*fp32", "p_temp": "*fp32",
-           "p_tau": "*fp32", "V": "i32", "K": "i32", "inner_size": "i32", "stride_outer": "i64", "stride_inner": "i64",
-           "scale": "fp32", "ignore_index": "i32"}
-    for hi, he, tp, tau in [(True, True, False, False), (True, False, False, False), (False, True, False, False),
-                            (True, True, True, False), (True, False, False, True), (True, True, True, True)]:
-        yield (f"lp_fwd idx={hi} ent={he} t_ptr={tp} tau={tau}", _logprobs_entropy_forward_kernel, fwd,
-               {"HAS_INDEX": hi, "HAS_ENT": he, "EXACT_SHIFT": False, "T_FROM_PTR": tp, "HAS_TAU": tau, "BLOCK_V": 2048,
-                "BLOCK_K": 2, "EPT": 8}, 4)
+           "p_tau": "*fp32", "p_sup": "*i32", "V": "i32", "K": "i32", "inner_size": "i32", "stride_outer": "i64",
+           "stride_inner": "i64", "scale": "fp32", "ignore_index": "i32", "sup_stride": "i32"}
+    for hi, he, tp, tau, sup in [(True, True, False, False, False), (True, False, False, False, False),
+                                 (False, True, False, False, False), (True, True, True, False, False),
+                                 (True, False, False, True, False), (True, True, True, True, False),
+                                 (True, False, False, True, True), (True, True, True, True, True)]:
+        yield (f"lp_fwd idx={hi} ent={he} t_ptr={tp} tau={tau} support={sup}", _logprobs_entropy_forward_kernel, fwd,
+               {"HAS_INDEX": hi, "HAS_ENT": he, "EXACT_SHIFT": False, "T_FROM_PTR": tp, "HAS_TAU": tau, "HAS_SUP": sup,
+                "BLOCK_V": 2048, "BLOCK_K": 2, "EPT": 8}, 4)
     bwd = {"p_x": "*fp16", "p_idx": "*i32", "p_glp": "*fp32", "p_gh": "*fp32", "p_stats": "*fp32",
            "p_ent": "*fp32", "p_dx": "*fp16", "p_dz": "*fp16", "p_temp": "*fp32", "p_xdx": "*fp32", "p_tau": "*fp32",
            "p_sup": "*i32", "V": "i32",
@@ -571,7 +606,7 @@ def compile_cases():
     # (settings.compile_inline_kernels): a float that fp32 cannot hold exactly is passed as fp64
     yield ("lp_fwd fp64 scale (inductor)", _logprobs_entropy_forward_kernel, dict(fwd, scale="fp64"),
            {"HAS_INDEX": True, "HAS_ENT": True, "EXACT_SHIFT": False, "T_FROM_PTR": False, "HAS_TAU": False,
-            "BLOCK_V": 2048, "BLOCK_K": 2, "EPT": 8}, 4)
+            "HAS_SUP": False, "BLOCK_V": 2048, "BLOCK_K": 2, "EPT": 8}, 4)
     yield ("lp_bwd fp64 scale (inductor)", _logprobs_entropy_backward_kernel, dict(bwd, scale="fp64", inv_t="fp64"),
            {"HAS_GLP": True, "HAS_GH": True, "SINGLE_K": True, "EXACT_SHIFT": False, "T_FROM_PTR": False,
             "HAS_DT": False, "ZERO_TAIL": False, "IN_PLACE": False, "HAS_TAU": False, "HAS_SUP": False,

@@ -30,8 +30,9 @@ Three kernels, one per route (ops/sampler.py picks them):
 
 Every route ends with the row's tau and its support list: the positions of the kept ids in
 ascending order with their count in front when they fit SUPPORT_CAP (meta/sampler.py), else
-count -1. The log-prob backward then writes a listed row's gradient without reading its logits
-(kernels/logprobs.py). Status -2 in the count marks a row for the exact kernel.
+count -1 (also for a row holding a NaN, which is in no list). The log-prob forward then sums a
+listed row's listed logits alone, and the backward writes its gradient without reading its
+logits (kernels/logprobs.py). Status -2 in the count marks a row for the exact kernel.
 """
 
 from __future__ import annotations
@@ -180,6 +181,28 @@ def _compact(p_val, p_pos, cnt, floor, r, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _count_max(a0, a1, b0, b1):
+    return a0 + b0, tl.maximum(a1, b1)
+
+
+@triton.jit
+def _append(p_row, p_val, p_pos, start, V, cnt, L, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """Appends the block's elements >= L (positions start .. start + BLOCK) to the list, SUB at a
+    time re-read from the row (a cache hit: the block was just read), in order. Returns the count."""
+    o_s = tl.arange(0, SUB)
+    for j in range(0, BLOCK, SUB):
+        o = start + j + o_s
+        x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
+        keep = (o < V) & (x >= L)
+        ki = keep.to(tl.int32)
+        off = cnt + tl.cumsum(ki, 0) - ki
+        tl.store(p_pos + off, o, mask=keep)
+        tl.store(p_val + off, x, mask=keep)
+        cnt += tl.sum(ki, 0)
+    return cnt
+
+
+@triton.jit
 def _sampler_filter_kernel(
     p_x, p_tau, p_sup, p_val, p_pos, p_temp,
     n_rows, V, inner_size, stride_outer, stride_inner,
@@ -188,11 +211,16 @@ def _sampler_filter_kernel(
     top_k, top_p,
     HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, T_FROM_PTR: tl.constexpr,
     EXACT_SHIFT: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr, SUP_CAP: tl.constexpr,
-    BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """min-p and/or top-k (then top-p over their support) by a running filter: one pass over
     each row; a persistent grid, each program with its own working list (p_val, p_pos: CAP
-    entries) for the rows pid, pid + grid, ..."""
+    entries) for the rows pid, pid + grid, ...
+
+    The pass reads BLOCK elements a step (the next block's load in flight meanwhile, held in the
+    logits' dtype) with one reduction a step (the block's candidate count and max together); a
+    block with candidates appends them SUB at a time (_append), so the scan's registers are not
+    held for the whole block."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     p_val = p_val + pid.to(tl.int64) * CAP
@@ -210,31 +238,26 @@ def _sampler_filter_kernel(
         M = tl.full((), float("-inf"), tl.float32)  # the running max
         cnt = tl.full((), 0, tl.int32)
         ok = cnt == 0  # the list holds every element >= L
-        b_x = tl.load(p_row + o_b, mask=o_b < V, other=float("-inf")).to(tl.float32)
+        nan = tl.zeros([BLOCK], dtype=tl.int1)  # lanes that saw a NaN (such a row is not listed)
+        b_raw = tl.load(p_row + o_b, mask=o_b < V, other=float("-inf"))
         for start in range(0, V, BLOCK):
             o = start + o_b
             inb = o < V
-            b_nx = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf")).to(tl.float32)
-            cand = inb & (b_x >= L)
-            n = tl.sum(cand.to(tl.int32), 0)
-            if HAS_MINP:
-                bm = tl.max(b_x, 0)
+            b_nraw = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf"))
+            b_x = b_raw.to(tl.float32)
+            nan = nan | (b_x != b_x)
+            n, bm = tl.reduce(((inb & (b_x >= L)).to(tl.int32), b_x), 0, _count_max)
             if ok & (n > 0):
                 if cnt + n > CAP:
                     cnt, L = _shrink(p_val, p_pos, cnt, L, top_k, HAS_TOPK, LO_BIT, CHUNK)
-                    cand = inb & (b_x >= L)
-                    n = tl.sum(cand.to(tl.int32), 0)
+                    n = tl.sum((inb & (b_x >= L)).to(tl.int32), 0)
                     ok = cnt + n <= CAP
                 if ok:
-                    ci = cand.to(tl.int32)
-                    off = cnt + tl.cumsum(ci, 0) - ci
-                    tl.store(p_pos + off, o, mask=cand)
-                    tl.store(p_val + off, b_x, mask=cand)
-                    cnt += n
+                    cnt = _append(p_row, p_val, p_pos, start, V, cnt, L, BLOCK, SUB)
             if HAS_MINP:  # the bound of the next blocks (this block was filtered by the last one)
                 M = tl.maximum(M, bm)
                 L = tl.maximum(L, M + delta)
-            b_x = b_nx
+            b_raw = b_nraw
         tl.debug_barrier()  # the list's last appends before its loads
         p_sup_row = p_sup + row64 * (SUP_CAP + 1)
         tau = tl.full((), float("-inf"), tl.float32)
@@ -252,7 +275,11 @@ def _sampler_filter_kernel(
                 # KEY_MIN: no key reaches top_p * s in this sum's rounding (top_p within an ulp
                 # of 1): every id the earlier steps kept stays (its key would decode as NaN)
                 tau = tl.where((s > 0.0) & (r3 != KEY_MIN), tl.maximum(tau, _key_value(r3, LO_BIT)), tau)
-            _finish_list(p_tau, p_sup_row, row64, tau, p_val, p_pos, cnt, SUP_CAP, CHUNK)
+            if tl.max(nan.to(tl.int32), 0) == 0:
+                _finish_list(p_tau, p_sup_row, row64, tau, p_val, p_pos, cnt, SUP_CAP, CHUNK)
+            else:  # the log-prob ops read a NaN row whole (its NaN is in no list)
+                tl.store(p_sup_row, NOT_LISTED)
+                tl.store(p_tau + row64, tau)
         else:
             if HAS_TOPK or HAS_TOPP:
                 tl.store(p_sup_row, NEEDS_EXACT)
@@ -431,8 +458,10 @@ def _digit_select(p_row, V, target, floor, m, c, MASS: tl.constexpr, EXACT_SHIFT
     counts the 16 candidate digits at once (KEY_MIN where even the whole sum falls short)."""
     NPASS: tl.constexpr = (32 - LO_BIT + 3) // 4
     o_b = tl.arange(0, BLOCK)
-    d = tl.arange(0, 16).to(tl.int64)
-    r = tl.full((), -2147483648, tl.int64)
+    # int32 arithmetic that wraps: r + (d << shift) is the key's bit pattern, every candidate a
+    # valid int32 (r's bits below shift are zero)
+    d = tl.arange(0, 16)
+    r = tl.full((), -2147483648, tl.int32)
     for i in range(0, NPASS):
         shift = 28 - 4 * i
         cands = r + (d << shift)
@@ -452,7 +481,7 @@ def _digit_select(p_row, V, target, floor, m, c, MASS: tl.constexpr, EXACT_SHIFT
             acc += tl.sum(tl.where(hit, wt[:, None], 0), 0)
         best = tl.max(tl.where(acc >= target, d, 0), 0)
         r = r + (best << shift)
-    return r.to(tl.int32)
+    return r
 
 
 @triton.jit
@@ -521,6 +550,8 @@ class Config(NamedTuple):
     exact_block: int  # the exact kernel's block ([block, 16] digit counts)
     chunk: int  # the working lists' chunk (their digit counts, sums and compactions)
     programs: int  # the persistent grid's size (0: PROGRAMS_PER_SM per multiprocessor)
+    sub: int  # the filter's appends: elements a step (a divisor of block)
+    sample: int  # top-p's sample of the row: at most this many elements (at most cap_p)
 
 
 def config(elem_size: int, v: int, small: bool) -> Config:
@@ -528,10 +559,11 @@ def config(elem_size: int, v: int, small: bool) -> Config:
     setting): tiles that take every path of the kernels at small V (several blocks, list
     shrinks and overflows, several rows per program)."""
     if small:
-        return Config(block=16, cap=64, cap_p=64, ept=16 // elem_size, warps=1, exact_block=16, chunk=16, programs=3)
+        return Config(block=16, cap=64, cap_p=64, ept=16 // elem_size, warps=1, exact_block=16, chunk=16, programs=3,
+                      sub=8, sample=64)
     block = 4096 // elem_size
     return Config(block=block, cap=4096, cap_p=8192, ept=16 // elem_size, warps=8, exact_block=256, chunk=512,
-                  programs=0)
+                  programs=0, sub=min(block, 1024), sample=8192)
 
 
 def compile_cases():
@@ -543,7 +575,7 @@ def compile_cases():
     for mp, tk, tp, tptr in [(True, False, False, False), (False, True, False, False), (True, True, True, True)]:
         yield (f"sampler_filter minp={mp} topk={tk} topp={tp} t_ptr={tptr}", _sampler_filter_kernel, filt,
                {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr, "LO_BIT": 16,
-                "CAP": 4096, "SUP_CAP": 512, "BLOCK": 2048, "CHUNK": 512}, 8)
+                "CAP": 4096, "SUP_CAP": 512, "BLOCK": 2048, "SUB": 1024, "CHUNK": 512}, 8)
     topp = dict(common, top_p="fp32", stride_s="i32", n_samples="i32", z_band="fp32")
     for tptr in (False, True):
         yield (f"sampler_top_p t_ptr={tptr}", _sampler_top_p_kernel, topp,

@@ -50,7 +50,8 @@ def logprobs_entropy_forward(logits, index, temperature_t, *rest):
     """(logp, entropy, stats) of the family from one read of the logits; the default implementation
     (the plain-PyTorch reference) serves every device without a Triton one (CPU). ``threshold``
     (one per row) restricts the row to its logits >= threshold (the sampler's support); the
-    support list is the backward's (the forward only checks it)."""
+    support list (the positions of each row's logits >= its threshold, where they fit) lets the
+    Triton forward and backward skip the rest of a listed row."""
     opts, threshold, support = _split(rest)
     return _forward_default(logits, index, temperature_t, opts, threshold, support)
 
@@ -104,11 +105,11 @@ def _settings_key():
     return v["logprobs_block"], v["small_tiles"], v["logprobs_bwd_segment"]
 
 
-def _forward_plan(logits, index, temperature_t, opts, threshold=None):
+def _forward_plan(logits, index, temperature_t, opts, threshold=None, support=None):
     """(out shapes, dtype, rows, copy the logits?, layout, index as [rows, K] needs a copy?, k,
     kernel constexprs and options, scale c) of a forward call; raises on bad input."""
     meta.check_options(logits, index, temperature_t, opts)
-    meta.check_support(logits, opts.shift, threshold, None)
+    meta.check_support(logits, opts.shift, threshold, support)
     from ..kernels import logprobs as K
 
     shift, compute_entropy = opts.shift, opts.compute_entropy
@@ -125,7 +126,7 @@ def _forward_plan(logits, index, temperature_t, opts, threshold=None):
     constexprs = dict(
         HAS_INDEX=index is not None, HAS_ENT=compute_entropy,
         EXACT_SHIFT=exact_shift(None if temperature_t is not None else c),
-        T_FROM_PTR=temperature_t is not None, HAS_TAU=threshold is not None,
+        T_FROM_PTR=temperature_t is not None, HAS_TAU=threshold is not None, HAS_SUP=support is not None,
         BLOCK_V=block_v, BLOCK_K=max(2, K.triton.next_power_of_2(k)), EPT=16 // x.element_size(),
         num_warps=warps,
     )
@@ -136,12 +137,10 @@ def _forward_plan(logits, index, temperature_t, opts, threshold=None):
 def _forward_triton(logits, index, temperature_t, *rest):
     """The forward op's Triton implementation."""
     opts, threshold, support = _split(rest)
-    if support is not None:
-        meta.check_support(logits, opts.shift, threshold, support)
-    return _forward_run(logits, index, temperature_t, opts, True, threshold)[:3]
+    return _forward_run(logits, index, temperature_t, opts, True, threshold, support)[:3]
 
 
-def _forward_run(logits, index, temperature_t, opts, placeholders, threshold=None):
+def _forward_run(logits, index, temperature_t, opts, placeholders, threshold=None, support=None):
     """(logp, entropy, stats, the backward plans of this forward's key) of the forward's Triton
     implementation. ``placeholders=False`` (the eager path, whose node returns only the public
     outputs): None for an output the call does not make (the log-probs without an index, the
@@ -154,16 +153,17 @@ def _forward_run(logits, index, temperature_t, opts, placeholders, threshold=Non
     logits' and index's layouts (the rest of a backward plan's key is the forward's arguments)."""
     if logits.dtype == torch.float64:
         # float64 is a validation dtype: the reference on the same device keeps fp64 accuracy
-        return _forward_default(logits, index, temperature_t, opts, threshold) + (None,)
+        return _forward_default(logits, index, temperature_t, opts, threshold, support) + (None,)
     # the devices of the logits, index and tensor temperature too (tensor_key leaves them out):
     # a plan hit skips the checks, which name an index or temperature on another device
     key = (tensor_key(logits), tensor_key(index), tensor_key(temperature_t), opts, _settings_key(),
            logits.get_device(), None if index is None else index.get_device(),
            None if temperature_t is None else temperature_t.get_device(), tensor_key(threshold),
-           None if threshold is None else threshold.get_device())
+           None if threshold is None else threshold.get_device(), tensor_key(support),
+           None if support is None else support.get_device())
     plan = _FWD_PLANS.get(key)
     if plan is None:
-        p = _forward_plan(logits, index, temperature_t, opts, threshold)
+        p = _forward_plan(logits, index, temperature_t, opts, threshold, support)
         plan = _FWD_PLANS.put(key, (p, PlanLaunch(p[-1]._logprobs_entropy_forward_kernel, p[-2]), Plans()))
     plan, go, bwd_plans = plan
     (s_logp, s_ent, s_stats), dt, rows, copy, (inner, s_outer, s_inner), index_copy, k, v, c, constexprs, K = plan
@@ -180,8 +180,9 @@ def _forward_run(logits, index, temperature_t, opts, placeholders, threshold=Non
     # to bind or check per launch, and nothing to allocate where the launch is traced)
     idx = None if index is None else index.contiguous() if index_copy else index  # [rows, K] row-major
     tau = None if threshold is None else threshold.contiguous()  # one per row, in row order
+    sup = None if support is None else support.contiguous()  # [rows, SUPPORT_CAP + 1], in row order
     go(rows, x, idx, logp if index is not None else None, ent if compute_entropy else None, stats, temperature_t, tau,
-       v, k, inner, s_outer, s_inner, c, opts.ignore_index)
+       sup, v, k, inner, s_outer, s_inner, c, opts.ignore_index, 0 if sup is None else sup.stride(-2))
     return logp, ent, stats, bwd_plans
 
 

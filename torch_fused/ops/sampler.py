@@ -91,11 +91,12 @@ def threshold_launches(logits, temperature_t, temperature, shift, top_k, top_p, 
             K._sampler_filter_kernel[(nprog,)](
                 x, tau, support, val, pos, temperature_t, rows, v, inner, s_outer, s_inner, t, min_p_arg, k_arg,
                 p_arg, HAS_MINP=has_minp, HAS_TOPK=has_topk, HAS_TOPP=has_topp, T_FROM_PTR=t_ptr, EXACT_SHIFT=exact,
-                LO_BIT=lo_bit, CAP=cap, SUP_CAP=meta.SUPPORT_CAP, BLOCK=cfg.block, CHUNK=cfg.chunk,
-                num_warps=cfg.warps)
+                LO_BIT=lo_bit, CAP=cap, SUP_CAP=meta.SUPPORT_CAP, BLOCK=cfg.block, SUB=cfg.sub,
+                CHUNK=cfg.chunk, num_warps=cfg.warps)
         else:
-            # every stride_s-th element sampled (a multiple of the tile rows' width), at most cap of them
-            stride_s = max(cfg.ept, K.triton.next_power_of_2(K.triton.cdiv(v, cap)))
+            # every stride_s-th element sampled (a multiple of the tile rows' width), at most
+            # cfg.sample of them
+            stride_s = max(cfg.ept, K.triton.next_power_of_2(K.triton.cdiv(v, cfg.sample)))
             K._sampler_top_p_kernel[(nprog,)](
                 x, tau, support, val, pos, temperature_t, rows, v, inner, s_outer, s_inner, t, p_arg, stride_s,
                 K.triton.cdiv(v, stride_s), K.BAND_Z, EXACT_SHIFT=exact,
