@@ -12,12 +12,12 @@ largest with mass(x >= tau3) >= top_p * mass: the cumulative mass of the ids str
 last kept one is below top_p, as the rule reads).
 
 Three kernels, one per route (ops/sampler.py picks them):
-- ``_sampler_filter_kernel`` (min-p and/or top-k, then top-p if asked): one pass over the row with
-  a running lower bound L of tau (the running max + T ln min_p; the k-th largest of the
-  candidates kept so far). Elements >= L are appended to a working list (position and value, in
-  the program's scratch); when the list fills, L is raised (the list's k-th largest) and the list
-  is compacted. At the end tau comes from the list, which holds every element >= L and so the
-  whole support; top-p then runs over the list. The list needs no second read of the row.
+- ``_sampler_filter_kernel`` (min-p and/or top-k, then top-p if asked): two streaming passes over
+  the row. The first keeps a max per lane of a block, whence a lower bound L of tau (the row's
+  max + T ln min_p; the k-th largest lane max); the second appends every element >= L to a
+  working list (position and value, in the program's scratch) through an atomic count, with no
+  reduction or branch per block. The list, put in position order, holds the whole support: tau
+  comes from it, and top-p then runs over it.
 - ``_sampler_top_p_kernel`` (top-p alone): the row's statistics (max m and sum s of 2^((x-m)c),
   the log-prob kernels' own numerics) with a strided sample of the row, from which the cut is
   estimated (the sample's mass below it against the exact (1 - top_p) s); a second pass sums the
@@ -148,18 +148,6 @@ def _finish_list(p_tau, p_sup_row, row, tau, p_val, p_pos, n, SUP_CAP: tl.conste
 
 
 @triton.jit
-def _shrink(p_val, p_pos, cnt, L, top_k, HAS_TOPK: tl.constexpr, LO_BIT: tl.constexpr, CHUNK: tl.constexpr):
-    """Raises L to the list's k-th largest (top-k, once the list holds k) and compacts the list
-    to its elements >= L (_compact). Returns (count, L)."""
-    tl.debug_barrier()  # the appends of every thread before these loads
-    if HAS_TOPK:
-        if cnt >= top_k:
-            r = _digit_select(p_val, cnt, top_k, float("-inf"), 0.0, 1.0, False, True, LO_BIT, CHUNK)
-            L = tl.maximum(L, _key_value(r, LO_BIT))
-    return _compact(p_val, p_pos, cnt, L, KEY_MIN, CHUNK), L
-
-
-@triton.jit
 def _compact(p_val, p_pos, cnt, floor, r, CHUNK: tl.constexpr):
     """Compacts the list in place to its elements >= floor with a key >= r, a chunk at a time (a chunk's
     stores land at or before its own place, after every thread has read it). Returns the count."""
@@ -181,46 +169,55 @@ def _compact(p_val, p_pos, cnt, floor, r, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _count_max(a0, a1, b0, b1):
-    return a0 + b0, tl.maximum(a1, b1)
+def _kth_key(x, k, LO_BIT: tl.constexpr):
+    """The largest key r (a multiple of 2^LO_BIT) with at least k of the values x (a block in
+    registers) at a key >= r: the k-th largest value's key; KEY_MIN where fewer than k values
+    are above -inf. One bit a step from the top (int32 arithmetic that wraps: r + 2^b is the
+    candidate's bit pattern, r's bits below b being zero)."""
+    keys = _key(x)
+    r = tl.full((), -2147483648, tl.int32)
+    for i in range(0, 32 - LO_BIT):
+        cand = r + (tl.full((), 1, tl.int32) << (31 - i))
+        n = tl.sum((keys >= cand).to(tl.int32), 0)
+        r = tl.where(n >= k, cand, r)
+    return r
 
 
 @triton.jit
-def _append(p_row, p_val, p_pos, start, V, cnt, L, BLOCK: tl.constexpr, SUB: tl.constexpr):
-    """Appends the block's elements >= L (positions start .. start + BLOCK) to the list, SUB at a
-    time re-read from the row (a cache hit: the block was just read), in order. Returns the count."""
-    o_s = tl.arange(0, SUB)
-    for j in range(0, BLOCK, SUB):
-        o = start + j + o_s
-        x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
-        keep = (o < V) & (x >= L)
-        ki = keep.to(tl.int32)
-        off = cnt + tl.cumsum(ki, 0) - ki
-        tl.store(p_pos + off, o, mask=keep)
-        tl.store(p_val + off, x, mask=keep)
-        cnt += tl.sum(ki, 0)
-    return cnt
+def _sort_list(p_row, p_val, p_pos, n, CAP: tl.constexpr):
+    """Puts the list's n entries in ascending position order (the appends' order is the atomics'):
+    the positions sorted, the values gathered again from the row in that order."""
+    o = tl.arange(0, CAP)
+    live = o < n
+    pos = tl.sort(tl.load(p_pos + o, mask=live, other=2147483647), 0)
+    x = tl.load(p_row + pos, mask=live, other=float("-inf")).to(tl.float32)
+    tl.debug_barrier()  # every thread's loads before the stores over them
+    tl.store(p_pos + o, pos, mask=live)
+    tl.store(p_val + o, x, mask=live)
+    tl.debug_barrier()
 
 
 @triton.jit
 def _sampler_filter_kernel(
-    p_x, p_tau, p_sup, p_val, p_pos, p_temp,
+    p_x, p_tau, p_sup, p_val, p_pos, p_cnt, p_temp,
     n_rows, V, inner_size, stride_outer, stride_inner,
     t_arg,  # float T (a placeholder with T_FROM_PTR)
     min_p_arg,  # T ln(min_p) for a float T, ln(min_p) with T_FROM_PTR
     top_k, top_p,
     HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, T_FROM_PTR: tl.constexpr,
     EXACT_SHIFT: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr, SUP_CAP: tl.constexpr,
-    BLOCK: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """min-p and/or top-k (then top-p over their support) by a running filter: one pass over
-    each row; a persistent grid, each program with its own working list (p_val, p_pos: CAP
-    entries) for the rows pid, pid + grid, ...
+    """min-p and/or top-k (then top-p over their support) in two streaming passes over each row,
+    neither with a reduction or a branch per block; a persistent grid, each program with its own
+    working list (p_val, p_pos: CAP entries) for the rows pid, pid + grid, ...
 
-    The pass reads BLOCK elements a step (the next block's load in flight meanwhile, held in the
-    logits' dtype) with one reduction a step (the block's candidate count and max together); a
-    block with candidates appends them SUB at a time (_append), so the scan's registers are not
-    held for the whole block."""
+    Pass 1 keeps each of the BLOCK lanes' max (lane j: the row's elements j, j + BLOCK, ...).
+    Their max is the row's max M; the k-th largest of them is at most the row's k-th largest (k
+    lanes hold a value at least that large). So L = max(M + T ln min_p, that k-th largest) is at
+    most tau, and pass 2 lists every element >= L, each through an atomic count of the row
+    (p_cnt, zeroed by the caller): a few times k of them for top-k, the support itself for
+    min-p. The list is put in position order (_sort_list), and tau found in it as before."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     p_val = p_val + pid.to(tl.int64) * CAP
@@ -231,39 +228,51 @@ def _sampler_filter_kernel(
         delta = _min_p_shift(t, min_p_arg, T_FROM_PTR)
     c = LOG2E_C / t
     o_b = tl.arange(0, BLOCK)
+    zero = tl.zeros([BLOCK], dtype=tl.int32)
     for row in range(pid, n_rows, nprog):
         row64 = row + tl.zeros((), tl.int64)  # (a Python int in the interpreter)
         p_row = _row_base(p_x, row64, inner_size, stride_outer, stride_inner)
-        L = tl.full((), float("-inf"), tl.float32)  # every element >= L is in the list
-        M = tl.full((), float("-inf"), tl.float32)  # the running max
-        cnt = tl.full((), 0, tl.int32)
-        ok = cnt == 0  # the list holds every element >= L
-        nan = tl.zeros([BLOCK], dtype=tl.int1)  # lanes that saw a NaN (such a row is not listed)
+        # pass 1: the lanes' maxima (a NaN left out) and whether the row holds a NaN
+        lanes = tl.full([BLOCK], float("-inf"), tl.float32)
+        nan = tl.zeros([BLOCK], dtype=tl.int1)
         b_raw = tl.load(p_row + o_b, mask=o_b < V, other=float("-inf"))
         for start in range(0, V, BLOCK):
             o = start + o_b
-            inb = o < V
+            b_nraw = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf"))  # the next block in flight
+            b_x = b_raw.to(tl.float32)
+            b_raw = b_nraw
+            is_nan = b_x != b_x
+            nan = nan | is_nan
+            lanes = tl.maximum(lanes, tl.where(is_nan, float("-inf"), b_x))
+        M = tl.max(lanes, 0)
+        L = tl.full((), float("-inf"), tl.float32)  # every element >= L is listed
+        if HAS_MINP:
+            L = M + delta
+        if HAS_TOPK:
+            lk = _key_value(_kth_key(lanes, top_k, LO_BIT), LO_BIT)
+            L = tl.maximum(L, tl.where(lk == lk, lk, float("-inf")))  # a key below -inf's decodes as NaN
+        # pass 2: every element >= L listed (the first CAP of them kept)
+        p_cnt_row = p_cnt + row64
+        b_raw = tl.load(p_row + o_b, mask=o_b < V, other=float("-inf"))
+        for start in range(0, V, BLOCK):
+            o = start + o_b
             b_nraw = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf"))
             b_x = b_raw.to(tl.float32)
-            nan = nan | (b_x != b_x)
-            n, bm = tl.reduce(((inb & (b_x >= L)).to(tl.int32), b_x), 0, _count_max)
-            if ok & (n > 0):
-                if cnt + n > CAP:
-                    cnt, L = _shrink(p_val, p_pos, cnt, L, top_k, HAS_TOPK, LO_BIT, CHUNK)
-                    n = tl.sum((inb & (b_x >= L)).to(tl.int32), 0)
-                    ok = cnt + n <= CAP
-                if ok:
-                    cnt = _append(p_row, p_val, p_pos, start, V, cnt, L, BLOCK, SUB)
-            if HAS_MINP:  # the bound of the next blocks (this block was filtered by the last one)
-                M = tl.maximum(M, bm)
-                L = tl.maximum(L, M + delta)
             b_raw = b_nraw
-        tl.debug_barrier()  # the list's last appends before its loads
+            cand = (o < V) & (b_x >= L)
+            slot = tl.atomic_add(p_cnt_row + zero, 1, mask=cand, sem="relaxed")
+            put = cand & (slot < CAP)
+            tl.store(p_pos + slot, o, mask=put)
+            tl.store(p_val + slot, b_x, mask=put)
+        tl.debug_barrier()  # every thread's appends before the count is read
+        cnt = tl.atomic_add(p_cnt_row, 0, sem="relaxed")
+        ok = cnt <= CAP
         p_sup_row = p_sup + row64 * (SUP_CAP + 1)
         tau = tl.full((), float("-inf"), tl.float32)
         if HAS_MINP:
             tau = M + delta  # exact whether or not the list held
         if ok:
+            _sort_list(p_row, p_val, p_pos, cnt, CAP)
             if HAS_TOPK:
                 r = _digit_select(p_val, cnt, top_k, float("-inf"), 0.0, 1.0, False, True, LO_BIT, CHUNK)
                 tau = tl.maximum(tau, _key_value(r, LO_BIT))
@@ -535,23 +544,26 @@ def lo_bit(dtype) -> int:
     return {"torch.bfloat16": 16, "torch.float16": 13}.get(str(dtype), 0)
 
 
-# programs of the persistent kernels per multiprocessor (8 warps each)
+# programs of the persistent kernels per multiprocessor: the top-p kernel's (8 warps each), the
+# filter kernel's (4 warps each)
 PROGRAMS_PER_SM = 4
+FILTER_PROGRAMS_PER_SM = 8
 # the top-p band's half width, in standard errors of the sample's mass below the cut
 BAND_Z = 3.0
 
 
 class Config(NamedTuple):
-    block: int  # elements per block of the filter and band passes (16 bytes a thread at 8 warps)
-    cap: int  # a program's working list of the filter's candidates
+    block: int  # elements per block of the filter (its lanes) and band passes
+    cap: int  # a program's working list of the filter's candidates (a power of 2: it is sorted whole)
     cap_p: int  # a program's working list of top-p's sample, then its band
     ept: int  # elements per thread vector in the top-p statistics pass ([block // ept, ept] tiles)
     warps: int
     exact_block: int  # the exact kernel's block ([block, 16] digit counts)
     chunk: int  # the working lists' chunk (their digit counts, sums and compactions)
     programs: int  # the persistent grid's size (0: PROGRAMS_PER_SM per multiprocessor)
-    sub: int  # the filter's appends: elements a step (a divisor of block)
     sample: int  # top-p's sample of the row: at most this many elements (at most cap_p)
+    filter_warps: int  # the filter kernel's warps
+    filter_programs: int  # its persistent grid (0: FILTER_PROGRAMS_PER_SM per multiprocessor)
 
 
 def config(elem_size: int, v: int, small: bool) -> Config:
@@ -560,10 +572,10 @@ def config(elem_size: int, v: int, small: bool) -> Config:
     shrinks and overflows, several rows per program)."""
     if small:
         return Config(block=16, cap=64, cap_p=64, ept=16 // elem_size, warps=1, exact_block=16, chunk=16, programs=3,
-                      sub=8, sample=64)
+                      sample=64, filter_warps=1, filter_programs=3)
     block = 4096 // elem_size
-    return Config(block=block, cap=4096, cap_p=8192, ept=16 // elem_size, warps=8, exact_block=256, chunk=512,
-                  programs=0, sub=min(block, 1024), sample=8192)
+    return Config(block=block, cap=1024, cap_p=8192, ept=16 // elem_size, warps=8, exact_block=256, chunk=512,
+                  programs=0, sample=8192, filter_warps=4, filter_programs=0)
 
 
 def compile_cases():
@@ -571,11 +583,14 @@ def compile_cases():
     common = {"p_x": "*bf16", "p_tau": "*fp32", "p_sup": "*i32", "p_val": "*fp32", "p_pos": "*i32",
               "p_temp": "*fp32", "n_rows": "i32", "V": "i32", "inner_size": "i32", "stride_outer": "i64",
               "stride_inner": "i64", "t_arg": "fp32"}
-    filt = dict(common, min_p_arg="fp32", top_k="i32", top_p="fp32")
+    filt = {**{k: v for k, v in common.items() if k != "p_temp"}, "p_cnt": "*i32", "p_temp": "*fp32"}
+    filt = {k: filt[k] for k in ("p_x", "p_tau", "p_sup", "p_val", "p_pos", "p_cnt", "p_temp", "n_rows", "V",
+                                 "inner_size", "stride_outer", "stride_inner", "t_arg")}
+    filt = dict(filt, min_p_arg="fp32", top_k="i32", top_p="fp32")
     for mp, tk, tp, tptr in [(True, False, False, False), (False, True, False, False), (True, True, True, True)]:
         yield (f"sampler_filter minp={mp} topk={tk} topp={tp} t_ptr={tptr}", _sampler_filter_kernel, filt,
                {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr, "LO_BIT": 16,
-                "CAP": 4096, "SUP_CAP": 512, "BLOCK": 2048, "SUB": 1024, "CHUNK": 512}, 8)
+                "CAP": 1024, "SUP_CAP": 512, "BLOCK": 2048, "CHUNK": 512}, 4)
     topp = dict(common, top_p="fp32", stride_s="i32", n_samples="i32", z_band="fp32")
     for tptr in (False, True):
         yield (f"sampler_top_p t_ptr={tptr}", _sampler_top_p_kernel, topp,

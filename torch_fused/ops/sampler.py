@@ -81,19 +81,24 @@ def threshold_launches(logits, temperature_t, temperature, shift, top_k, top_p, 
     exact = exact_shift(None if t_ptr else LOG2E / t)
     k_arg = top_k if has_topk else 0
     p_arg = top_p if has_topp else 1.0
-    every_row = settings.sampler_exact or (has_topk and top_k > cfg.cap - cfg.block)
+    # a top_k past half the filter's list (or past its lanes) would overflow the list on most rows
+    every_row = settings.sampler_exact or (has_topk and top_k > min(cfg.cap // 2, cfg.block))
     if not every_row:
-        nprog = min(rows, cfg.programs if cfg.programs else n_sm(logits.device) * K.PROGRAMS_PER_SM)
-        cap = cfg.cap if has_minp or has_topk else cfg.cap_p
-        val = torch.empty((nprog, cap), dtype=torch.float32, device=logits.device)
-        pos = torch.empty((nprog, cap), dtype=torch.int32, device=logits.device)
         if has_minp or has_topk:
+            nprog = min(rows, cfg.filter_programs or n_sm(logits.device) * K.FILTER_PROGRAMS_PER_SM)
+            val = torch.empty((nprog, cfg.cap), dtype=torch.float32, device=logits.device)
+            pos = torch.empty((nprog, cfg.cap), dtype=torch.int32, device=logits.device)
+            count = torch.zeros(rows, dtype=torch.int32, device=logits.device)  # the rows' atomic counts
             K._sampler_filter_kernel[(nprog,)](
-                x, tau, support, val, pos, temperature_t, rows, v, inner, s_outer, s_inner, t, min_p_arg, k_arg,
-                p_arg, HAS_MINP=has_minp, HAS_TOPK=has_topk, HAS_TOPP=has_topp, T_FROM_PTR=t_ptr, EXACT_SHIFT=exact,
-                LO_BIT=lo_bit, CAP=cap, SUP_CAP=meta.SUPPORT_CAP, BLOCK=cfg.block, SUB=cfg.sub,
-                CHUNK=cfg.chunk, num_warps=cfg.warps)
+                x, tau, support, val, pos, count, temperature_t, rows, v, inner, s_outer, s_inner, t, min_p_arg,
+                k_arg, p_arg, HAS_MINP=has_minp, HAS_TOPK=has_topk, HAS_TOPP=has_topp, T_FROM_PTR=t_ptr,
+                EXACT_SHIFT=exact, LO_BIT=lo_bit, CAP=cfg.cap, SUP_CAP=meta.SUPPORT_CAP, BLOCK=cfg.block,
+                CHUNK=cfg.chunk, num_warps=cfg.filter_warps)
         else:
+            nprog = min(rows, cfg.programs if cfg.programs else n_sm(logits.device) * K.PROGRAMS_PER_SM)
+            cap = cfg.cap_p
+            val = torch.empty((nprog, cap), dtype=torch.float32, device=logits.device)
+            pos = torch.empty((nprog, cap), dtype=torch.int32, device=logits.device)
             # every stride_s-th element sampled (a multiple of the tile rows' width), at most
             # cfg.sample of them
             stride_s = max(cfg.ept, K.triton.next_power_of_2(K.triton.cdiv(v, cfg.sample)))
