@@ -184,16 +184,28 @@ def _kth_key(x, k, LO_BIT: tl.constexpr):
 
 
 @triton.jit
-def _sort_list(p_row, p_val, p_pos, n, CAP: tl.constexpr):
+def _sort_list(p_row, p_val, p_pos, n, CAP: tl.constexpr, R: tl.constexpr):
     """Puts the list's n entries in ascending position order (the appends' order is the atomics'):
-    the positions sorted, the values gathered again from the row in that order."""
-    o = tl.arange(0, CAP)
-    live = o < n
-    pos = tl.sort(tl.load(p_pos + o, mask=live, other=2147483647), 0)
-    x = tl.load(p_row + pos, mask=live, other=float("-inf")).to(tl.float32)
-    tl.debug_barrier()  # every thread's loads before the stores over them
-    tl.store(p_pos + o, pos, mask=live)
-    tl.store(p_val + o, x, mask=live)
+    each entry's rank is the count of smaller positions ([R, R] comparisons a step: one step for
+    a list of at most R), its position stored at CAP + rank in the program's scratch (2 CAP
+    entries), then copied back with the value gathered again from the row."""
+    o_r = tl.arange(0, R)
+    for i0 in range(0, n, R):
+        oi = i0 + o_r
+        pi = tl.load(p_pos + oi, mask=oi < n, other=2147483647)
+        rank = tl.zeros([R], dtype=tl.int32)
+        for j0 in range(0, n, R):
+            oj = j0 + o_r
+            pj = tl.load(p_pos + oj, mask=oj < n, other=2147483647)
+            rank += tl.sum((pj[None, :] < pi[:, None]).to(tl.int32), 1)
+        tl.store(p_pos + CAP + rank, pi, mask=oi < n)
+    tl.debug_barrier()  # every rank's store before the copy's loads
+    for i0 in range(0, n, R):
+        oi = i0 + o_r
+        live = oi < n
+        pos = tl.load(p_pos + CAP + oi, mask=live, other=0)
+        tl.store(p_val + oi, tl.load(p_row + pos, mask=live, other=float("-inf")).to(tl.float32), mask=live)
+        tl.store(p_pos + oi, pos, mask=live)
     tl.debug_barrier()
 
 
@@ -206,11 +218,11 @@ def _sampler_filter_kernel(
     top_k, top_p,
     HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, T_FROM_PTR: tl.constexpr,
     EXACT_SHIFT: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr, SUP_CAP: tl.constexpr,
-    BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr, SORT_R: tl.constexpr,
 ):
     """min-p and/or top-k (then top-p over their support) in two streaming passes over each row,
     neither with a reduction or a branch per block; a persistent grid, each program with its own
-    working list (p_val, p_pos: CAP entries) for the rows pid, pid + grid, ...
+    working list (p_val: CAP entries, p_pos: 2 CAP) for the rows pid, pid + grid, ...
 
     Pass 1 keeps each of the BLOCK lanes' max (lane j: the row's elements j, j + BLOCK, ...).
     Their max is the row's max M; the k-th largest of them is at most the row's k-th largest (k
@@ -221,7 +233,7 @@ def _sampler_filter_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     p_val = p_val + pid.to(tl.int64) * CAP
-    p_pos = p_pos + pid.to(tl.int64) * CAP
+    p_pos = p_pos + pid.to(tl.int64) * (2 * CAP)  # the list's positions, then their sorted copy
     t = _temperature(t_arg, p_temp, T_FROM_PTR)
     delta = 0.0
     if HAS_MINP:
@@ -272,7 +284,7 @@ def _sampler_filter_kernel(
         if HAS_MINP:
             tau = M + delta  # exact whether or not the list held
         if ok:
-            _sort_list(p_row, p_val, p_pos, cnt, CAP)
+            _sort_list(p_row, p_val, p_pos, cnt, CAP, SORT_R)
             if HAS_TOPK:
                 r = _digit_select(p_val, cnt, top_k, float("-inf"), 0.0, 1.0, False, True, LO_BIT, CHUNK)
                 tau = tl.maximum(tau, _key_value(r, LO_BIT))
@@ -564,6 +576,7 @@ class Config(NamedTuple):
     sample: int  # top-p's sample of the row: at most this many elements (at most cap_p)
     filter_warps: int  # the filter kernel's warps
     filter_programs: int  # its persistent grid (0: FILTER_PROGRAMS_PER_SM per multiprocessor)
+    sort_r: int  # the filter's list is put in order [sort_r, sort_r] comparisons a step
 
 
 def config(elem_size: int, v: int, small: bool) -> Config:
@@ -572,10 +585,10 @@ def config(elem_size: int, v: int, small: bool) -> Config:
     shrinks and overflows, several rows per program)."""
     if small:
         return Config(block=16, cap=64, cap_p=64, ept=16 // elem_size, warps=1, exact_block=16, chunk=16, programs=3,
-                      sample=64, filter_warps=1, filter_programs=3)
+                      sample=64, filter_warps=1, filter_programs=3, sort_r=16)
     block = 4096 // elem_size
     return Config(block=block, cap=1024, cap_p=8192, ept=16 // elem_size, warps=8, exact_block=256, chunk=512,
-                  programs=0, sample=8192, filter_warps=4, filter_programs=0)
+                  programs=0, sample=8192, filter_warps=4, filter_programs=0, sort_r=64)
 
 
 def compile_cases():
@@ -590,7 +603,7 @@ def compile_cases():
     for mp, tk, tp, tptr in [(True, False, False, False), (False, True, False, False), (True, True, True, True)]:
         yield (f"sampler_filter minp={mp} topk={tk} topp={tp} t_ptr={tptr}", _sampler_filter_kernel, filt,
                {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr, "LO_BIT": 16,
-                "CAP": 1024, "SUP_CAP": 512, "BLOCK": 2048, "CHUNK": 512}, 4)
+                "CAP": 1024, "SUP_CAP": 512, "BLOCK": 2048, "CHUNK": 512, "SORT_R": 64}, 4)
     topp = dict(common, top_p="fp32", stride_s="i32", n_samples="i32", z_band="fp32")
     for tptr in (False, True):
         yield (f"sampler_top_p t_ptr={tptr}", _sampler_top_p_kernel, topp,

@@ -87,13 +87,13 @@ def threshold_launches(logits, temperature_t, temperature, shift, top_k, top_p, 
         if has_minp or has_topk:
             nprog = min(rows, cfg.filter_programs or n_sm(logits.device) * K.FILTER_PROGRAMS_PER_SM)
             val = torch.empty((nprog, cfg.cap), dtype=torch.float32, device=logits.device)
-            pos = torch.empty((nprog, cfg.cap), dtype=torch.int32, device=logits.device)
+            pos = torch.empty((nprog, 2 * cfg.cap), dtype=torch.int32, device=logits.device)
             count = torch.zeros(rows, dtype=torch.int32, device=logits.device)  # the rows' atomic counts
             K._sampler_filter_kernel[(nprog,)](
                 x, tau, support, val, pos, count, temperature_t, rows, v, inner, s_outer, s_inner, t, min_p_arg,
                 k_arg, p_arg, HAS_MINP=has_minp, HAS_TOPK=has_topk, HAS_TOPP=has_topp, T_FROM_PTR=t_ptr,
                 EXACT_SHIFT=exact, LO_BIT=lo_bit, CAP=cfg.cap, SUP_CAP=meta.SUPPORT_CAP, BLOCK=cfg.block,
-                CHUNK=cfg.chunk, num_warps=cfg.filter_warps)
+                CHUNK=cfg.chunk, SORT_R=cfg.sort_r, num_warps=cfg.filter_warps)
         else:
             nprog = min(rows, cfg.programs if cfg.programs else n_sm(logits.device) * K.PROGRAMS_PER_SM)
             cap = cfg.cap_p
