@@ -944,6 +944,43 @@ MUTANTS: list[Mutant] = [
         [("            ok = (kept > 0) & (kept <= k)\n", "            ok = kept > 0  # MUTANT\n")],
         ["tests/test_sampler_support.py::test_fused_head_listed_and_chunked_backward_agree"],
     ),
+    # 87-91: the two-pass filter kernel and the listed forward: the k-th lane max's search taking
+    # a count above k (a bound past the k-th largest: ids of the support never listed), the
+    # appends' capacity test one past the list, the list's order from ranks off by one, a row
+    # holding a NaN listed, the listed forward's gather one entry short
+    Mutant(
+        "sampler-lane-bound-past-k-triton", "87 the filter's lane bound from a count above k",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("        r = tl.where(n >= k, cand, r)\n", "        r = tl.where(n >= k - 1, cand, r)  # MUTANT\n")],
+        ["tests/test_sampler_support.py"],
+    ),
+    Mutant(
+        "sampler-append-past-capacity-triton", "88 the filter's appends one past the list's capacity",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("        ok = cnt <= CAP\n", "        ok = cnt <= CAP + 1  # MUTANT\n"),
+         ("            put = cand & (slot < CAP)\n", "            put = cand & (slot <= CAP)  # MUTANT\n")],
+        ["tests/test_sampler_support.py"],
+    ),
+    Mutant(
+        "sampler-list-order-ranks-triton", "89 the list's order from ranks that count equal positions",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("            rank += tl.sum((pj[None, :] < pi[:, None]).to(tl.int32), 1)\n",
+          "            rank += tl.sum((pj[None, :] <= pi[:, None]).to(tl.int32), 1)  # MUTANT\n")],
+        ["tests/test_sampler_support.py"],
+    ),
+    Mutant(
+        "sampler-nan-row-listed-triton", "90 a row holding a NaN listed (its forward then blind to the NaN)",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("            if tl.max(nan.to(tl.int32), 0) == 0:\n", "            if True:  # MUTANT\n")],
+        ["tests/test_sampler_support.py::test_a_row_holding_a_nan_is_not_listed"],
+    ),
+    Mutant(
+        "logprobs-listed-forward-short-triton", "91 the listed forward's gather one entry short",
+        "torch_fused/kernels/logprobs.py", TRITON,
+        [("        pos = tl.load(p_list + o, mask=o < n, other=-1)\n",
+          "        pos = tl.load(p_list + o, mask=o < n - 1, other=-1)  # MUTANT\n")],
+        ["tests/test_sampler_support.py"],
+    ),
 ]
 
 
