@@ -403,6 +403,37 @@ def test_listed_and_streamed_backward_agree(device):
 
 
 @pytest.mark.parametrize("device", ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_filter_list_at_its_capacity(device):
+    """The filter kernel's working list at its capacity: a row with exactly cap ids at or above
+    its bound keeps them all (listed where the support list holds them), one with cap + 1 is
+    not listed (min-p alone: its threshold is exact without the list), and both thresholds and
+    log-probs are the rule's."""
+    from torch_fused.kernels import sampler as KS
+    from torch_fused.meta import sampler as meta
+    from torch_fused.settings import current
+
+    v = 300
+    cap = KS.config(2, v, current.small_tiles).cap
+    if cap + 1 > v:
+        pytest.skip("the list holds a whole row at this vocabulary")
+    x = torch.full((2, v), -10.0)
+    x[0, torch.randperm(v, generator=torch.Generator().manual_seed(2))[:cap]] = 0.0  # cap ties at the max
+    x[1, torch.randperm(v, generator=torch.Generator().manual_seed(3))[:cap + 1]] = 0.0
+    x = x.to(torch.bfloat16).to(device)
+    tau, sup = torch.ops.fused._sampler_threshold(x, None, 1.0, False, None, None, 0.5)
+    want = torch_fused.reference.sampler_threshold(x, None, meta.sampler_options(1.0, False, None, None, 0.5))
+    assert torch.equal(tau, want)
+    listed = cap <= meta.SUPPORT_CAP
+    assert sup[:, 0].tolist() == [cap if listed else -1, -1]
+    if listed:
+        assert torch.equal(sup[0, 1:1 + cap].cpu(), torch.nonzero(x[0].cpu() == 0.0)[:, 0].int())
+    idx = torch.stack([x[0].float().argmax(), x[1].float().argmax()])
+    lp = torch_fused.selective_log_softmax(x, idx, min_p=0.5)
+    want_lp = -torch.tensor([cap, cap + 1], dtype=torch.float64).log().float()
+    torch.testing.assert_close(lp.cpu(), want_lp, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("device", ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_a_row_holding_a_nan_is_not_listed(device):
     """The kernels' support lists leave out a row holding a NaN logit (no list holds the NaN, and
     the forward sums a listed row's listed logits alone): the log-prob ops read that row whole,

@@ -184,7 +184,7 @@ def _kth_key(x, k, LO_BIT: tl.constexpr):
 
 
 @triton.jit
-def _sort_list(p_row, p_val, p_pos, n, CAP: tl.constexpr, R: tl.constexpr):
+def _sort_list(p_row, V, p_val, p_pos, n, CAP: tl.constexpr, R: tl.constexpr):
     """Puts the list's n entries in ascending position order (the appends' order is the atomics'):
     each entry's rank is the count of smaller positions ([R, R] comparisons a step: one step for
     a list of at most R), its position stored at CAP + rank in the program's scratch (2 CAP
@@ -204,7 +204,8 @@ def _sort_list(p_row, p_val, p_pos, n, CAP: tl.constexpr, R: tl.constexpr):
         oi = i0 + o_r
         live = oi < n
         pos = tl.load(p_pos + CAP + oi, mask=live, other=0)
-        tl.store(p_val + oi, tl.load(p_row + pos, mask=live, other=float("-inf")).to(tl.float32), mask=live)
+        inb = live & (pos >= 0) & (pos < V)  # (every rank is stored once: a guard, not a case)
+        tl.store(p_val + oi, tl.load(p_row + pos, mask=inb, other=float("-inf")).to(tl.float32), mask=live)
         tl.store(p_pos + oi, pos, mask=live)
     tl.debug_barrier()
 
@@ -284,7 +285,7 @@ def _sampler_filter_kernel(
         if HAS_MINP:
             tau = M + delta  # exact whether or not the list held
         if ok:
-            _sort_list(p_row, p_val, p_pos, cnt, CAP, SORT_R)
+            _sort_list(p_row, V, p_val, p_pos, cnt, CAP, SORT_R)
             if HAS_TOPK:
                 r = _digit_select(p_val, cnt, top_k, float("-inf"), 0.0, 1.0, False, True, LO_BIT, CHUNK)
                 tau = tl.maximum(tau, _key_value(r, LO_BIT))
