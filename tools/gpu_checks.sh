@@ -5,7 +5,7 @@
 # machine with the peers installed (pip install -e '.[test,trl]' liger-kernel); every step has
 # its own time limit, writes its log under OUT (default ./gpu_checks_<date>), and a failing or
 # timed-out step does not stop the next. Usage: bash tools/gpu_checks.sh [OUT]; STEPS="name ..."
-# runs only the steps named (e.g. STEPS="head_support distill_quick" for a short session).
+# runs only the steps named (e.g. STEPS="sampler_first head_support" for a short session).
 set -u
 OUT=${1:-gpu_checks_$(date +%Y%m%d_%H%M%S)}
 mkdir -p "$OUT/logs"
@@ -18,6 +18,10 @@ step() {
     echo "== $name: exit $? in $((SECONDS - start)) s (log: $OUT/logs/$name.log)"
     grep -E "FAILED|ERROR| passed| failed" "$OUT/logs/$name.log" | grep -vE "^(DEBUG|INFO)" | tail -12
 }
+# 0. the sampler's filter kernel (two streaming passes) and the listed forward, not yet run on a
+#    GPU: their CUDA tests at the defaults, the launch configurations, the logits ops' timings
+step sampler_first 600 bash -c "python -m pytest -q -m cuda -p no:cacheprovider -rf tests/test_sampler_support.py \
+    tests/test_logprobs_cuda.py && python tools/sampler_sweep.py --out '$OUT' && python tools/sampler_routes.py"
 # 1. the new GPU paths' tests, with batch invariance and promotion on (the sampler kernels are on
 #    by default)
 TORCH_FUSED_BATCH_INVARIANT=1 TORCH_FUSED_LM_HEAD_PROMOTE=1 step tests_settings_on 900 \

@@ -1,0 +1,84 @@
+"""Launch configurations of the sampler's filter kernel (kernels/sampler.py: min-p and top-k, two
+streaming passes) on CUDA, timed against one read of the logits (``amax`` over the rows), with
+each configuration's thresholds and support lists checked equal to the first's and the default
+configuration's thresholds checked equal to the plain-PyTorch rule's.
+
+    python tools/sampler_sweep.py                  # the configurations below
+    python tools/sampler_sweep.py --out DIR        # and DIR/sampler_sweep.json
+
+A configuration is (block: the lanes and elements a step, cap: the working list, programs per
+multiprocessor, warps); the defaults are kernels/sampler.py ``config`` and
+``FILTER_PROGRAMS_PER_SM``. bf16 logits randn * 3 at N 4096 / V 151936 and N 16384 / V 32000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from torch_fused.bench.common import bench_ms, warm_up
+from torch_fused.kernels import sampler as K
+from torch_fused.ops import sampler as S
+from torch_fused.settings import override
+
+CONFIGS = (
+    (2048, 1024, 8, 4), (2048, 1024, 4, 8), (1024, 1024, 16, 4), (1024, 1024, 16, 2), (4096, 1024, 8, 4),
+    (1024, 512, 16, 4), (2048, 2048, 8, 4),
+)
+OPTIONS = (dict(top_k=50), dict(min_p=0.05), dict(top_k=50, top_p=0.9))
+
+
+def _thresholds(x, opt):
+    return S.threshold_launches(x, None, 1.0, False, opt.get("top_k"), opt.get("top_p"), opt.get("min_p"))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tools/sampler_sweep.py times CUDA kernels: no CUDA device here")
+    base, base_pps = K.config, K.FILTER_PROGRAMS_PER_SM
+    rows = []
+    for n, v in ((4096, 151936), (16384, 32000)):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = (torch.randn(n, v, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        floor = lambda: x.amax(-1)  # noqa: E731
+        warm_up(floor, ms=100.0)
+        fl = bench_ms(floor, warmup=3, rep=30)
+        print(f"N{n} V{v} one read of the logits (amax): {fl:.3f} ms", flush=True)
+        for opt in OPTIONS:
+            tau, sup = _thresholds(x, opt)
+            with override(sampler_kernels=False):
+                rule, _ = _thresholds(x, opt)
+            print(f"N{n} V{v} {opt}: default thresholds equal the rule's: {bool(torch.equal(tau, rule))}; rows "
+                  f"listed {(sup[:, 0] >= 0).float().mean().item():.3f}", flush=True)
+            first = None
+            for c in CONFIGS:
+                K.config = lambda e, vv, small, c=c: base(e, vv, small)._replace(block=c[0], cap=c[1],
+                                                                                 filter_warps=c[3])
+                K.FILTER_PROGRAMS_PER_SM = c[2]
+                try:
+                    fn = lambda: _thresholds(x, opt)  # noqa: E731
+                    t, s = fn()
+                    first = first or (t.clone(), s.clone())
+                    same = bool(torch.equal(t, first[0]) and torch.equal(s, first[1]))
+                    warm_up(fn, ms=30.0)
+                    ms = bench_ms(fn, warmup=2, rep=20)
+                finally:
+                    K.config, K.FILTER_PROGRAMS_PER_SM = base, base_pps
+                print(f"N{n} V{v} {opt} block {c[0]} cap {c[1]} programs/SM {c[2]} warps {c[3]}: {ms:.3f} ms = "
+                      f"{ms / fl:.2f}x one read; same thresholds and lists: {same}", flush=True)
+                rows.append(dict(n=n, v=v, options=opt, config=list(c), ms=ms, x_read=ms / fl, same=same))
+        del x
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "sampler_sweep.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
