@@ -171,13 +171,14 @@ def _compact(p_val, p_pos, cnt, floor, r, CHUNK: tl.constexpr):
 @triton.jit
 def _kth_key(x, k, LO_BIT: tl.constexpr):
     """The largest key r (a multiple of 2^LO_BIT) with at least k of the values x (a block in
-    registers) at a key >= r: the k-th largest value's key; KEY_MIN where fewer than k values
-    are above -inf. One bit a step from the top (int32 arithmetic that wraps: r + 2^b is the
-    candidate's bit pattern, r's bits below b being zero)."""
+    registers) at a key >= r: the k-th largest value's key (a key at or below -inf's where fewer
+    than k values are above -inf). One bit a step from the top: r ^ 2^b is r + 2^b on the
+    key's bit pattern (r's bit b is zero; for b = 31, KEY_MIN + 2^31 = 0), with no int32 add
+    that could overflow (a debug build asserts on one)."""
     keys = _key(x)
     r = tl.full((), -2147483648, tl.int32)
     for i in range(0, 32 - LO_BIT):
-        cand = r + (tl.full((), 1, tl.int32) << (31 - i))
+        cand = r ^ (tl.full((), 1, tl.int32) << (31 - i))
         n = tl.sum((keys >= cand).to(tl.int32), 0)
         r = tl.where(n >= k, cand, r)
     return r
@@ -264,16 +265,20 @@ def _sampler_filter_kernel(
         if HAS_TOPK:
             lk = _key_value(_kth_key(lanes, top_k, LO_BIT), LO_BIT)
             L = tl.maximum(L, tl.where(lk == lk, lk, float("-inf")))  # a key below -inf's decodes as NaN
-        # pass 2: every element >= L listed (the first CAP of them kept)
+        # pass 2: every element >= L listed (the first CAP of them kept); a lane handed a slot
+        # past the list stops counting (the row has overflowed), so a loose bound costs at most
+        # CAP + BLOCK atomics on the row's count
         p_cnt_row = p_cnt + row64
+        full = tl.zeros([BLOCK], dtype=tl.int1)
         b_raw = tl.load(p_row + o_b, mask=o_b < V, other=float("-inf"))
         for start in range(0, V, BLOCK):
             o = start + o_b
             b_nraw = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf"))
             b_x = b_raw.to(tl.float32)
             b_raw = b_nraw
-            cand = (o < V) & (b_x >= L)
+            cand = (o < V) & (b_x >= L) & ~full
             slot = tl.atomic_add(p_cnt_row + zero, 1, mask=cand, sem="relaxed")
+            full = full | (cand & (slot >= CAP))
             put = cand & (slot < CAP)
             tl.store(p_pos + slot, o, mask=put)
             tl.store(p_val + slot, b_x, mask=put)
@@ -480,13 +485,14 @@ def _digit_select(p_row, V, target, floor, m, c, MASS: tl.constexpr, EXACT_SHIFT
     counts the 16 candidate digits at once (KEY_MIN where even the whole sum falls short)."""
     NPASS: tl.constexpr = (32 - LO_BIT + 3) // 4
     o_b = tl.arange(0, BLOCK)
-    # int32 arithmetic that wraps: r + (d << shift) is the key's bit pattern, every candidate a
-    # valid int32 (r's bits below shift are zero)
+    # r ^ (d << shift) is r + (d << shift) on the key's bit pattern (r's bits from shift up to
+    # shift + 3 are zero; the top digit flips KEY_MIN's bit), in int32 with no add that could
+    # overflow (a debug build asserts on one)
     d = tl.arange(0, 16)
     r = tl.full((), -2147483648, tl.int32)
     for i in range(0, NPASS):
         shift = 28 - 4 * i
-        cands = r + (d << shift)
+        cands = r ^ (d << shift)
         if MASS:
             acc = tl.zeros([16], dtype=tl.float32)
         else:
@@ -502,7 +508,7 @@ def _digit_select(p_row, V, target, floor, m, c, MASS: tl.constexpr, EXACT_SHIFT
             hit = _key(b_x)[:, None] >= cands[None, :]
             acc += tl.sum(tl.where(hit, wt[:, None], 0), 0)
         best = tl.max(tl.where(acc >= target, d, 0), 0)
-        r = r + (best << shift)
+        r = r ^ (best << shift)
     return r
 
 
@@ -585,7 +591,8 @@ def config(elem_size: int, v: int, small: bool) -> Config:
     setting): tiles that take every path of the kernels at small V (several blocks, list
     shrinks and overflows, several rows per program)."""
     if small:
-        return Config(block=16, cap=64, cap_p=64, ept=16 // elem_size, warps=1, exact_block=16, chunk=16, programs=3,
+        # (32 lanes: one per thread of the filter's warp, so no thread holds another's atomic)
+        return Config(block=32, cap=64, cap_p=64, ept=16 // elem_size, warps=1, exact_block=16, chunk=16, programs=3,
                       sample=64, filter_warps=1, filter_programs=3, sort_r=16)
     block = 4096 // elem_size
     return Config(block=block, cap=1024, cap_p=8192, ept=16 // elem_size, warps=8, exact_block=256, chunk=512,

@@ -587,14 +587,16 @@ def _support_forward(h2, w, idx2, bias, opts, path, invariant, lp2, ent2, st2):
         if k and not kernel_list:
             # one more than listed where the row has more: whether ties run past the k-th value
             vals, ids = z.topk(min(k + 1, v), dim=1)
+        listed = None
         if k and not top_p and not kernel_list:
             # min-p / top-k: the rule's threshold from the listing's own top k (one top-k pass)
             tau = reference.min_p_top_k_threshold(z, kernel_temperature(t_eff), opts, vals)[:, 0]
         else:
             tau, listed = torch.ops.fused._sampler_threshold(z, None, t_eff, False, opts.top_k, opts.top_p,
                                                              opts.min_p)
-        # ids below the threshold: -inf from the core (and no gradient in its backward)
-        lp_c, ent_c, st_c = lp_ops._core(z, idx2[r0:r1], None, *lopts.values(), tau, None)
+        # ids below the threshold: -inf from the core (and no gradient in its backward); a row
+        # the threshold op listed has its sums taken over its listed logits alone
+        lp_c, ent_c, st_c = lp_ops._core(z, idx2[r0:r1], None, *lopts.values(), tau, listed)
         lp2[r0:r1] = lp_c
         ent2[r0:r1] = ent_c
         st2[r0:r1, :2] = st_c
