@@ -5,7 +5,7 @@
 # machine with the peers installed (pip install -e '.[test,trl]' liger-kernel); every step has
 # its own time limit, writes its log under OUT (default ./gpu_checks_<date>), and a failing or
 # timed-out step does not stop the next. Usage: bash tools/gpu_checks.sh [OUT]; STEPS="name ..."
-# runs only the steps named (e.g. STEPS="sampler_first head_support" for a short session).
+# runs only the steps named (e.g. STEPS="sampler_first head_support" for a short run).
 set -u
 OUT=${1:-gpu_checks_$(date +%Y%m%d_%H%M%S)}
 mkdir -p "$OUT/logs"
