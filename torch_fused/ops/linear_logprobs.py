@@ -640,26 +640,34 @@ def _support_backward(grad_logp, grad_entropy, hidden, weight, index, bias, stat
     h2, idx2 = _rows(hidden, index, opts.shift)
     n, v = h2.shape[0], weight.shape[0]
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    st = stats.reshape(n, -1) if n > 0 else None
+    k = opts.listed_ids(v)
+    listed = bool(k) and settings.lm_head_support_listed
+    # every row listed (one device sync): d weight is the listed backward's sparse product alone,
+    # written into a column-major accumulator, the layout torch's sparse-dense addmm writes in
+    # place (another it copies to that layout and back: two strided passes over [V, H] in fp32)
+    by_columns = weight_grad and listed and n > 0 and not bool((st[:, 3] < 0).any())
     dh = torch.zeros(n if hidden_grad else 0, h2.shape[1], dtype=acc, device=hidden.device)
-    dw_acc = torch.zeros(weight.shape if weight_grad else (0,), dtype=acc, device=hidden.device)
+    if by_columns:
+        dw_acc = torch.zeros(weight.shape[::-1], dtype=acc, device=hidden.device).t()
+    else:
+        dw_acc = torch.zeros(weight.shape if weight_grad else (0,), dtype=acc, device=hidden.device)
     db_acc = torch.zeros(bias.shape if bias is not None else (0,), dtype=acc, device=hidden.device)
     if n > 0 and (grad_logp is not None or grad_entropy is not None):
         w, hm = _gemm_operands(weight, h2, not path.triton)
-        st = stats.reshape(n, -1)
         ent2 = entropy.reshape(n)
         glp = grad_logp.reshape(idx2.shape) if grad_logp is not None else None
         gh = grad_entropy.reshape(n) if grad_entropy is not None else None
         glp, idx2, bad_rows = _contain_bad_ids(glp, idx2, opts.ignore_index, v)
         grads = (dh, dw_acc, db_acc, hidden_grad, weight_grad)
         unlisted = None  # the rows the chunks take (None: all)
-        k = opts.listed_ids(v)
-        if k and settings.lm_head_support_listed:
+        if listed:
             _listed_backward(glp, gh, hm, w, idx2, bias, st, ent2, opts, k, *grads)
             unlisted = st[:, 3] < 0
         _chunked_support_backward(glp, gh, hm, w, idx2, bias, st, ent2, opts, path, unlisted, *grads)
         if bad_rows is not None and hidden_grad:
             dh.masked_fill_(bad_rows[:, None], float("nan"))
-    dw = dw_acc.to(weight.dtype) if weight_grad else weight.new_empty(0)
+    dw = dw_acc.to(weight.dtype, memory_format=torch.contiguous_format) if weight_grad else weight.new_empty(0)
     return dh, dw, db_acc.to(hidden.dtype)
 
 
