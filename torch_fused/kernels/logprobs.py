@@ -232,13 +232,12 @@ def _logprobs_entropy_forward_kernel(
         inb = (b_idx >= 0) & (b_idx < V)
         b_xi = _below_tau(tl.load(p_row + b_idx, mask=m_k & inb, other=0.0).to(tl.float32), tau, HAS_TAU)
 
+    n_sup = -1  # (without HAS_SUP a constant: the test below is resolved at compile time)
     if HAS_SUP:
         n_sup = tl.load(p_sup + row * sup_stride)
-        if n_sup >= 0:
-            m, s, t = _listed_statistics(p_row, p_sup + row * sup_stride + 1, n_sup, V, c, HAS_ENT, EXACT_SHIFT,
-                                         BLOCK_V, EPT)
-        else:
-            m, s, t = _row_statistics(p_row, V, c, tau, HAS_ENT, EXACT_SHIFT, HAS_TAU, BLOCK_V, EPT)
+    if n_sup >= 0:
+        m, s, t = _listed_statistics(p_row, p_sup + row * sup_stride + 1, n_sup, V, c, HAS_ENT, EXACT_SHIFT,
+                                     BLOCK_V, EPT)
     else:
         m, s, t = _row_statistics(p_row, V, c, tau, HAS_ENT, EXACT_SHIFT, HAS_TAU, BLOCK_V, EPT)
     log2s = tl.log2(s)

@@ -604,10 +604,9 @@ def compile_cases():
     common = {"p_x": "*bf16", "p_tau": "*fp32", "p_sup": "*i32", "p_val": "*fp32", "p_pos": "*i32",
               "p_temp": "*fp32", "n_rows": "i32", "V": "i32", "inner_size": "i32", "stride_outer": "i64",
               "stride_inner": "i64", "t_arg": "fp32"}
-    filt = {**{k: v for k, v in common.items() if k != "p_temp"}, "p_cnt": "*i32", "p_temp": "*fp32"}
-    filt = {k: filt[k] for k in ("p_x", "p_tau", "p_sup", "p_val", "p_pos", "p_cnt", "p_temp", "n_rows", "V",
-                                 "inner_size", "stride_outer", "stride_inner", "t_arg")}
-    filt = dict(filt, min_p_arg="fp32", top_k="i32", top_p="fp32")
+    filt = {"p_x": "*bf16", "p_tau": "*fp32", "p_sup": "*i32", "p_val": "*fp32", "p_pos": "*i32", "p_cnt": "*i32",
+            "p_temp": "*fp32", "n_rows": "i32", "V": "i32", "inner_size": "i32", "stride_outer": "i64",
+            "stride_inner": "i64", "t_arg": "fp32", "min_p_arg": "fp32", "top_k": "i32", "top_p": "fp32"}
     for mp, tk, tp, tptr in [(True, False, False, False), (False, True, False, False), (True, True, True, True)]:
         yield (f"sampler_filter minp={mp} topk={tk} topp={tp} t_ptr={tptr}", _sampler_filter_kernel, filt,
                {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr, "LO_BIT": 16,
