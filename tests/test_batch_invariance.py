@@ -60,6 +60,8 @@ def _equal_rows(name, results, row):
 HEAD_PATHS = {"fused-gemm": (torch.bfloat16, {}, {}), "chunks-fp32": (torch.float32, {}, {}),
               "chunks-bf16": (torch.bfloat16, {"lm_head_fused_gemm": frozenset()}, {}),
               "softcap": (torch.bfloat16, {}, {"softcap": 30.0}),
+              # K ids inside the GEMM epilogues (by default K > 1 ids take the side kernel)
+              "epilogue-ids": (torch.bfloat16, {"lm_head_epilogue_ids": 8}, {}),
               # the sampler's support: token-row chunks of whole rows (the row count per chunk
               # does not follow N, but the last chunk's size does)
               "support": (torch.bfloat16, {"lm_head_support_chunk_bytes": {"cuda": 4 * 151936 * 96, "cpu": 4 * 130 * 2}},
@@ -68,7 +70,7 @@ HEAD_PATHS = {"fused-gemm": (torch.bfloat16, {}, {}), "chunks-fp32": (torch.floa
 
 # the interpreter run takes two of the cases (its time is the suite's long pole)
 HEAD_CASES = ([("fused-gemm", 3), ("chunks-fp32", None), ("support", 3)] if INTERPRET else
-              [(p, k) for p in HEAD_PATHS for k in (None, 3)])
+              [(p, k) for p in HEAD_PATHS for k in (None, 3) if p != "epilogue-ids" or k])
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)

@@ -54,6 +54,8 @@ def cases(draw):
         softcap=draw(st.sampled_from([None, None, 4.0])),
         ignore=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
+        # K ids inside the fused GEMM epilogues (8) or beside them (1: the side kernel)
+        epilogue_ids=draw(st.sampled_from([1, 8])),
     )
 
 
@@ -83,7 +85,8 @@ def test_matches_materialized_float64(device, gemm_path, c):
         idx[0, 0] = -100
     idx = idx.to(device)
     kw = dict(temperature=c["t"], shift=c["shift"], logit_scale=c["scale"], softcap=c["softcap"])
-    lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx, bias=bias, **kw)
+    with override(lm_head_epilogue_ids=c["epilogue_ids"]):
+        lp, ent = torch_fused.linear_logprobs_and_entropy(h, w, idx, bias=bias, **kw)
     want = torch.float64 if dtype == torch.float64 else torch.float32
     assert lp.dtype == want and ent.dtype == want and lp.shape == idx.shape and ent.shape == (c["b"], c["l"])
     hr = h.detach().cpu().double().requires_grad_(True)
@@ -365,11 +368,15 @@ def test_out_of_range_id_stays_in_its_row(device, k, gemm_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_ids_on_every_column_of_the_tiles(device):
+@pytest.mark.parametrize("epilogue_ids", [1, 8])
+def test_ids_on_every_column_of_the_tiles(device, epilogue_ids, settings_override):
     """K ids per row that together name every vocabulary column once, so that some row's id sits
     on the first and the last column of every column tile whatever the tiles' width (the fused
-    epilogues skip an id's work in tiles that do not hold it): log-probs and the gradients of
-    hidden and weight against float64."""
+    epilogues skip an id's work in tiles that do not hold it), and on the first and last column of
+    every d logits chunk (the side kernel's ids, epilogue_ids 1, written into each chunk):
+    log-probs and the gradients of hidden and weight against float64."""
+    settings_override(lm_head_epilogue_ids=epilogue_ids, lm_head_dlogits_min_cols={},
+                      lm_head_chunk_bytes={"cpu": 2 * 50 * 64, "cuda": 2 * 50 * 64})  # 64-column bf16 chunks
     g = torch.Generator().manual_seed(8)
     n, k, hdim = 50, 6, 8
     v = n * k  # 300: past a 256-column tile
@@ -390,6 +397,40 @@ def test_ids_on_every_column_of_the_tiles(device):
     for name, a, e in (("hidden", dh, dh64), ("weight", dw, dw64)):
         err = (a.double().cpu() - e).norm(dim=1) / e.norm(dim=1)
         assert err.max().item() < 1e-2, (name, err.max().item(), int(err.argmax()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("epilogue_ids", [1, 8])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_repeated_and_ignored_ids_against_float64(device, epilogue_ids, invariant, settings_override):
+    """K ids per row with an id repeated (its d logit takes both slots' gradients), ignore_index
+    slots, a bias and a temperature, through each route of the fused head's ids (the side kernel,
+    epilogue_ids 1, and the epilogues) and with the batch-invariant setting on and off: log-probs,
+    entropy and the gradients of hidden, weight and bias against float64."""
+    settings_override(lm_head_epilogue_ids=epilogue_ids, lm_head_batch_invariant=invariant,
+                      lm_head_fused_gemm=frozenset({"forward", "backward"}))  # the fused GEMMs' routes
+    g = torch.Generator().manual_seed(12)
+    n, k, hdim, v = 9, 5, 24, 70
+    h = torch.randn(n, hdim, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(v, hdim, generator=g) / 2).to(device, torch.bfloat16)
+    b = torch.randn(v, generator=g).to(device, torch.bfloat16)
+    idx = torch.randint(0, v, (n, k), generator=g)
+    idx[:, 3] = idx[:, 1]  # every row repeats an id
+    idx[2, 0] = idx[5, 4] = -100
+    gl = torch.randn(n, k, generator=g, dtype=torch.float64)
+    ge = torch.randn(n, generator=g, dtype=torch.float64)
+    hh, ww, bb = (t.clone().requires_grad_(True) for t in (h, w, b))
+    lp, ent = torch_fused.linear_logprobs_and_entropy(hh, ww, idx.to(device), bias=bb, temperature=0.8)
+    grads = torch.autograd.grad((lp * gl.to(device).float()).sum() + (ent * ge.to(device).float()).sum(), (hh, ww, bb))
+    h64, w64, b64 = (t.detach().double().cpu().requires_grad_(True) for t in (h, w, b))
+    lr, er = ref_linear(h64, w64, idx, b64, 0.8, 1.0, None, False)
+    grads64 = torch.autograd.grad((lr * gl).sum() + (er * ge).sum(), (h64, w64, b64))
+    torch.testing.assert_close(lp.double().cpu(), lr.detach(), rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent.double().cpu(), er.detach(), rtol=0, atol=2e-5)
+    assert bool((lp.cpu()[idx == -100] == 0).all())
+    for name, a, e in zip(("hidden", "weight", "bias"), grads, grads64):
+        err = (a.double().cpu() - e).norm() / e.norm()
+        assert err.item() < 1e-2, (name, err.item())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -18,10 +18,13 @@ step() {
     echo "== $name: exit $? in $((SECONDS - start)) s (log: $OUT/logs/$name.log)"
     grep -E "FAILED|ERROR| passed| failed" "$OUT/logs/$name.log" | grep -vE "^(DEBUG|INFO)" | tail -12
 }
-# 0. the sampler's filter kernel (two streaming passes) and the listed forward, not yet run on a
-#    GPU: their CUDA tests at the defaults, the launch configurations, the logits ops' timings
+# 0. the sampler's filter kernel (two streaming passes), the listed forward and the fused head's
+#    ids beside its epilogues (lm_head_epilogue_ids), not yet run on a GPU: their CUDA tests at the
+#    defaults, the filter's launch configurations, the logits ops' timings (distill_quick below
+#    times the top-k teacher with its ids beside the GEMMs and inside the epilogues)
 step sampler_first 600 bash -c "python -m pytest -q -m cuda -p no:cacheprovider -rf tests/test_sampler_support.py \
-    tests/test_logprobs_cuda.py && python tools/sampler_sweep.py --out '$OUT' && python tools/sampler_routes.py"
+    tests/test_logprobs_cuda.py tests/test_linear_logprobs.py tests/test_distill.py && \
+    python tools/sampler_sweep.py --out '$OUT' && python tools/sampler_routes.py"
 # 1. the new GPU paths' tests, with batch invariance and promotion on (the sampler kernels are on
 #    by default)
 TORCH_FUSED_BATCH_INVARIANT=1 TORCH_FUSED_LM_HEAD_PROMOTE=1 step tests_settings_on 900 \

@@ -981,6 +981,30 @@ MUTANTS: list[Mutant] = [
           "        pos = tl.load(p_list + o, mask=o < n - 1, other=-1)  # MUTANT\n")],
         ["tests/test_sampler_support.py"],
     ),
+    # 92-94: the fused head's ids beside its epilogues (more than lm_head_epilogue_ids of them): a
+    # repeated id's d logit taking its own slot's gradient only, each chunk's scatter at the
+    # global column (the chunk's first id not subtracted), the batch-invariant sum of the ids'
+    # gradients one id short
+    Mutant(
+        "head-side-ids-repeat-triton", "92 the side kernel's d logit of a repeated id from its own slot only",
+        "torch_fused/kernels/lm_head.py", TRITON,
+        [("            d += tl.sum(tl.where(ids_j[None, :] == ids[:, None], g_j[None, :], 0.0), axis=1)\n",
+          "            d += tl.sum(tl.where((j0 + o_j)[None, :] == o_k[:, None], g_j[None, :], 0.0), axis=1)  # MUTANT\n")],
+        LM_HEAD_TESTS,
+    ),
+    Mutant(
+        "head-side-ids-chunk-offset-triton", "93 the ids' scatter into a chunk at the global column",
+        "torch_fused/ops/linear_logprobs.py", TRITON,
+        [("        _scatter_ids(id_dz, ids, dz, v_off)\n", "        _scatter_ids(id_dz, ids, dz, 0)  # MUTANT\n")],
+        LM_HEAD_TESTS,
+    ),
+    Mutant(
+        "head-side-ids-invariant-sum-triton", "94 the batch-invariant sum of the ids' gradients one id short",
+        "torch_fused/kernels/lm_head.py", TRITON,
+        [("    for k in range(K):\n        a += tl.load(p_g + r * K + k, mask=live, other=0.0)\n",
+          "    for k in range(K - 1):  # MUTANT\n        a += tl.load(p_g + r * K + k, mask=live, other=0.0)\n")],
+        LM_HEAD_TESTS,
+    ),
 ]
 
 

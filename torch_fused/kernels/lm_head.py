@@ -11,6 +11,12 @@ the logits never reach memory.
   folds them), rounded once to the output's dtype and stored: the d weight and d hidden GEMMs
   read it.
 
+- ``_ids_kernel``, ``_scatter_ids_kernel``: a row's K ids where the epilogues leave them out
+  (more than the lm_head_epilogue_ids setting: each tile's epilogue would look at each of its
+  rows' K ids, a cost that grows with K). Each id's logit is one row of hidden against one weight
+  row (fp32 dot in H order); the forward stores its d, the backward its d logit once for the
+  whole call, which each d logits chunk then takes at the id's column.
+
 Tiles are visited in groups of GROUP_M row tiles per column sweep, so a group's hidden rows and
 a column tile's weight rows stay in L2 while they are reused.
 """
@@ -260,6 +266,82 @@ def _lm_head_dlogits_tma_kernel(
 
 
 @triton.jit
+def _ids_kernel(
+    p_h, p_w, p_b, p_idx, p_g, p_coef, p_out,
+    N, K, H, V, stride_h, stride_w, v_lo,
+    scale,  # c = log2(e) / T
+    HAS_BIAS: tl.constexpr, DLOGITS: tl.constexpr, EXACT_SHIFT: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
+):
+    """The ids' side of the fused head where its epilogues leave them out (more ids per row than
+    the lm_head_epilogue_ids setting): one row and BLOCK_K of its K ids per program. An id of
+    the weight rows p_w (ids v_lo .. v_lo + V - 1) has its logit z = hidden[row] . weight[id] (+
+    bias) summed in fp32 in H order (the row's own order, whatever N is), and d = z c - m c
+    against the row's max (p_coef[2 or 4, N]: m, log2 s, a, b). Stored at p_out[row, k] (fp32
+    [N, K]; an id outside the rows: 0.0): forward (not DLOGITS), d; backward (DLOGITS), the id's d
+    logit, -p (a + b max(log2 p, D_MIN)) + the sum of p_g[row, j] over the row's ids j equal to
+    it (log2 p = d - log2 s): the value the d logits epilogue gives with the ids, which
+    _scatter_ids_kernel writes over each chunk's d logits."""
+    row = tl.program_id(0).to(tl.int64)
+    o_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    live = o_k < K
+    ids = tl.load(p_idx + row * K + o_k, mask=live, other=-1)
+    loc = ids - v_lo
+    inside = live & (loc >= 0) & (loc < V)
+    r_w = tl.where(inside, loc, 0).to(tl.int64)
+    o_h = tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    if tl.max(inside.to(tl.int32), axis=0) > 0:
+        for h0 in range(0, H, BLOCK_H):
+            in_h = h0 + o_h < H
+            b_h = tl.load(p_h + row * stride_h + h0 + o_h, mask=in_h, other=0.0).to(tl.float32)
+            b_w = tl.load(p_w + r_w[:, None] * stride_w + (h0 + o_h)[None, :],
+                          mask=inside[:, None] & in_h[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(b_w * b_h[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(p_b + r_w, mask=inside, other=0.0).to(tl.float32)
+    d = _shifted(acc, tl.load(p_coef + row), scale, EXACT_SHIFT)
+    if DLOGITS:
+        lp2 = d - tl.load(p_coef + N + row)
+        a = tl.load(p_coef + 2 * N + row)
+        b = tl.load(p_coef + 3 * N + row)
+        d = -tl.exp2(lp2) * (a + b * tl.maximum(lp2, D_MIN))
+        o_j = tl.arange(0, BLOCK_J)
+        for j0 in range(0, K, BLOCK_J):
+            live_j = j0 + o_j < K
+            ids_j = tl.load(p_idx + row * K + j0 + o_j, mask=live_j, other=-1)
+            g_j = tl.load(p_g + row * K + j0 + o_j, mask=live_j, other=0.0)
+            d += tl.sum(tl.where(ids_j[None, :] == ids[:, None], g_j[None, :], 0.0), axis=1)
+    tl.store(p_out + row * K + o_k, tl.where(inside, d, 0.0), mask=live)
+
+
+@triton.jit
+def _scatter_ids_kernel(p_val, p_idx, p_dz, NK, K, VC, stride_dz, v_lo, BLOCK: tl.constexpr):
+    """Each (row, id) of p_idx [N, K] (NK = N K) whose id is one of the chunk's columns v_lo ..
+    v_lo + VC - 1: p_val[row, k] (_ids_kernel's d logit, fp32) rounded once to the chunk's dtype
+    and stored at p_dz[row, id - v_lo]. A repeated id stores the same value from each slot."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = e < NK
+    loc = tl.load(p_idx + e, mask=live, other=-1) - v_lo
+    inside = live & (loc >= 0) & (loc < VC)
+    val = tl.load(p_val + e, mask=inside, other=0.0)
+    tl.store(p_dz + (e // K) * stride_dz + loc, val.to(p_dz.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _add_id_grads_kernel(p_coef, p_g, N, K, BLOCK_R: tl.constexpr):
+    """a (p_coef[2, :]) += the row's K ids' gradients p_g[N, K], added one id after the other: the
+    order _dlogits_epilogue's SUM_G adds them in, the row's own whatever N is."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < N
+    r = rows.to(tl.int64)
+    a = tl.load(p_coef + 2 * N + r, mask=live, other=0.0)
+    for k in range(K):
+        a += tl.load(p_g + r * K + k, mask=live, other=0.0)
+    tl.store(p_coef + 2 * N + r, a, mask=live)
+
+
+@triton.jit
 def _tile_merge_kernel(
     p_part, p_run, NT, plane, stride_run,
     scale,  # c = log2(e) / T
@@ -422,6 +504,17 @@ def compile_cases():
         sig = {"d_h": f"tensordesc<bf16[{bm},{bk}]>", "d_w": f"tensordesc<bf16[{bn},{bk}]>", **sig}
         yield (name, kernel, sig, {"HAS_BIAS": True, "EXACT_SHIFT": False, "BM": bm, "BN": bn, "BK": bk,
                                    "GROUP_M": gm, "NUM_SMS": NOMINAL_SMS, "PROMOTE": True, **flags}, warps)
+    ids = {"p_h": "*bf16", "p_w": "*bf16", "p_b": "*bf16", "p_idx": "*i64", "p_g": "*fp32", "p_coef": "*fp32",
+           "p_out": "*fp32", "N": "i32", "K": "i32", "H": "i32", "V": "i32", "stride_h": "i32", "stride_w": "i32",
+           "v_lo": "i32", "scale": "fp32"}
+    for name, dlogits in (("lm_head_ids", False), ("lm_head_ids_dlogits", True)):
+        yield (name, _ids_kernel, ids, {"HAS_BIAS": True, "DLOGITS": dlogits, "EXACT_SHIFT": False, "BLOCK_K": 16,
+                                        "BLOCK_H": 128, "BLOCK_J": 64}, 4)
+    yield ("lm_head_scatter_ids", _scatter_ids_kernel,
+           {"p_val": "*fp32", "p_idx": "*i64", "p_dz": "*bf16", "NK": "i64", "K": "i32", "VC": "i32",
+            "stride_dz": "i32", "v_lo": "i32"}, {"BLOCK": 1024}, 4)
+    yield ("lm_head_add_id_grads", _add_id_grads_kernel, {"p_coef": "*fp32", "p_g": "*fp32", "N": "i32", "K": "i32"},
+           {"BLOCK_R": 128}, 4)
     yield ("lm_head_tile_merge", _tile_merge_kernel,
            {"p_part": "*fp32", "p_run": "*fp32", "NT": "i32", "plane": "i64", "stride_run": "i32", "scale": "fp32"},
            {"EXACT_SHIFT": False, "BLOCK_T": MERGE_BLOCK_T}, 4)

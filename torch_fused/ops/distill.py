@@ -25,7 +25,9 @@ Core ops (meta/distill.py: ``DistillOptions``, the checks and the fakes):
   the upstream gradient: no GEMM is recomputed.
 - A top-k teacher (``teacher_topk_ids``, ``teacher_topk_logprobs``) goes through the log-prob ops
   (``fused::_logprobs_entropy_forward`` from logits, ``fused::_linear_logprobs_entropy_forward``
-  from the student's head) with the k ids, then an O(N k) formula (reference.distill_topk).
+  from the student's head) with the k ids, then an O(N k) formula (reference.distill_topk). On
+  the fused head the k ids stay out of the GEMM epilogues (the ``lm_head_epilogue_ids``
+  setting): their logits come from one dot product each, beside the GEMMs.
 
 - Vocabulary slices (the vocabulary-parallel path, torch_fused/parallel_distill.py):
   ``fused::_distill_slice_forward`` / ``fused::_linear_distill_slice_forward`` run one of the two

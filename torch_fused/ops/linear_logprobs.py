@@ -8,6 +8,10 @@ Log-probs at ``index`` and the entropy of ``softmax(z / T)``, z = softcap(logit_
   by TMA on Hopper and later, one persistent program per multiprocessor) is consumed in its
   kernel's epilogue (kernels/lm_head.py). Forward: the tile's row statistics (max, sum of
   exponentials, entropy sum, the indexed logits), folded over the column tiles here.
+  With more ids per row than the ``lm_head_epilogue_ids`` setting (a top-k teacher's k ids),
+  the epilogues leave the ids out and a side kernel computes each id's logit as one dot product
+  of its hidden row and weight row: its log-prob in the forward; in the backward its d logit,
+  once for the call, written over each chunk's d logits at the id's column.
   Backward: the tile's d logits from the whole rows' statistics, stored once in the weight's
   dtype into a vocabulary chunk [N, v] (the ``lm_head_chunk_bytes`` setting, of fp32, so v is twice as wide in
   bf16) that the d weight and d hidden GEMMs (cuBLAS) read: the logits never make a round trip
@@ -294,14 +298,57 @@ def _launch_args(h2, w, kernel):
     return K, h2, w, dict(BM=bm, BN=bn, BK=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
 
 
+def _ids_in_epilogue(k: int) -> bool:
+    """Whether the fused GEMMs' epilogues take a row's k ids themselves (else _ids_side does)."""
+    return k <= settings.lm_head_epilogue_ids
+
+
+def _ids_side(h2, w, bias, ids, coef, v_lo, c, g=None):
+    """kernels/lm_head.py _ids_kernel over every row: [N, K] fp32, each id's d = z c - m c
+    against the row max coef[0] (forward), or with g (backward) its d logit, which
+    _scatter_ids writes into each chunk (ids of w: v_lo ..; others 0.0)."""
+    from ..kernels import lm_head as K
+
+    n, k = ids.shape
+    out = torch.empty(n, k, dtype=torch.float32, device=h2.device)
+    if n == 0 or k == 0:
+        return out
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    small = settings.small_tiles
+    block_k = 2 if small else min(16, max(2, K.triton.next_power_of_2(k)))
+    K._ids_kernel[(n, -(-k // block_k))](
+        h2, w, bias.contiguous() if bias is not None else w, ids, g if g is not None else coef, coef, out,
+        n, k, h2.shape[1], w.shape[0], h2.stride(0), w.stride(0), v_lo, c,
+        HAS_BIAS=bias is not None, DLOGITS=g is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=block_k,
+        BLOCK_H=16 if small else 128, BLOCK_J=2 if small else 64, num_warps=1 if small else 4)
+    return out
+
+
+def _scatter_ids(vals, ids, dz, v_lo):
+    """The ids' d logits vals [N, K] (_ids_side) of the chunk's columns (ids v_lo ..) into dz."""
+    from ..kernels import lm_head as K
+
+    nk = ids.numel()
+    if nk:
+        block = 64 if settings.small_tiles else 1024
+        K._scatter_ids_kernel[(-(-nk // block),)](vals, ids, dz, nk, ids.shape[1], dz.shape[1], dz.stride(0), v_lo,
+                                                   BLOCK=block)
+
+
 def _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c):
     """run, u and m_own of the whole rows (as the chunk merges leave them) from the GEMM-tile
     statistics of kernels/lm_head.py, folded over the column tiles here; rows in launches whose
-    partials stay under the lm_head_part_bytes setting."""
+    partials stay under the lm_head_part_bytes setting. Ids the epilogues leave out
+    (_ids_in_epilogue) keep u and m_own untouched."""
     tma = _use_tma(h2, w)
     K, h2, w, cfg = _launch_args(h2, w, "stats_tma" if tma else "stats")
     n, hd = h2.shape
     v, k = w.shape[0], ids.shape[1]
+    if not _ids_in_epilogue(k):
+        k = 0  # (the kernels' id loop runs no step; ids stays a valid pointer)
     nt = -(-v // cfg["BN"])
     rows = max(cfg["BM"], settings.lm_head_part_bytes // (12 * nt) // cfg["BM"] * cfg["BM"])
     if tma:
@@ -365,8 +412,9 @@ def _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total
     return coef, g
 
 
-def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c):
-    """d logits of vocabulary rows w (ids v_off ..) into dz [N, v], from the GEMM tiles."""
+def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c, id_dz=None):
+    """d logits of vocabulary rows w (ids v_off ..) into dz [N, v], from the GEMM tiles; the ids'
+    d logits id_dz (_ids_side) written over them where the epilogues leave the ids out."""
     tma = _use_tma(h2, w)
     K, h2, w, cfg = _launch_args(h2, w, "dlogits_tma" if tma else "dlogits")
     n, hd = h2.shape
@@ -374,9 +422,11 @@ def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c):
     nt = -(-v // cfg["BN"])
     tiles = -(-n // cfg["BM"]) * nt
     k = ids.shape[1]
+    in_epilogue = _ids_in_epilogue(k)
     args = (bias.contiguous() if bias is not None else w, ids, g if g is not None else coef, coef, dz)
-    flags = dict(HAS_BIAS=bias is not None, HAS_GLP=g is not None, EXACT_SHIFT=exact_shift(c),
-                 PROMOTE=settings.lm_head_promote, SUM_G=g is not None and settings.lm_head_batch_invariant, **cfg)
+    flags = dict(HAS_BIAS=bias is not None, HAS_GLP=g is not None and in_epilogue, EXACT_SHIFT=exact_shift(c),
+                 PROMOTE=settings.lm_head_promote,
+                 SUM_G=g is not None and in_epilogue and settings.lm_head_batch_invariant, **cfg)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -387,6 +437,8 @@ def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c):
     else:
         K._lm_head_dlogits_kernel[(tiles,)](
             h2, w, *args, n, v, hd, k, h2.stride(0), w.stride(0), dz.stride(0), nt, v_off, c, **flags)
+    if id_dz is not None and not in_epilogue:
+        _scatter_ids(id_dz, ids, dz, v_off)
 
 
 def _forward_impl(hidden, weight, index, bias, opts, path):
@@ -416,8 +468,10 @@ def _forward_impl(hidden, weight, index, bias, opts, path):
     run = torch.empty(n, 3, dtype=dt, device=hidden.device)
     u = torch.zeros(ids.shape, dtype=dt, device=hidden.device)
     m_own = torch.zeros(ids.shape, dtype=dt, device=hidden.device)
+    side = False
     if _fused_gemm("forward", path, w, opts) and h2.dtype == w.dtype:
         _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c)
+        side = not _ids_in_epilogue(ids.shape[1])
     else:
         for v0 in range(0, v, step):
             v1 = min(v, v0 + step)
@@ -429,8 +483,11 @@ def _forward_impl(hidden, weight, index, bias, opts, path):
     stats.view(n, 2)[:, 0] = m
     stats.view(n, 2)[:, 1] = log2s
     ent.view(n).copy_((log2s - t_run / s_run) * LN2)
-    exact = lp_ops.shift_is_exact(path.triton, dt, c)
-    lp = (u + lp_ops.shift_difference(m_own, m[:, None], c, exact) - log2s[:, None]) * LN2
+    if side:  # the ids' d against the rows' max, from their own dot products
+        lp = (_ids_side(h2, w, bias, ids, torch.stack((m, log2s)), 0, c) - log2s[:, None]) * LN2
+    else:
+        exact = lp_ops.shift_is_exact(path.triton, dt, c)
+        lp = (u + lp_ops.shift_difference(m_own, m[:, None], c, exact) - log2s[:, None]) * LN2
     lp = torch.where((ids >= 0) & (ids < v), lp, torch.full_like(lp, float("nan")))
     logp.view(ids.shape).copy_(torch.where(ids == opts.ignore_index, torch.zeros_like(lp), lp))
     return logp, ent, stats
@@ -477,9 +534,17 @@ def backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats,
     fused = _fused_gemm("backward", path, w, opts) and hm.dtype == w.dtype
     if fused:  # d logits straight from the GEMM tiles: one w.dtype chunk buffer
         ids = idx2.reshape(n, -1).contiguous()
-        coef, g_ids = _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total,
-                                            settings.lm_head_batch_invariant)
         c = traced_constants()[0] / t_eff  # LOG2E, as above
+        sum_in_kernel = settings.lm_head_batch_invariant
+        coef, g_ids = _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total, sum_in_kernel)
+        if g_ids is not None and sum_in_kernel and not _ids_in_epilogue(ids.shape[1]):
+            # the epilogues leave the ids out: their gradients join a here, in id order
+            from ..kernels import lm_head as KL
+
+            KL._add_id_grads_kernel[(-(-n // 128),)](coef, g_ids, n, ids.shape[1], BLOCK_R=128)
+        # the ids' d logits where the epilogues leave them out: computed once, written into each chunk
+        id_dz = (_ids_side(hm, w, bias, ids, coef, v_off, c, g=g_ids)
+                 if g_ids is not None and not _ids_in_epilogue(ids.shape[1]) else None)
     # Triton path, bf16 / fp16: d logits written over their own fp32 logits chunk
     in_place = path.triton and softcap is None and w.dtype in (torch.bfloat16, torch.float16)
     invariant = _invariant(path, hm, w)
@@ -491,7 +556,7 @@ def backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats,
         b_c = bias[v0:v1] if bias is not None else None
         if fused:
             dz = torch.empty(n, v1 - v0, dtype=w.dtype, device=dev)
-            _dlogits_fused_gemm(hm, w[v0:v1], b_c, ids, g_ids, coef, dz, v_off + v0, c)
+            _dlogits_fused_gemm(hm, w[v0:v1], b_c, ids, g_ids, coef, dz, v_off + v0, c, id_dz)
         else:
             z = _logits_chunk(hm, w[v0:v1], b_c, opts, invariant)
             if in_place:
