@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_fused._library import INTERPRET
 from torch_fused.meta.distill import DistillOptions
-from torch_fused.ops.distill import chunk_plan
+from torch_fused.ops.distill import chunk_plan, vocab_plan
 from torch_fused.settings import DEFAULTS, override
 from _helpers import DEVICES
 
@@ -261,16 +261,22 @@ HEAD_CASES = ([(torch.float32, beta, red) for beta in BETAS for red in ("none", 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,beta,reduction", HEAD_CASES, ids=[f"{str(d)[6:]}-{b}-{r}" for d, b, r in HEAD_CASES])
 def test_head_matches_float64(device, beta, reduction, dtype):
+    """Per token, the first case's backward runs over vocabulary chunks (vocab_plan: the row
+    groups would keep an fp32 d weight accumulator), the second's over row chunks and groups."""
     _check_head(device, dtype, beta, reduction)
-    _check_head(device, dtype, beta, reduction, shift=False, bias=False, with_labels=False, ss=1.3, sc=4.0, tc=6.0,
-                t=1.2, seed=1)
+    with override(distill_vocab_min_cols={"cpu": 1 << 30, "cuda": 1 << 30}):
+        _check_head(device, dtype, beta, reduction, shift=False, bias=False, with_labels=False, ss=1.3, sc=4.0,
+                    tc=6.0, t=1.2, seed=1)
 
 
-@pytest.mark.parametrize("beta,reduction,sc", [(0.0, "token-mean", None), (1.0, "none", 3.0), (0.3, "sum", None)])
-def test_head_kernels(beta, reduction, sc):
+@pytest.mark.parametrize("beta,reduction,sc,vocab", [(0.0, "token-mean", None, True), (1.0, "none", 3.0, True),
+                                                     (0.3, "sum", None, True), (0.5, "none", None, False)])
+def test_head_kernels(beta, reduction, sc, vocab):
     """The interpreter run's tiny head cases (also plain CPU): each mode, both reductions (mode 0's
-    one-pass divergence and gradient), three chunks in two groups, a softcap."""
-    _check_head("cpu", torch.bfloat16, beta, reduction, sc=sc, v=40, hs=8, ht=12, l=5)
+    one-pass divergence and gradient), three chunks in two groups, a softcap; per token, the
+    backward over vocabulary chunks (vocab) and over row chunks and groups."""
+    with override(**({} if vocab else dict(distill_vocab_min_cols={"cpu": 1 << 30, "cuda": 1 << 30}))):
+        _check_head("cpu", torch.bfloat16, beta, reduction, sc=sc, v=40, hs=8, ht=12, l=5)
 
 
 @plain_cpu_only
@@ -515,13 +521,20 @@ def test_one_chunk_equals_many(device):
     sw = torch.randn(64, 16, generator=gen).to(device).requires_grad_(True)
     th, tw = torch.randn(3, 11, 16, generator=gen).to(device), torch.randn(64, 16, generator=gen).to(device)
     outs = []
-    for chunk, group in ((8 * 64 * 2, 4 * 64 * 5), (1 << 30, 1 << 30)):  # 2-row chunks, 4-row groups; one of each
-        with override(distill_chunk_bytes={"cpu": chunk, "cuda": chunk}, distill_group_bytes={"cpu": group, "cuda": group}):
+    # 2-row chunks, 4-row groups, the backward over 3-column vocabulary chunks; the same with the
+    # backward over the row groups; one chunk and one group
+    for chunk, group, min_cols in ((8 * 64 * 2, 4 * 64 * 5, 1), (8 * 64 * 2, 4 * 64 * 5, 1 << 30),
+                                   (1 << 30, 1 << 30, 1)):
+        with override(distill_chunk_bytes={"cpu": chunk, "cuda": chunk}, distill_group_bytes={"cpu": group, "cuda": group},
+                      distill_vocab_min_cols={"cpu": min_cols, "cuda": min_cols}):
             assert chunk_plan(torch.device(device), 33, 64, 4) == ((2, 4) if chunk < 1 << 30 else (33, 33))
+            cols = vocab_plan(torch.device(device), 33, 64, 16, 4)
+            assert cols == (3 if chunk < 1 << 30 and min_cols == 1 else None), cols
             div = torch_fused.linear_distill(sh, sw, th, tw, beta=0.3, shift=True)
             outs.append((div,) + torch.autograd.grad(div.sum(), (sh, sw)))
-    for a, b in zip(*outs):
-        assert (a - b).norm().item() <= 2e-6 * b.norm().item()
+    for other in outs[1:]:
+        for a, b in zip(other, outs[0]):
+            assert (a - b).norm().item() <= 2e-6 * b.norm().item()
 
 
 def test_chunk_plan_keeps_the_memory_bound():
@@ -536,6 +549,27 @@ def test_chunk_plan_keeps_the_memory_bound():
                 extra = 8 * rows * v + 2 * group * v
                 assert extra <= n * v * 4 / 8, (n, v, rows, group, extra / (n * v * 4))
                 assert rows >= 128
+
+
+def test_vocab_plan_keeps_the_memory_bound():
+    """With the shipped CUDA settings, the per-token backward over vocabulary chunks: its logits
+    pair, d logits and fp32 d hidden rows within 1/8 of one [N, V] fp32 logits tensor, with no
+    [V, H] accumulator; taken at the benchmark's shapes where it gives 2048 columns or more."""
+    with override(**{k: DEFAULTS[k] for k in ("distill_chunk_bytes", "distill_group_bytes", "distill_min_rows",
+                                                "distill_max_extra", "distill_vocab_min_cols")}):
+        taken = {}
+        for n in (8192, 16384, 32768):
+            for v in (151936, 128256, 32000):
+                for hs in (2048, 4096):
+                    cols = vocab_plan(torch.device("cuda"), n, v, hs, 2)
+                    taken[n, v, hs] = cols
+                    if cols is not None:
+                        assert 2048 <= cols <= v and cols % 128 == 0
+                        assert n * cols * (8 + 2) + n * hs * 4 <= n * v * 4 / 8, (n, v, hs, cols)
+        assert taken[8192, 151936, 2048] == 6656 and taken[16384, 128256, 2048] == 5504
+        assert taken[32768, 32000, 2048] is None  # 768 columns: the row plan
+        # one d logits group covering every row keeps no accumulator: the row plan
+        assert vocab_plan(torch.device("cuda"), 128, 151936, 2048, 2) is None
 
 
 @plain_cpu_only
@@ -942,6 +976,35 @@ def test_cuda_head_peak_memory(reduction, shipped_settings):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base - sum(g.numel() * g.element_size() for g in grads)
     bound = n * v * 4 / 8 + v * hs * 4 + 2 * n * hs * 4 + (16 << 20)
+    assert peak <= bound, f"peak extra {peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"
+
+
+@pytest.mark.cuda
+def test_cuda_head_per_token_peak_memory_without_accumulator(shipped_settings):
+    """Per token at a shape whose backward runs over vocabulary chunks (vocab_plan: 3072 columns):
+    peak memory beyond the inputs and the returned gradients within 1/8 of one [N, V] fp32 logits
+    tensor (the forward's chunk pair and group; the backward's logits pair, d logits and fp32 d
+    hidden rows), with no fp32 [V, H] d weight accumulator, plus 16 MiB."""
+    gen = torch.Generator().manual_seed(23)
+    n, v, hs, ht = 8192, 65536, 512, 768
+    dev = "cuda"
+    assert vocab_plan(torch.device(dev), n, v, hs, 2) == 3072
+    sh = torch.randn(n, hs, generator=gen).to(dev, torch.bfloat16).requires_grad_(True)
+    sw = (torch.randn(v, hs, generator=gen) / 8).to(dev, torch.bfloat16).requires_grad_(True)
+    th = torch.randn(n, ht, generator=gen).to(dev, torch.bfloat16)
+    tw = (torch.randn(v, ht, generator=gen) / 8).to(dev, torch.bfloat16)
+    for warm in (True, False):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = torch_fused.linear_distill(sh, sw, th, tw, beta=0.5)
+        grads = torch.autograd.grad(out.sum(), (sh, sw))
+        if warm:
+            del out, grads
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base - sum(g.numel() * g.element_size() for g in grads)
+    bound = n * v * 4 / 8 + (16 << 20)
     assert peak <= bound, f"peak extra {peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"
 
 

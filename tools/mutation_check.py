@@ -1005,6 +1005,21 @@ MUTANTS: list[Mutant] = [
           "    for k in range(K - 1):  # MUTANT\n        a += tl.load(p_g + r * K + k, mask=live, other=0.0)\n")],
         LM_HEAD_TESTS,
     ),
+    # 95 / 96: the distillation head's per-token backward over vocabulary chunks: d hidden restarted
+    # at every chunk, each chunk's logits given the first columns' bias
+    Mutant(
+        "distill-vocab-dh-restarted", "95 the vocabulary-chunk backward's d hidden restarted at every chunk",
+        "torch_fused/ops/distill.py", CPU,
+        [("            _addmm_f32_(dh_rows, d, s.w[v0:v1], first=v0 == 0)\n",
+          "            _addmm_f32_(dh_rows, d, s.w[v0:v1], first=True)  # MUTANT\n")],
+        ["tests/test_distill.py"],
+    ),
+    Mutant(
+        "distill-vocab-bias-offset", "96 a vocabulary chunk's logits given the first columns' bias",
+        "torch_fused/ops/distill.py", CPU,
+        [("            z += self.b[v0:v1].to(z.dtype)\n", "            z += self.b[:z.shape[1]].to(z.dtype)  # MUTANT\n")],
+        ["tests/test_distill.py"],
+    ),
 ]
 
 

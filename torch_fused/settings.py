@@ -34,6 +34,7 @@ in ``torch.compiler.config.cache_key_tag`` (a torch setting), written while the 
 | ``distill_max_extra`` | {"cuda": 0.125} | | per device type, the most extra memory of the distillation head's chunk and group buffers, as a fraction of one [N, V] fp32 logits tensor (half of it each; ``distill_min_rows`` wins over it below 32 times its rows); a device type not named: the byte budgets alone |
 | ``distill_segment`` | 4096 | | the distillation row passes split each row into segments of at least this many columns (one program each) where the rows alone would not fill the device (the head's chunks); 0: one program per row |
 | ``distill_min_rows`` | {"cuda": 128} | | the fewest token rows of a distillation head chunk, per device type (fewer rows re-read both heads' weights per chunk) |
+| ``distill_vocab_min_cols`` | {"cuda": 2048} | | the distillation head's backward from saved statistics (reduction "none") runs over vocabulary chunks of every row, with no fp32 [V, H] d weight accumulator, where its row chunks would keep one and its budgets (``distill_chunk_bytes``, ``distill_group_bytes``, ``distill_max_extra`` less the fp32 d hidden rows) give at least this many columns per chunk, per device type (a device type not named: 1); fewer columns make each chunk's read and write of the d hidden rows weigh more (ops/distill.py ``vocab_plan``) |
 | ``logprobs_bwd_segment`` | 32768 | | the log-prob backward splits a row into programs of about this many columns (0: one program per row) |
 | ``sampler_kernels`` | True | ``TORCH_FUSED_SAMPLER_KERNELS`` (0: off) | the thresholds of the sampler's support (top_k, top_p, min_p of the log-prob ops and of the fused head, whose list of kept ids with top_k comes from them too) come from the Triton kernels of kernels/sampler.py on CUDA (the rule's thresholds on rows of finite and -inf logits; a row with a NaN or +inf logit may be cut elsewhere, its in-support log-probs NaN either way; on an H100 1.1x to 19x faster than the rule, docs/BENCHMARKS.md "Over the sampler's support"); off: from the plain-PyTorch rule on the device (reference.sampler_threshold: a per-row top-k / sort, [rows, V] temporaries). CPU and float64 logits always take the rule |
 | ``sampler_exact`` | False | | the sampler's support (top_k, top_p, min_p of the log-prob ops) by the exact multi-pass kernel for every row instead of the fast routes (kernels/sampler.py): tests and benchmarks |
@@ -118,6 +119,7 @@ DEFAULTS = dict(
     distill_group_bytes={"cuda": 512 << 20, "cpu": 4 << 20},
     distill_max_extra={"cuda": 0.125},
     distill_min_rows={"cuda": 128},
+    distill_vocab_min_cols={"cuda": 2048},
     distill_segment=4096,
     logprobs_bwd_segment=32768,
     sampler_kernels=_env_flag("TORCH_FUSED_SAMPLER_KERNELS", True),

@@ -19,7 +19,9 @@ Core ops (meta/distill.py: ``DistillOptions``, the checks and the fakes):
   (``distill_group_bytes``), in the student weight's dtype, go into d hidden = d z @ W_s (one GEMM
   per group) and d weight += d z^T @ h_s (an fp32 [V, H] accumulator where several groups add
   into it; one GEMM into d weight itself where one group covers every row). Reduction "none":
-  the forward saves O(rows) statistics and the backward recomputes both projections. "sum" and
+  the forward saves O(rows) statistics and the backward recomputes both projections; where its
+  row groups would need the fp32 d weight accumulator, it runs over vocabulary chunks of every
+  row instead (``vocab_plan``: d weight[v0:v1] one GEMM over all rows, no accumulator). "sum" and
   "token-mean": the forward computes the gradients (the loss's weights are known up front), keeps
   them in fp32 (d hidden [N, H], d weight [V, H], d bias [V]), and the backward only scales them by
   the upstream gradient: no GEMM is recomputed.
@@ -365,6 +367,35 @@ def chunk_plan(device: torch.device, n: int, v: int, dz_bytes: int) -> tuple[int
     return rows, min(group, max(n, 1))
 
 
+def vocab_plan(device: torch.device, n: int, v: int, hs: int, dz_bytes: int) -> int | None:
+    """Columns per vocabulary chunk of the head's backward from saved statistics (reduction
+    "none"), or None: the row chunks of _loop.
+
+    Given the whole rows' statistics, a d logit is a function of its two logits alone, so that
+    backward can run over vocabulary chunks of every row: both models' fp32 logits [N, cols], their
+    d logits [N, cols] (dz_bytes each), d weight[v0:v1] from one GEMM over all rows straight into
+    d weight, d hidden added into its fp32 rows [N, H]. Row chunks need an fp32 [V, H] d weight
+    accumulator wherever one d logits group does not cover every row (at V 151936, H 2048: 1.24
+    GB); vocabulary chunks need none, but each chunk reads and writes the fp32 d hidden rows.
+    Taken where the row plan would keep the accumulator and the budgets give at least the
+    ``distill_vocab_min_cols`` setting's columns: the logits pair within ``distill_chunk_bytes``,
+    the d logits within ``distill_group_bytes``, and where ``distill_max_extra`` names the device
+    type, all three with the fp32 d hidden rows within that fraction of one [N, V] fp32 logits
+    tensor."""
+    kind = device.type
+    if n == 0 or chunk_plan(device, n, v, dz_bytes)[1] >= n:
+        return None
+    budget = settings.distill_chunk_bytes.get(kind, settings.distill_chunk_bytes["cpu"])
+    gbudget = settings.distill_group_bytes.get(kind, settings.distill_group_bytes["cpu"])
+    cols = min(budget // (8 * n), gbudget // (dz_bytes * n))
+    frac = settings.distill_max_extra.get(kind)
+    if frac is not None:
+        cols = min(cols, int((frac * v * 4 - hs * 4) // (8 + dz_bytes)))
+    if cols < max(settings.distill_vocab_min_cols.get(kind, 1), 1):
+        return None
+    return min(cols - cols % 128 if cols > 128 else cols, v)
+
+
 def _head_rows(hidden, shift):
     """[N, H] rows of the scored positions (contiguous; a copy of the hidden states at most)."""
     if shift:
@@ -386,10 +417,12 @@ class _Head:
     c: float
     k: float
 
-    def logits(self, r0, r1):
-        z = _mm_f32(self.h[r0:r1], self.w.t())
+    def logits(self, r0, r1, v0=0, v1=None):
+        """fp32 logits of rows r0 .. r1 - 1 and vocabulary columns v0 .. v1 - 1 (None: all)."""
+        w = self.w[v0:v1]
+        z = _mm_f32(self.h[r0:r1], w.t())
         if self.b is not None:
-            z += self.b.to(z.dtype)
+            z += self.b[v0:v1].to(z.dtype)
         if self.softcap is not None:
             z.mul_(self.scale / self.softcap).tanh_().mul_(self.softcap)
         return z
@@ -400,6 +433,16 @@ def _make_head(hidden, weight, bias, scale, softcap, temperature, shift, referen
     t = kernel_temperature(temperature)
     t_eff = t if softcap is not None else kernel_temperature(t / scale)
     return _Head(h, w, bias, scale, softcap, LOG2E / t_eff, scale / t)
+
+
+def _dw_gemm(out, dz, h):
+    """out = dz^T @ h over every row (fp32 accumulation inside the GEMM), in out's dtype."""
+    if out.dtype == dz.dtype:
+        torch.mm(dz.t(), h, out=out)
+    elif out.dtype in (torch.float32, torch.float64):
+        _addmm_f32_(out, dz.t(), h, first=True)
+    else:
+        out.copy_(_mm_f32(dz.t(), h))
 
 
 class _Grads:
@@ -425,12 +468,7 @@ class _Grads:
             _addmm_f32_(self.dh[g0:g1], dz, w, first=True)
         if self.dw_out is not None:
             if self.dw_acc is None:  # one group: d weight from one GEMM over every row
-                if self.dw_out.dtype == dz.dtype:
-                    torch.mm(dz.t(), h, out=self.dw_out)
-                elif self.dw_out.dtype in (torch.float32, torch.float64):
-                    _addmm_f32_(self.dw_out, dz.t(), h, first=True)
-                else:
-                    self.dw_out.copy_(_mm_f32(dz.t(), h))
+                _dw_gemm(self.dw_out, dz, h)
             else:
                 _addmm_f32_(self.dw_acc, dz.t(), h[g0:g1], first=g0 == 0)
         if self.db is not None:
@@ -474,6 +512,25 @@ def _loop(path, s, t, lab, opts, n, v, stats, ent, div, grads=None, weights=None
         del zs, zt
     if grads is not None:
         grads.finish()
+
+
+def _vocab_loop(path, s, t, lab, opts, n, v, cols, stats, weights, dh_rows, dw, db):
+    """The backward from saved statistics over vocabulary chunks of every row (vocab_plan):
+    per chunk both models' fp32 logits, their d logits, d weight[v0:v1] (one GEMM into dw), d
+    hidden rows += d logits @ W_s[v0:v1] (fp32), d bias[v0:v1]."""
+    dz = torch.empty(n, cols, dtype=s.w.dtype, device=s.w.device)
+    for v0 in range(0, v, cols):
+        v1 = min(v, v0 + cols)
+        zs, zt = s.logits(0, n, v0, v1), t.logits(0, n, v0, v1)
+        d = dz[:, :v1 - v0]
+        path.grad(zs, zt, lab, opts.ignore_index, stats, weights, d, opts.beta, s.c, t.c, s.k, s.softcap)
+        del zs, zt
+        if dh_rows is not None:
+            _addmm_f32_(dh_rows, d, s.w[v0:v1], first=v0 == 0)
+        if dw is not None:
+            _dw_gemm(dw[v0:v1], d, s.h)
+        if db is not None:
+            db[v0:v1] = d.sum(0, dtype=db.dtype)
 
 
 def _head_setup(sh, sw, sb, th, tw, tb, opts, path):
@@ -578,10 +635,15 @@ def _head_backward(grad_div, sh, sw, sb, th, tw, tb, labels, stats, opts, path, 
     dh_rows, db_acc = _grad_buffers(sh, sw, sb, n, acc, hidden_grad and not hidden_rows, weight_grad, want_b)
     if hidden_rows and hidden_grad:
         dh_rows = dh
-    _, group = chunk_plan(dev, n, v, s.w.element_size())
-    grads = _Grads(s, n, group, dh_rows, dw if weight_grad else None, db_acc)
     g = grad_div.reshape(n).to(acc).contiguous()
-    _loop(path, s, t, lab, opts, n, v, stats.reshape(n, meta.STATS).contiguous(), None, None, grads, g, forward=False)
+    st2 = stats.reshape(n, meta.STATS).contiguous()
+    cols = vocab_plan(dev, n, v, s.h.shape[1], s.w.element_size())
+    if cols is not None:
+        _vocab_loop(path, s, t, lab, opts, n, v, cols, st2, g, dh_rows, dw if weight_grad else None, db_acc)
+    else:
+        _, group = chunk_plan(dev, n, v, s.w.element_size())
+        grads = _Grads(s, n, group, dh_rows, dw if weight_grad else None, db_acc)
+        _loop(path, s, t, lab, opts, n, v, st2, None, None, grads, g, forward=False)
     if hidden_grad and not hidden_rows:
         _rows_into(dh, dh_rows, opts.shift)
     if want_b:
