@@ -521,20 +521,35 @@ def test_one_chunk_equals_many(device):
     sw = torch.randn(64, 16, generator=gen).to(device).requires_grad_(True)
     th, tw = torch.randn(3, 11, 16, generator=gen).to(device), torch.randn(64, 16, generator=gen).to(device)
     outs = []
-    # 2-row chunks, 4-row groups, the backward over 3-column vocabulary chunks; the same with the
-    # backward over the row groups; one chunk and one group
-    for chunk, group, min_cols in ((8 * 64 * 2, 4 * 64 * 5, 1), (8 * 64 * 2, 4 * 64 * 5, 1 << 30),
-                                   (1 << 30, 1 << 30, 1)):
-        with override(distill_chunk_bytes={"cpu": chunk, "cuda": chunk}, distill_group_bytes={"cpu": group, "cuda": group},
-                      distill_vocab_min_cols={"cpu": min_cols, "cuda": min_cols}):
+    for chunk, group in ((8 * 64 * 2, 4 * 64 * 5), (1 << 30, 1 << 30)):  # 2-row chunks, 4-row groups; one of each
+        with override(distill_chunk_bytes={"cpu": chunk, "cuda": chunk}, distill_group_bytes={"cpu": group, "cuda": group}):
             assert chunk_plan(torch.device(device), 33, 64, 4) == ((2, 4) if chunk < 1 << 30 else (33, 33))
-            cols = vocab_plan(torch.device(device), 33, 64, 16, 4)
-            assert cols == (3 if chunk < 1 << 30 and min_cols == 1 else None), cols
             div = torch_fused.linear_distill(sh, sw, th, tw, beta=0.3, shift=True)
             outs.append((div,) + torch.autograd.grad(div.sum(), (sh, sw)))
-    for other in outs[1:]:
-        for a, b in zip(other, outs[0]):
-            assert (a - b).norm().item() <= 2e-6 * b.norm().item()
+    for a, b in zip(*outs):
+        assert (a - b).norm().item() <= 2e-6 * b.norm().item()
+
+
+@pytest.mark.parametrize("dtype,frozen,vocab", [(torch.bfloat16, False, True), (torch.bfloat16, True, False),
+                                               (torch.float32, False, False)])
+def test_per_token_backward_takes_vocabulary_chunks_where_they_save_the_accumulator(dtype, frozen, vocab,
+                                                                                   monkeypatch):
+    """The per-token backward over vocabulary chunks only where the row groups would keep an fp32
+    [V, H] d weight accumulator: a 16-bit d weight that is wanted (a frozen head has no d weight;
+    an fp32 one accumulates in place). Its results against float64 are test_head_matches_float64's."""
+    import torch_fused.ops.distill as D
+
+    calls = []
+    real = D._vocab_loop
+    monkeypatch.setattr(D, "_vocab_loop", lambda *a: (calls.append(a[7]), real(*a))[1])
+    gen = torch.Generator().manual_seed(9)
+    sh = torch.randn(18, 16, generator=gen).to(dtype).requires_grad_(True)
+    sw = (torch.randn(40, 16, generator=gen) / 2).to(dtype).requires_grad_(not frozen)
+    th, tw = torch.randn(18, 16, generator=gen).to(dtype), (torch.randn(40, 16, generator=gen) / 2).to(dtype)
+    assert vocab_plan(torch.device("cpu"), 18, 40, 16, 2) is not None  # the budgets would give chunks
+    div = torch_fused.linear_distill(sh, sw, th, tw, beta=0.5)
+    torch.autograd.grad(div.sum(), [sh] + ([] if frozen else [sw]))
+    assert bool(calls) == vocab, calls
 
 
 def test_chunk_plan_keeps_the_memory_bound():

@@ -1020,6 +1020,13 @@ MUTANTS: list[Mutant] = [
         [("            z += self.b[v0:v1].to(z.dtype)\n", "            z += self.b[:z.shape[1]].to(z.dtype)  # MUTANT\n")],
         ["tests/test_distill.py"],
     ),
+    Mutant(
+        "distill-vocab-fp32-weight", "97 the vocabulary-chunk backward taken for an fp32 d weight (no accumulator saved)",
+        "torch_fused/ops/distill.py", CPU,
+        [("            if weight_grad and dw.dtype not in (torch.float32, torch.float64) else None)\n",
+          "            if weight_grad else None)  # MUTANT\n")],
+        ["tests/test_distill.py"],
+    ),
 ]
 
 

@@ -282,8 +282,11 @@ def _ids_kernel(
     logit, -p (a + b max(log2 p, D_MIN)) + the sum of p_g[row, j] over the row's ids j equal to
     it (log2 p = d - log2 s): the value the d logits epilogue gives with the ids, which
     _scatter_ids_kernel writes over each chunk's d logits."""
-    row = tl.program_id(0).to(tl.int64)
-    o_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    # a row's id blocks are neighbouring programs, so its hidden row is read once from memory
+    pid = tl.program_id(0).to(tl.int64)
+    n_kb = tl.cdiv(K, BLOCK_K)
+    row = pid // n_kb
+    o_k = (pid % n_kb) * BLOCK_K + tl.arange(0, BLOCK_K)
     live = o_k < K
     ids = tl.load(p_idx + row * K + o_k, mask=live, other=-1)
     loc = ids - v_lo

@@ -377,8 +377,9 @@ def vocab_plan(device: torch.device, n: int, v: int, hs: int, dz_bytes: int) -> 
     d weight, d hidden added into its fp32 rows [N, H]. Row chunks need an fp32 [V, H] d weight
     accumulator wherever one d logits group does not cover every row (at V 151936, H 2048: 1.24
     GB); vocabulary chunks need none, but each chunk reads and writes the fp32 d hidden rows.
-    Taken where the row plan would keep the accumulator and the budgets give at least the
-    ``distill_vocab_min_cols`` setting's columns: the logits pair within ``distill_chunk_bytes``,
+    Given where the row plan would keep the accumulator (its d logits groups do not cover every
+    row; the caller takes it only for a 16-bit d weight, which the row plan cannot accumulate in
+    place) and the budgets give at least the ``distill_vocab_min_cols`` setting's columns: the logits pair within ``distill_chunk_bytes``,
     the d logits within ``distill_group_bytes``, and where ``distill_max_extra`` names the device
     type, all three with the fp32 d hidden rows within that fraction of one [N, V] fp32 logits
     tensor."""
@@ -637,7 +638,10 @@ def _head_backward(grad_div, sh, sw, sb, th, tw, tb, labels, stats, opts, path, 
         dh_rows = dh
     g = grad_div.reshape(n).to(acc).contiguous()
     st2 = stats.reshape(n, meta.STATS).contiguous()
-    cols = vocab_plan(dev, n, v, s.h.shape[1], s.w.element_size())
+    # vocabulary chunks where they save the row groups' fp32 [V, H] accumulator: a d weight that
+    # is wanted, in a 16-bit dtype (an fp32 / fp64 one accumulates in place)
+    cols = (vocab_plan(dev, n, v, s.h.shape[1], s.w.element_size())
+            if weight_grad and dw.dtype not in (torch.float32, torch.float64) else None)
     if cols is not None:
         _vocab_loop(path, s, t, lab, opts, n, v, cols, st2, g, dh_rows, dw if weight_grad else None, db_acc)
     else:

@@ -319,7 +319,7 @@ def _ids_side(h2, w, bias, ids, coef, v_lo, c, g=None):
         w = w.contiguous()
     small = settings.small_tiles
     block_k = 2 if small else min(16, max(2, K.triton.next_power_of_2(k)))
-    K._ids_kernel[(n, -(-k // block_k))](
+    K._ids_kernel[(n * -(-k // block_k),)](
         h2, w, bias.contiguous() if bias is not None else w, ids, g if g is not None else coef, coef, out,
         n, k, h2.shape[1], w.shape[0], h2.stride(0), w.stride(0), v_lo, c,
         HAS_BIAS=bias is not None, DLOGITS=g is not None, EXACT_SHIFT=exact_shift(c), BLOCK_K=block_k,
@@ -342,13 +342,14 @@ def _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c):
     """run, u and m_own of the whole rows (as the chunk merges leave them) from the GEMM-tile
     statistics of kernels/lm_head.py, folded over the column tiles here; rows in launches whose
     partials stay under the lm_head_part_bytes setting. Ids the epilogues leave out
-    (_ids_in_epilogue) keep u and m_own untouched."""
+    (_ids_in_epilogue): u and m_own are not used (the caller passes empty ones)."""
     tma = _use_tma(h2, w)
     K, h2, w, cfg = _launch_args(h2, w, "stats_tma" if tma else "stats")
     n, hd = h2.shape
     v, k = w.shape[0], ids.shape[1]
     if not _ids_in_epilogue(k):
-        k = 0  # (the kernels' id loop runs no step; ids stays a valid pointer)
+        k = 0  # the kernels' id loop runs no step; ids, and run for u and m_own, stay valid pointers
+        u = m_own = run
     nt = -(-v // cfg["BN"])
     rows = max(cfg["BM"], settings.lm_head_part_bytes // (12 * nt) // cfg["BM"] * cfg["BM"])
     if tma:
@@ -466,12 +467,12 @@ def _forward_impl(hidden, weight, index, bias, opts, path):
                        invariant=invariant)
     ids = idx2.reshape(n, -1).contiguous()
     run = torch.empty(n, 3, dtype=dt, device=hidden.device)
-    u = torch.zeros(ids.shape, dtype=dt, device=hidden.device)
-    m_own = torch.zeros(ids.shape, dtype=dt, device=hidden.device)
-    side = False
-    if _fused_gemm("forward", path, w, opts) and h2.dtype == w.dtype:
+    fused = _fused_gemm("forward", path, w, opts) and h2.dtype == w.dtype
+    side = fused and not _ids_in_epilogue(ids.shape[1])  # the ids beside the epilogues: no u, m_own
+    u = torch.zeros((n, 0) if side else ids.shape, dtype=dt, device=hidden.device)
+    m_own = torch.zeros_like(u)
+    if fused:
         _forward_fused_gemm(h2, w, bias, ids, run, u, m_own, c)
-        side = not _ids_in_epilogue(ids.shape[1])
     else:
         for v0 in range(0, v, step):
             v1 = min(v, v0 + step)
