@@ -377,12 +377,12 @@ def vocab_plan(device: torch.device, n: int, v: int, hs: int, dz_bytes: int) -> 
     d weight, d hidden added into its fp32 rows [N, H]. Row chunks need an fp32 [V, H] d weight
     accumulator wherever one d logits group does not cover every row (at V 151936, H 2048: 1.24
     GB); vocabulary chunks need none, but each chunk reads and writes the fp32 d hidden rows.
-    Given where the row plan would keep the accumulator (its d logits groups do not cover every
-    row; the caller takes it only for a 16-bit d weight, which the row plan cannot accumulate in
-    place) and the budgets give at least the ``distill_vocab_min_cols`` setting's columns: the logits pair within ``distill_chunk_bytes``,
-    the d logits within ``distill_group_bytes``, and where ``distill_max_extra`` names the device
-    type, all three with the fp32 d hidden rows within that fraction of one [N, V] fp32 logits
-    tensor."""
+    A width is given where the row plan would keep the accumulator (its d logits groups do not
+    cover every row; the caller asks only for a wanted 16-bit d weight, since an fp32 one
+    accumulates in place) and the budgets allow at least the ``distill_vocab_min_cols`` setting's
+    columns: the logits pair within ``distill_chunk_bytes``, the d logits within
+    ``distill_group_bytes``, and where ``distill_max_extra`` names the device type, all three with
+    the fp32 d hidden rows within that fraction of one [N, V] fp32 logits tensor."""
     kind = device.type
     if n == 0 or chunk_plan(device, n, v, dz_bytes)[1] >= n:
         return None
@@ -643,7 +643,7 @@ def _head_backward(grad_div, sh, sw, sb, th, tw, tb, labels, stats, opts, path, 
     cols = (vocab_plan(dev, n, v, s.h.shape[1], s.w.element_size())
             if weight_grad and dw.dtype not in (torch.float32, torch.float64) else None)
     if cols is not None:
-        _vocab_loop(path, s, t, lab, opts, n, v, cols, st2, g, dh_rows, dw if weight_grad else None, db_acc)
+        _vocab_loop(path, s, t, lab, opts, n, v, cols, st2, g, dh_rows, dw, db_acc)
     else:
         _, group = chunk_plan(dev, n, v, s.w.element_size())
         grads = _Grads(s, n, group, dh_rows, dw if weight_grad else None, db_acc)

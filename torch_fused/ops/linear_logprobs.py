@@ -414,8 +414,8 @@ def _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total
 
 
 def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c, id_dz=None):
-    """d logits of vocabulary rows w (ids v_off ..) into dz [N, v], from the GEMM tiles; the ids'
-    d logits id_dz (_ids_side) written over them where the epilogues leave the ids out."""
+    """d logits of vocabulary rows w (ids v_off ..) into dz [N, v], from the GEMM tiles; id_dz (the
+    ids' d logits from _ids_side, where the epilogues leave the ids out) written over them."""
     tma = _use_tma(h2, w)
     K, h2, w, cfg = _launch_args(h2, w, "dlogits_tma" if tma else "dlogits")
     n, hd = h2.shape
@@ -438,7 +438,7 @@ def _dlogits_fused_gemm(h2, w, bias, ids, g, coef, dz, v_off, c, id_dz=None):
     else:
         K._lm_head_dlogits_kernel[(tiles,)](
             h2, w, *args, n, v, hd, k, h2.stride(0), w.stride(0), dz.stride(0), nt, v_off, c, **flags)
-    if id_dz is not None and not in_epilogue:
+    if id_dz is not None:
         _scatter_ids(id_dz, ids, dz, v_off)
 
 
@@ -538,14 +538,14 @@ def backward_chunks(grad_logp, grad_entropy, hidden, weight, index, bias, stats,
         c = traced_constants()[0] / t_eff  # LOG2E, as above
         sum_in_kernel = settings.lm_head_batch_invariant
         coef, g_ids = _dlogits_coefficients(glp, gh, idx2, st2, ent2, t_eff, ignore_index, v_total, sum_in_kernel)
-        if g_ids is not None and sum_in_kernel and not _ids_in_epilogue(ids.shape[1]):
-            # the epilogues leave the ids out: their gradients join a here, in id order
-            from ..kernels import lm_head as KL
+        id_dz = None
+        if g_ids is not None and not _ids_in_epilogue(ids.shape[1]):
+            if sum_in_kernel:  # the epilogues leave the ids out: their gradients join a here, in id order
+                from ..kernels import lm_head as KL
 
-            KL._add_id_grads_kernel[(-(-n // 128),)](coef, g_ids, n, ids.shape[1], BLOCK_R=128)
-        # the ids' d logits where the epilogues leave them out: computed once, written into each chunk
-        id_dz = (_ids_side(hm, w, bias, ids, coef, v_off, c, g=g_ids)
-                 if g_ids is not None and not _ids_in_epilogue(ids.shape[1]) else None)
+                KL._add_id_grads_kernel[(-(-n // 128),)](coef, g_ids, n, ids.shape[1], BLOCK_R=128)
+            # the ids' d logits: computed once, written into each chunk
+            id_dz = _ids_side(hm, w, bias, ids, coef, v_off, c, g=g_ids)
     # Triton path, bf16 / fp16: d logits written over their own fp32 logits chunk
     in_place = path.triton and softcap is None and w.dtype in (torch.bfloat16, torch.float16)
     invariant = _invariant(path, hm, w)
