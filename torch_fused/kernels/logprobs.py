@@ -232,12 +232,15 @@ def _logprobs_entropy_forward_kernel(
         inb = (b_idx >= 0) & (b_idx < V)
         b_xi = _below_tau(tl.load(p_row + b_idx, mask=m_k & inb, other=0.0).to(tl.float32), tau, HAS_TAU)
 
-    n_sup = -1  # (without HAS_SUP a constant: the test below is resolved at compile time)
+    # p_sup is None without HAS_SUP: the listed branch must not be compiled then (a local set to a
+    # Python constant is a tensor to the compiler, so the test stays under the constexpr one)
     if HAS_SUP:
         n_sup = tl.load(p_sup + row * sup_stride)
-    if n_sup >= 0:
-        m, s, t = _listed_statistics(p_row, p_sup + row * sup_stride + 1, n_sup, V, c, HAS_ENT, EXACT_SHIFT,
-                                     BLOCK_V, EPT)
+        if n_sup >= 0:
+            m, s, t = _listed_statistics(p_row, p_sup + row * sup_stride + 1, n_sup, V, c, HAS_ENT, EXACT_SHIFT,
+                                         BLOCK_V, EPT)
+        else:
+            m, s, t = _row_statistics(p_row, V, c, tau, HAS_ENT, EXACT_SHIFT, HAS_TAU, BLOCK_V, EPT)
     else:
         m, s, t = _row_statistics(p_row, V, c, tau, HAS_ENT, EXACT_SHIFT, HAS_TAU, BLOCK_V, EPT)
     log2s = tl.log2(s)
@@ -576,9 +579,12 @@ def compile_cases():
                                  (False, True, False, False, False), (True, True, True, False, False),
                                  (True, False, False, True, False), (True, True, True, True, False),
                                  (True, False, False, True, True), (True, True, True, True, True)]:
+        # the launcher passes None for the pointers of a feature that is off (a constexpr None)
+        off = dict.fromkeys([n for n, on in (("p_idx", hi), ("p_logp", hi), ("p_ent", he), ("p_temp", tp),
+                                             ("p_tau", tau), ("p_sup", sup)) if not on])
         yield (f"lp_fwd idx={hi} ent={he} t_ptr={tp} tau={tau} support={sup}", _logprobs_entropy_forward_kernel, fwd,
                {"HAS_INDEX": hi, "HAS_ENT": he, "EXACT_SHIFT": False, "T_FROM_PTR": tp, "HAS_TAU": tau, "HAS_SUP": sup,
-                "BLOCK_V": 2048, "BLOCK_K": 2, "EPT": 8}, 4)
+                "BLOCK_V": 2048, "BLOCK_K": 2, "EPT": 8, **off}, 4)
     bwd = {"p_x": "*fp16", "p_idx": "*i32", "p_glp": "*fp32", "p_gh": "*fp32", "p_stats": "*fp32",
            "p_ent": "*fp32", "p_dx": "*fp16", "p_dz": "*fp16", "p_temp": "*fp32", "p_xdx": "*fp32", "p_tau": "*fp32",
            "p_sup": "*i32", "V": "i32",
@@ -605,7 +611,8 @@ def compile_cases():
     # (settings.compile_inline_kernels): a float that fp32 cannot hold exactly is passed as fp64
     yield ("lp_fwd fp64 scale (inductor)", _logprobs_entropy_forward_kernel, dict(fwd, scale="fp64"),
            {"HAS_INDEX": True, "HAS_ENT": True, "EXACT_SHIFT": False, "T_FROM_PTR": False, "HAS_TAU": False,
-            "HAS_SUP": False, "BLOCK_V": 2048, "BLOCK_K": 2, "EPT": 8}, 4)
+            "HAS_SUP": False, "BLOCK_V": 2048, "BLOCK_K": 2, "EPT": 8, "p_temp": None, "p_tau": None,
+            "p_sup": None}, 4)
     yield ("lp_bwd fp64 scale (inductor)", _logprobs_entropy_backward_kernel, dict(bwd, scale="fp64", inv_t="fp64"),
            {"HAS_GLP": True, "HAS_GH": True, "SINGLE_K": True, "EXACT_SHIFT": False, "T_FROM_PTR": False,
             "HAS_DT": False, "ZERO_TAIL": False, "IN_PLACE": False, "HAS_TAU": False, "HAS_SUP": False,
