@@ -278,6 +278,9 @@ def _check_thresholds(x, temperature, top_k, top_p, min_p, tau, support, margin=
     return clear
 
 
+ONE_PASS = pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
+
+
 def _threshold_cases():
     cases = [(torch.bfloat16, 1.0, dict(min_p=0.05)), (torch.bfloat16, 1.0, dict(top_k=5)),
              (torch.bfloat16, 0.7, dict(top_p=0.8)), (torch.float32, "tensor", dict(top_k=3, top_p=0.9, min_p=0.02))]
@@ -286,12 +289,16 @@ def _threshold_cases():
 
 
 @KERNEL_PATH
+@ONE_PASS
 @pytest.mark.parametrize("dtype,temperature,kw", _threshold_cases())
-def test_threshold_kernels_match_the_rule(dtype, temperature, kw):
+def test_threshold_kernels_match_the_rule(dtype, temperature, kw, one_pass, settings_override):
     """The fast route (finish=False: what it settles alone) and the whole op give the rule's
     thresholds, the fast route settles the ordinary rows itself (the hard rows may fall to the
-    exact kernel), and the support lists list exactly the kept ids."""
+    exact kernel), and the support lists list exactly the kept ids; with the filter's one pass
+    and its two."""
     from torch_fused.ops.sampler import threshold_launches
+
+    settings_override(sampler_filter_one_pass=one_pass)
 
     x = _rows_with_hard_cases(6, 40, dtype, "cpu", seed=7)
     t = torch.tensor(0.7) if temperature == "tensor" else temperature
@@ -402,15 +409,19 @@ def test_listed_and_streamed_backward_agree(device):
     torch.testing.assert_close(grads[0], want, rtol=0, atol=0)
 
 
+@ONE_PASS
 @pytest.mark.parametrize("device", ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_filter_list_at_its_capacity(device):
+def test_filter_list_at_its_capacity(device, one_pass, settings_override):
     """The filter kernel's working list at its capacity: a row with exactly cap ids at or above
     its bound keeps them all (listed where the support list holds them), one with cap + 1 is
     not listed (min-p alone: its threshold is exact without the list), and both thresholds and
-    log-probs are the rule's."""
+    log-probs are the rule's. One pass: the first row's list overflows on the early bounds and
+    is listed again."""
     from torch_fused.kernels import sampler as KS
     from torch_fused.meta import sampler as meta
     from torch_fused.settings import current
+
+    settings_override(sampler_filter_one_pass=one_pass)
 
     v = 300
     cap = KS.config(2, v, current.small_tiles).cap
@@ -433,12 +444,14 @@ def test_filter_list_at_its_capacity(device):
     torch.testing.assert_close(lp.cpu(), want_lp, rtol=0, atol=2e-6)
 
 
+@ONE_PASS
 @pytest.mark.parametrize("device", ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_a_row_holding_a_nan_is_not_listed(device):
+def test_a_row_holding_a_nan_is_not_listed(device, one_pass, settings_override):
     """The kernels' support lists leave out a row holding a NaN logit (no list holds the NaN, and
     the forward sums a listed row's listed logits alone): the log-prob ops read that row whole,
     and its in-support log-probs are NaN, as without the kernels; the other rows are listed and
     finite."""
+    settings_override(sampler_filter_one_pass=one_pass)
     g = torch.Generator().manual_seed(8)
     x = (torch.randn(3, 64, generator=g) * 3).to(device)
     x[1, 10] = float("nan")

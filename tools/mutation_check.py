@@ -1027,6 +1027,31 @@ MUTANTS: list[Mutant] = [
           "            if weight_grad else None)  # MUTANT\n")],
         ["tests/test_distill.py"],
     ),
+    # 98-100: the one-pass filter (kernels/sampler.py, ONE_PASS): an overflowed row not listed
+    # again, the first bound and a raised bound past the row's threshold
+    Mutant(
+        "sampler-one-pass-no-relist-triton", "98 the one-pass filter's overflowed row not listed again",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("                tl.debug_barrier()  # the count reset before any thread's appends\n"
+          "                _list_pass(p_row, V, L, p_cnt_row, p_val, p_pos, CAP, BLOCK)\n",
+          "                tl.debug_barrier()  # MUTANT\n")],
+        ["tests/test_sampler_support.py"],
+    ),
+    Mutant(
+        "sampler-one-pass-warm-bound-triton", "99 the one-pass filter's first bound past the row's threshold",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("            L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)\n            full = ",
+          "            L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT) + 0.5  # MUTANT\n"
+          "            full = ")],
+        ["tests/test_sampler_support.py"],
+    ),
+    Mutant(
+        "sampler-one-pass-raised-bound-triton", "100 the one-pass filter's raised bound past the row's threshold",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("                    L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)\n",
+          "                    L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT) + 0.5  # MUTANT\n")],
+        ["tests/test_sampler_support.py"],
+    ),
 ]
 
 

@@ -1,5 +1,5 @@
-"""Launch configurations of the sampler's filter kernel (kernels/sampler.py: min-p and top-k, two
-streaming passes) on CUDA, timed against one read of the logits (``amax`` over the rows), with
+"""Launch configurations of the sampler's filter kernel (kernels/sampler.py: min-p and top-k, one
+streaming pass or two) on CUDA, timed against one read of the logits (``amax`` over the rows), with
 each configuration's thresholds and support lists checked equal to the first's and the default
 configuration's thresholds checked equal to the plain-PyTorch rule's.
 
@@ -7,8 +7,9 @@ configuration's thresholds checked equal to the plain-PyTorch rule's.
     python tools/sampler_sweep.py --out DIR        # and DIR/sampler_sweep.json
 
 A configuration is (block: the lanes and elements a step, cap: the working list, programs per
-multiprocessor, warps); the defaults are kernels/sampler.py ``config`` and
-``FILTER_PROGRAMS_PER_SM``. bf16 logits randn * 3 at N 4096 / V 151936 and N 16384 / V 32000.
+multiprocessor, warps), each with one pass and with two (``sampler_filter_one_pass``); the
+defaults are kernels/sampler.py ``config`` and ``FILTER_PROGRAMS_PER_SM``. bf16 logits randn * 3
+at N 4096 / V 151936 and N 16384 / V 32000.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from torch_fused.ops import sampler as S
 from torch_fused.settings import override
 
 CONFIGS = (
-    (2048, 1024, 8, 4), (2048, 1024, 4, 8), (1024, 1024, 16, 4), (1024, 1024, 16, 2), (4096, 1024, 8, 4),
-    (1024, 512, 16, 4), (2048, 2048, 8, 4),
+    (2048, 1024, 8, 4), (2048, 1024, 4, 8), (1024, 512, 16, 4), (1024, 1024, 16, 2), (4096, 1024, 4, 8),
+    (4096, 1024, 2, 16), (2048, 1024, 2, 8),
 )
 OPTIONS = (dict(top_k=50), dict(min_p=0.05), dict(top_k=50, top_p=0.9))
 
@@ -58,21 +59,25 @@ def main(argv=None):
                   f"listed {(sup[:, 0] >= 0).float().mean().item():.3f}", flush=True)
             first = None
             for c in CONFIGS:
-                K.config = lambda e, vv, small, c=c: base(e, vv, small)._replace(block=c[0], cap=c[1],
-                                                                                 filter_warps=c[3])
-                K.FILTER_PROGRAMS_PER_SM = c[2]
-                try:
-                    fn = lambda: _thresholds(x, opt)  # noqa: E731
-                    t, s = fn()
-                    first = first or (t.clone(), s.clone())
-                    same = bool(torch.equal(t, first[0]) and torch.equal(s, first[1]))
-                    warm_up(fn, ms=30.0)
-                    ms = bench_ms(fn, warmup=2, rep=20)
-                finally:
-                    K.config, K.FILTER_PROGRAMS_PER_SM = base, base_pps
-                print(f"N{n} V{v} {opt} block {c[0]} cap {c[1]} programs/SM {c[2]} warps {c[3]}: {ms:.3f} ms = "
-                      f"{ms / fl:.2f}x one read; same thresholds and lists: {same}", flush=True)
-                rows.append(dict(n=n, v=v, options=opt, config=list(c), ms=ms, x_read=ms / fl, same=same))
+                for one_pass in (True, False):
+                    K.config = lambda e, vv, small, c=c: base(e, vv, small)._replace(block=c[0], cap=c[1],
+                                                                                     filter_warps=c[3])
+                    K.FILTER_PROGRAMS_PER_SM = c[2]
+                    try:
+                        with override(sampler_filter_one_pass=one_pass):
+                            fn = lambda: _thresholds(x, opt)  # noqa: E731
+                            t, s = fn()
+                            first = first or (t.clone(), s.clone())
+                            same = bool(torch.equal(t, first[0]) and torch.equal(s, first[1]))
+                            warm_up(fn, ms=30.0)
+                            ms = bench_ms(fn, warmup=2, rep=20)
+                    finally:
+                        K.config, K.FILTER_PROGRAMS_PER_SM = base, base_pps
+                    passes = "one pass" if one_pass else "two passes"
+                    print(f"N{n} V{v} {opt} block {c[0]} cap {c[1]} programs/SM {c[2]} warps {c[3]} {passes}: "
+                          f"{ms:.3f} ms = {ms / fl:.2f}x one read; same thresholds and lists: {same}", flush=True)
+                    rows.append(dict(n=n, v=v, options=opt, config=list(c), one_pass=one_pass, ms=ms,
+                                     x_read=ms / fl, same=same))
         del x
     if a.out:
         os.makedirs(a.out, exist_ok=True)

@@ -212,6 +212,42 @@ def _sort_list(p_row, V, p_val, p_pos, n, CAP: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
+def _filter_bound(lanes, delta, top_k, HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr, LO_BIT: tl.constexpr):
+    """A lower bound L of the row's tau from its lanes' maxima so far (each lane the max of the
+    elements it has seen): max(M + T ln min_p, the k-th largest lane max), M their max. Lanes
+    that have seen more only raise it, and never past the row's tau."""
+    L = tl.full((), float("-inf"), tl.float32)
+    if HAS_MINP:
+        L = tl.max(lanes, 0) + delta
+    if HAS_TOPK:
+        lk = _key_value(_kth_key(lanes, top_k, LO_BIT), LO_BIT)
+        L = tl.maximum(L, tl.where(lk == lk, lk, float("-inf")))  # a key below -inf's decodes as NaN
+    return L
+
+
+@triton.jit
+def _list_pass(p_row, V, L, p_cnt_row, p_val, p_pos, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Every element of the row >= L appended to the working list (the first CAP of them kept),
+    through the row's atomic count; a lane handed a slot past the list stops counting (the row
+    has overflowed), so a loose bound costs at most CAP + BLOCK atomics on the count."""
+    o_b = tl.arange(0, BLOCK)
+    zero = tl.zeros([BLOCK], dtype=tl.int32)
+    full = tl.zeros([BLOCK], dtype=tl.int1)
+    b_raw = tl.load(p_row + o_b, mask=o_b < V, other=float("-inf"))
+    for start in range(0, V, BLOCK):
+        o = start + o_b
+        b_nraw = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf"))
+        b_x = b_raw.to(tl.float32)
+        b_raw = b_nraw
+        cand = (o < V) & (b_x >= L) & ~full
+        slot = tl.atomic_add(p_cnt_row + zero, 1, mask=cand, sem="relaxed")
+        full = full | (cand & (slot >= CAP))
+        put = cand & (slot < CAP)
+        tl.store(p_pos + slot, o, mask=put)
+        tl.store(p_val + slot, b_x, mask=put)
+
+
+@triton.jit
 def _sampler_filter_kernel(
     p_x, p_tau, p_sup, p_val, p_pos, p_cnt, p_temp,
     n_rows, V, inner_size, stride_outer, stride_inner,
@@ -221,6 +257,7 @@ def _sampler_filter_kernel(
     HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, T_FROM_PTR: tl.constexpr,
     EXACT_SHIFT: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr, SUP_CAP: tl.constexpr,
     BLOCK: tl.constexpr, CHUNK: tl.constexpr, SORT_R: tl.constexpr,
+    ONE_PASS: tl.constexpr, WARM: tl.constexpr, EVERY: tl.constexpr,
 ):
     """min-p and/or top-k (then top-p over their support) in two streaming passes over each row,
     neither with a reduction or a branch per block; a persistent grid, each program with its own
@@ -231,7 +268,13 @@ def _sampler_filter_kernel(
     lanes hold a value at least that large). So L = max(M + T ln min_p, that k-th largest) is at
     most tau, and pass 2 lists every element >= L, each through an atomic count of the row
     (p_cnt, zeroed by the caller): a few times k of them for top-k, the support itself for
-    min-p. The list is put in position order (_sort_list), and tau found in it as before."""
+    min-p. The list is put in position order (_sort_list), and tau found in it as before.
+
+    ONE_PASS: the lanes' maxima of the first WARM blocks give a first bound, and a single pass
+    then keeps the lanes, lists every element >= the bound so far and raises the bound every
+    EVERY blocks (_filter_bound: never past tau, so every element >= tau is listed). The list
+    is then cut to the final bound; should it have overflowed on the early, looser bounds, the
+    row is listed again by the two-pass route's second pass with the final bound."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     p_val = p_val + pid.to(tl.int64) * CAP
@@ -246,42 +289,59 @@ def _sampler_filter_kernel(
     for row in range(pid, n_rows, nprog):
         row64 = row + tl.zeros((), tl.int64)  # (a Python int in the interpreter)
         p_row = _row_base(p_x, row64, inner_size, stride_outer, stride_inner)
-        # pass 1: the lanes' maxima (a NaN left out) and whether the row holds a NaN
+        p_cnt_row = p_cnt + row64
         lanes = tl.full([BLOCK], float("-inf"), tl.float32)
         nan = tl.zeros([BLOCK], dtype=tl.int1)
-        b_raw = tl.load(p_row + o_b, mask=o_b < V, other=float("-inf"))
-        for start in range(0, V, BLOCK):
-            o = start + o_b
-            b_nraw = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf"))  # the next block in flight
-            b_x = b_raw.to(tl.float32)
-            b_raw = b_nraw
-            is_nan = b_x != b_x
-            nan = nan | is_nan
-            lanes = tl.maximum(lanes, tl.where(is_nan, float("-inf"), b_x))
-        M = tl.max(lanes, 0)
-        L = tl.full((), float("-inf"), tl.float32)  # every element >= L is listed
-        if HAS_MINP:
-            L = M + delta
-        if HAS_TOPK:
-            lk = _key_value(_kth_key(lanes, top_k, LO_BIT), LO_BIT)
-            L = tl.maximum(L, tl.where(lk == lk, lk, float("-inf")))  # a key below -inf's decodes as NaN
-        # pass 2: every element >= L listed (the first CAP of them kept); a lane handed a slot
-        # past the list stops counting (the row has overflowed), so a loose bound costs at most
-        # CAP + BLOCK atomics on the row's count
-        p_cnt_row = p_cnt + row64
-        full = tl.zeros([BLOCK], dtype=tl.int1)
-        b_raw = tl.load(p_row + o_b, mask=o_b < V, other=float("-inf"))
-        for start in range(0, V, BLOCK):
-            o = start + o_b
-            b_nraw = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf"))
-            b_x = b_raw.to(tl.float32)
-            b_raw = b_nraw
-            cand = (o < V) & (b_x >= L) & ~full
-            slot = tl.atomic_add(p_cnt_row + zero, 1, mask=cand, sem="relaxed")
-            full = full | (cand & (slot >= CAP))
-            put = cand & (slot < CAP)
-            tl.store(p_pos + slot, o, mask=put)
-            tl.store(p_val + slot, b_x, mask=put)
+        if ONE_PASS:
+            for start in range(0, WARM * BLOCK, BLOCK):  # the first bound (these blocks are read again below)
+                o = start + o_b
+                b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
+                lanes = tl.maximum(lanes, tl.where(b_x != b_x, float("-inf"), b_x))
+            L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)
+            full = tl.zeros([BLOCK], dtype=tl.int1)
+            b_raw = tl.load(p_row + o_b, mask=o_b < V, other=float("-inf"))
+            for start in range(0, V, BLOCK):
+                o = start + o_b
+                b_nraw = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf"))
+                b_x = b_raw.to(tl.float32)
+                b_raw = b_nraw
+                is_nan = b_x != b_x
+                nan = nan | is_nan
+                lanes = tl.maximum(lanes, tl.where(is_nan, float("-inf"), b_x))
+                cand = (o < V) & (b_x >= L) & ~full
+                slot = tl.atomic_add(p_cnt_row + zero, 1, mask=cand, sem="relaxed")
+                full = full | (cand & (slot >= CAP))
+                put = cand & (slot < CAP)
+                tl.store(p_pos + slot, o, mask=put)
+                tl.store(p_val + slot, b_x, mask=put)
+                if (start // BLOCK) % EVERY == EVERY - 1:
+                    L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)
+            M = tl.max(lanes, 0)
+            L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)
+            tl.debug_barrier()  # every thread's appends before the count is read
+            cnt = tl.atomic_add(p_cnt_row, 0, sem="relaxed")
+            if cnt <= CAP:
+                cnt = _compact(p_val, p_pos, cnt, L, KEY_MIN, CHUNK)
+                tl.atomic_xchg(p_cnt_row, cnt, sem="relaxed")  # the count the tail reads
+            else:  # listed again with the final bound, as the two-pass route lists
+                tl.atomic_xchg(p_cnt_row, 0, sem="relaxed")
+                tl.debug_barrier()  # the count reset before any thread's appends
+                _list_pass(p_row, V, L, p_cnt_row, p_val, p_pos, CAP, BLOCK)
+        else:
+            # pass 1: the lanes' maxima (a NaN left out) and whether the row holds a NaN
+            b_raw = tl.load(p_row + o_b, mask=o_b < V, other=float("-inf"))
+            for start in range(0, V, BLOCK):
+                o = start + o_b
+                b_nraw = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf"))  # the next block in flight
+                b_x = b_raw.to(tl.float32)
+                b_raw = b_nraw
+                is_nan = b_x != b_x
+                nan = nan | is_nan
+                lanes = tl.maximum(lanes, tl.where(is_nan, float("-inf"), b_x))
+            M = tl.max(lanes, 0)
+            L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)  # every element >= L is listed
+            # pass 2: every element >= L listed
+            _list_pass(p_row, V, L, p_cnt_row, p_val, p_pos, CAP, BLOCK)
         tl.debug_barrier()  # every thread's appends before the count is read
         cnt = tl.atomic_add(p_cnt_row, 0, sem="relaxed")
         ok = cnt <= CAP
@@ -584,6 +644,8 @@ class Config(NamedTuple):
     filter_warps: int  # the filter kernel's warps
     filter_programs: int  # its persistent grid (0: FILTER_PROGRAMS_PER_SM per multiprocessor)
     sort_r: int  # the filter's list is put in order [sort_r, sort_r] comparisons a step
+    warm: int  # the one-pass filter's first bound: from this many blocks
+    every: int  # and raised every this many blocks
 
 
 def config(elem_size: int, v: int, small: bool) -> Config:
@@ -593,10 +655,10 @@ def config(elem_size: int, v: int, small: bool) -> Config:
     if small:
         # (32 lanes: one per thread of the filter's warp, so no thread holds another's atomic)
         return Config(block=32, cap=64, cap_p=64, ept=16 // elem_size, warps=1, exact_block=16, chunk=16, programs=3,
-                      sample=64, filter_warps=1, filter_programs=3, sort_r=16)
+                      sample=64, filter_warps=1, filter_programs=3, sort_r=16, warm=2, every=2)
     block = 4096 // elem_size
     return Config(block=block, cap=1024, cap_p=8192, ept=16 // elem_size, warps=8, exact_block=256, chunk=512,
-                  programs=0, sample=8192, filter_warps=4, filter_programs=0, sort_r=64)
+                  programs=0, sample=8192, filter_warps=4, filter_programs=0, sort_r=64, warm=4, every=4)
 
 
 def compile_cases():
@@ -607,10 +669,13 @@ def compile_cases():
     filt = {"p_x": "*bf16", "p_tau": "*fp32", "p_sup": "*i32", "p_val": "*fp32", "p_pos": "*i32", "p_cnt": "*i32",
             "p_temp": "*fp32", "n_rows": "i32", "V": "i32", "inner_size": "i32", "stride_outer": "i64",
             "stride_inner": "i64", "t_arg": "fp32", "min_p_arg": "fp32", "top_k": "i32", "top_p": "fp32"}
-    for mp, tk, tp, tptr in [(True, False, False, False), (False, True, False, False), (True, True, True, True)]:
-        yield (f"sampler_filter minp={mp} topk={tk} topp={tp} t_ptr={tptr}", _sampler_filter_kernel, filt,
-               {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr, "LO_BIT": 16,
-                "CAP": 1024, "SUP_CAP": 512, "BLOCK": 2048, "CHUNK": 512, "SORT_R": 64}, 4)
+    for mp, tk, tp, tptr, one in [(True, False, False, False, False), (False, True, False, False, False),
+                                  (True, True, True, True, False), (True, False, False, False, True),
+                                  (False, True, False, False, True), (True, True, True, True, True)]:
+        yield (f"sampler_filter minp={mp} topk={tk} topp={tp} t_ptr={tptr} one_pass={one}", _sampler_filter_kernel,
+               filt, {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr,
+                      "LO_BIT": 16, "CAP": 1024, "SUP_CAP": 512, "BLOCK": 2048, "CHUNK": 512, "SORT_R": 64,
+                      "ONE_PASS": one, "WARM": 4, "EVERY": 4, **({} if tptr else {"p_temp": None})}, 4)
     topp = dict(common, top_p="fp32", stride_s="i32", n_samples="i32", z_band="fp32")
     for tptr in (False, True):
         yield (f"sampler_top_p t_ptr={tptr}", _sampler_top_p_kernel, topp,
