@@ -1048,8 +1048,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "sampler-one-pass-raised-bound-triton", "100 the one-pass filter's raised bound past the row's threshold",
         "torch_fused/kernels/sampler.py", TRITON,
-        [("                    L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)\n",
-          "                    L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT) + 0.5  # MUTANT\n")],
+        [("                L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)\n                seg0 = seg1\n",
+          "                L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT) + 0.5  # MUTANT\n"
+          "                seg0 = seg1\n")],
         ["tests/test_sampler_support.py"],
     ),
 ]

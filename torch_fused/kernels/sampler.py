@@ -257,7 +257,7 @@ def _sampler_filter_kernel(
     HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, T_FROM_PTR: tl.constexpr,
     EXACT_SHIFT: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr, SUP_CAP: tl.constexpr,
     BLOCK: tl.constexpr, CHUNK: tl.constexpr, SORT_R: tl.constexpr,
-    ONE_PASS: tl.constexpr, WARM: tl.constexpr, EVERY: tl.constexpr,
+    ONE_PASS: tl.constexpr, WARM: tl.constexpr,
 ):
     """min-p and/or top-k (then top-p over their support) in two streaming passes over each row,
     neither with a reduction or a branch per block; a persistent grid, each program with its own
@@ -271,8 +271,9 @@ def _sampler_filter_kernel(
     min-p. The list is put in position order (_sort_list), and tau found in it as before.
 
     ONE_PASS: the lanes' maxima of the first WARM blocks give a first bound, and a single pass
-    then keeps the lanes, lists every element >= the bound so far and raises the bound every
-    EVERY blocks (_filter_bound: never past tau, so every element >= tau is listed). The list
+    then keeps the lanes and lists every element >= the bound so far, over segments of WARM,
+    WARM, 2 WARM, 4 WARM, ... blocks, raising the bound after each (_filter_bound: never past
+    tau, so every element >= tau is listed; about k more listed a segment for top-k). The list
     is then cut to the final bound; should it have overflowed on the early, looser bounds, the
     row is listed again by the two-pass route's second pass with the final bound."""
     pid = tl.program_id(0)
@@ -300,24 +301,29 @@ def _sampler_filter_kernel(
             L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)
             full = tl.zeros([BLOCK], dtype=tl.int1)
             b_raw = tl.load(p_row + o_b, mask=o_b < V, other=float("-inf"))
-            for start in range(0, V, BLOCK):
-                o = start + o_b
-                b_nraw = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf"))
-                b_x = b_raw.to(tl.float32)
-                b_raw = b_nraw
-                is_nan = b_x != b_x
-                nan = nan | is_nan
-                lanes = tl.maximum(lanes, tl.where(is_nan, float("-inf"), b_x))
-                cand = (o < V) & (b_x >= L) & ~full
-                slot = tl.atomic_add(p_cnt_row + zero, 1, mask=cand, sem="relaxed")
-                full = full | (cand & (slot >= CAP))
-                put = cand & (slot < CAP)
-                tl.store(p_pos + slot, o, mask=put)
-                tl.store(p_val + slot, b_x, mask=put)
-                if (start // BLOCK) % EVERY == EVERY - 1:
-                    L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)
+            # segments of WARM, WARM, 2 WARM, 4 WARM, ... blocks, the bound raised after each (no
+            # reduction or branch inside a segment): each lists about as many as the one before
+            seg0 = 0
+            seg1 = tl.minimum(V, WARM * BLOCK)
+            while seg0 < V:
+                for start in range(seg0, seg1, BLOCK):
+                    o = start + o_b
+                    b_nraw = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf"))
+                    b_x = b_raw.to(tl.float32)
+                    b_raw = b_nraw
+                    is_nan = b_x != b_x
+                    nan = nan | is_nan
+                    lanes = tl.maximum(lanes, tl.where(is_nan, float("-inf"), b_x))
+                    cand = (o < V) & (b_x >= L) & ~full
+                    slot = tl.atomic_add(p_cnt_row + zero, 1, mask=cand, sem="relaxed")
+                    full = full | (cand & (slot >= CAP))
+                    put = cand & (slot < CAP)
+                    tl.store(p_pos + slot, o, mask=put)
+                    tl.store(p_val + slot, b_x, mask=put)
+                L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)
+                seg0 = seg1
+                seg1 = seg1 + tl.minimum(tl.maximum(seg1, WARM * BLOCK), V - seg1)  # (no int32 overflow)
             M = tl.max(lanes, 0)
-            L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)
             tl.debug_barrier()  # every thread's appends before the count is read
             cnt = tl.atomic_add(p_cnt_row, 0, sem="relaxed")
             if cnt <= CAP:
@@ -644,8 +650,7 @@ class Config(NamedTuple):
     filter_warps: int  # the filter kernel's warps
     filter_programs: int  # its persistent grid (0: FILTER_PROGRAMS_PER_SM per multiprocessor)
     sort_r: int  # the filter's list is put in order [sort_r, sort_r] comparisons a step
-    warm: int  # the one-pass filter's first bound: from this many blocks
-    every: int  # and raised every this many blocks
+    warm: int  # the one-pass filter's first bound: from this many blocks (its first segments' length)
 
 
 def config(elem_size: int, v: int, small: bool) -> Config:
@@ -655,10 +660,10 @@ def config(elem_size: int, v: int, small: bool) -> Config:
     if small:
         # (32 lanes: one per thread of the filter's warp, so no thread holds another's atomic)
         return Config(block=32, cap=64, cap_p=64, ept=16 // elem_size, warps=1, exact_block=16, chunk=16, programs=3,
-                      sample=64, filter_warps=1, filter_programs=3, sort_r=16, warm=2, every=2)
+                      sample=64, filter_warps=1, filter_programs=3, sort_r=16, warm=2)
     block = 4096 // elem_size
     return Config(block=block, cap=1024, cap_p=8192, ept=16 // elem_size, warps=8, exact_block=256, chunk=512,
-                  programs=0, sample=8192, filter_warps=4, filter_programs=0, sort_r=64, warm=4, every=4)
+                  programs=0, sample=8192, filter_warps=4, filter_programs=0, sort_r=64, warm=4)
 
 
 def compile_cases():
@@ -675,7 +680,7 @@ def compile_cases():
         yield (f"sampler_filter minp={mp} topk={tk} topp={tp} t_ptr={tptr} one_pass={one}", _sampler_filter_kernel,
                filt, {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr,
                       "LO_BIT": 16, "CAP": 1024, "SUP_CAP": 512, "BLOCK": 2048, "CHUNK": 512, "SORT_R": 64,
-                      "ONE_PASS": one, "WARM": 4, "EVERY": 4, **({} if tptr else {"p_temp": None})}, 4)
+                      "ONE_PASS": one, "WARM": 4, **({} if tptr else {"p_temp": None})}, 4)
     topp = dict(common, top_p="fp32", stride_s="i32", n_samples="i32", z_band="fp32")
     for tptr in (False, True):
         yield (f"sampler_top_p t_ptr={tptr}", _sampler_top_p_kernel, topp,

@@ -94,7 +94,7 @@ def threshold_launches(logits, temperature_t, temperature, shift, top_k, top_p, 
                 k_arg, p_arg, HAS_MINP=has_minp, HAS_TOPK=has_topk, HAS_TOPP=has_topp, T_FROM_PTR=t_ptr,
                 EXACT_SHIFT=exact, LO_BIT=lo_bit, CAP=cfg.cap, SUP_CAP=meta.SUPPORT_CAP, BLOCK=cfg.block,
                 CHUNK=cfg.chunk, SORT_R=cfg.sort_r, ONE_PASS=settings.sampler_filter_one_pass, WARM=cfg.warm,
-                EVERY=cfg.every, num_warps=cfg.filter_warps)
+                num_warps=cfg.filter_warps)
         else:
             nprog = min(rows, cfg.programs if cfg.programs else n_sm(logits.device) * K.PROGRAMS_PER_SM)
             cap = cfg.cap_p
