@@ -930,19 +930,23 @@ def shipped_settings():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("scale", [1.0, 3.0])
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("reduction", ["none", "token-mean"])
-def test_cuda_head_at_shipped_settings(beta, reduction, shipped_settings):
+def test_cuda_head_at_shipped_settings(beta, reduction, scale, shipped_settings):
     """bf16 heads of a realistic width at the shipped chunk, group and segment sizes (several chunks
     and segments at N = 4096): the per-token divergence within 1e-5 nats of the float64
-    materialized formula of the same bf16 inputs, the gradients within about one bf16 rounding."""
+    materialized formula of the same bf16 inputs, the gradients within about one bf16 rounding.
+    Logits of standard deviation 3 (divergences of 15-18 nats at beta 0 and 1): there an fp32
+    GEMM's logits alone, through the float64 formula, are 1.0-1.1e-5 nats off on an H100, so the
+    bound is 1e-5 nats beyond that GEMM's own error."""
     gen = torch.Generator().manual_seed(21)
     n, v, hs, ht = 4096, 32000, 256, 384
     dev = "cuda"
     sh = (torch.randn(n, hs, generator=gen)).to(dev, torch.bfloat16).requires_grad_(True)
-    sw = (torch.randn(v, hs, generator=gen) / hs ** 0.5 * 3).to(dev, torch.bfloat16).requires_grad_(True)
+    sw = (torch.randn(v, hs, generator=gen) / hs ** 0.5 * scale).to(dev, torch.bfloat16).requires_grad_(True)
     th = torch.randn(n, ht, generator=gen).to(dev, torch.bfloat16)
-    tw = (torch.randn(v, ht, generator=gen) / ht ** 0.5 * 3).to(dev, torch.bfloat16)
+    tw = (torch.randn(v, ht, generator=gen) / ht ** 0.5 * scale).to(dev, torch.bfloat16)
     lab = _labels(gen, (n,), dev)
     out = torch_fused.linear_distill(sh, sw, th, tw, beta=beta, labels=lab, reduction=reduction)
     loss = out.sum() if reduction == "none" else out
@@ -953,13 +957,14 @@ def test_cuda_head_at_shipped_settings(beta, reduction, shipped_settings):
     rout = rdiv if reduction == "none" else rdiv.sum() / (lab != -100).sum()
     rdh, rdw = torch.autograd.grad(rout.sum(), (hd, wd))
     err = (out.double() - rout).abs().max().item()
-    if err > 1e-5:  # the message: how much of it an fp32 GEMM's logits carry (no TF32), for scale
-        with torch.no_grad():
-            r32 = ref_divergence(sh.detach().float() @ sw.detach().float().t(), th.float() @ tw.float().t(), beta)
-        r32 = torch.where(lab != -100, r32.double(), torch.zeros_like(rdiv))
-        r32 = r32 if reduction == "none" else r32.sum() / (lab != -100).sum()
-        raise AssertionError(f"divergence error {err:.3g} > 1e-5 (largest value {rout.abs().max().item():.3g} nats; "
-                             f"fp32-GEMM logits then float64: {(r32 - rout).abs().max().item():.3g})")
+    with torch.no_grad():  # the error an fp32 GEMM's logits (no TF32) carry into the float64 formula
+        r32 = ref_divergence(sh.detach().float() @ sw.detach().float().t(), th.float() @ tw.float().t(), beta)
+    r32 = torch.where(lab != -100, r32.double(), torch.zeros_like(rdiv))
+    r32 = r32 if reduction == "none" else r32.sum() / (lab != -100).sum()
+    gemm_err = (r32 - rout).abs().max().item()
+    bound = 1e-5 if scale == 1.0 else 1e-5 + gemm_err
+    assert err <= bound, (f"divergence error {err:.3g} > {bound:.3g} (largest value {rout.abs().max().item():.3g} "
+                          f"nats; fp32-GEMM logits then float64: {gemm_err:.3g})")
     assert_grad_rel(dh, rdh, torch.bfloat16, "d hidden")
     assert_grad_rel(dw, rdw, torch.bfloat16, "d weight")
 
