@@ -4,6 +4,7 @@ rule), then the fused head over the support.
 
     python tools/sampler_routes.py            # timings
     python tools/sampler_routes.py --profile  # and a kernel-time table of the head with top_k 50
+    python tools/sampler_routes.py --logits-only / --head-only   # one part
 
 1. ``selective_log_softmax`` forward+backward over the support (bf16 logits, randn * 3) at
    N 4096 / V 151936 and N 16384 / V 32000, as a multiple of the same op over the full vocabulary.
@@ -82,12 +83,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--head-only", action="store_true")
+    ap.add_argument("--logits-only", action="store_true")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tools/sampler_routes.py times CUDA kernels: no CUDA device here")
     if not a.head_only:
         logits_op_rows()
-    head_rows(a.profile)
+    if not a.logits_only:
+        head_rows(a.profile)
 
 
 if __name__ == "__main__":

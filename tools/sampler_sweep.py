@@ -5,6 +5,7 @@ configuration's thresholds checked equal to the plain-PyTorch rule's.
 
     python tools/sampler_sweep.py                  # the configurations below
     python tools/sampler_sweep.py --out DIR        # and DIR/sampler_sweep.json
+    python tools/sampler_sweep.py --configs 2      # the first two configurations
 
 A configuration is (block: the lanes and elements a step, cap: the working list, programs per
 multiprocessor, warps), each with one pass and with two (``sampler_filter_one_pass``); the
@@ -39,6 +40,7 @@ def _thresholds(x, opt):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--configs", type=int, default=len(CONFIGS), help="the first this many configurations only")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tools/sampler_sweep.py times CUDA kernels: no CUDA device here")
@@ -58,7 +60,7 @@ def main(argv=None):
             print(f"N{n} V{v} {opt}: default thresholds equal the rule's: {bool(torch.equal(tau, rule))}; rows "
                   f"listed {(sup[:, 0] >= 0).float().mean().item():.3f}", flush=True)
             first = None
-            for c in CONFIGS:
+            for c in CONFIGS[:a.configs]:
                 for one_pass in (True, False):
                     K.config = lambda e, vv, small, c=c: base(e, vv, small)._replace(block=c[0], cap=c[1],
                                                                                      filter_warps=c[3])
