@@ -294,6 +294,34 @@ def test_index_out_of_range_cpu():
         torch_fused.linear_logprobs_and_entropy(torch.randn(2, 8), torch.randn(5, 8), torch.tensor([1, 5]))
 
 
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer-loads"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_temperature_past_the_fma_shift(device, tma, settings_override):
+    """A temperature whose scale log2(e) / T passes FMA_SHIFT_MAX_C (T below 0.0014): the kernels
+    shift exactly (EXACT_SHIFT), which is not the interpreter's upcast dot; on a GPU the fused
+    GEMM kernels (TMA, and the pointer-load ones of GPUs without TMA) compile and match float64."""
+    settings_override(lm_head_fused_gemm=frozenset({"forward", "backward"}), lm_head_tma=tma)
+    gen = torch.Generator().manual_seed(31)
+    h = torch.randn(6, 64, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(300, 64, generator=gen) / 4096).to(torch.bfloat16)  # logits / T of a few tens
+    idx = torch.randint(0, 300, (6,), generator=gen)
+    t = 1e-3
+    hd, wd = h.to(device).requires_grad_(True), w.to(device).requires_grad_(True)
+    lp, ent = torch_fused.linear_logprobs_and_entropy(hd, wd, idx.to(device), temperature=t)
+    rlp, _ = ref_linear(h, w, idx, None, t)
+    assert_logprob_close(lp, rlp, 300, "logp, T = 1e-3")
+    z = torch.log_softmax((h.double() @ w.double().t()) / t, -1)
+    rent = -torch.where(z.exp() > 0, z.exp() * z, torch.zeros_like(z)).sum(-1)
+    assert_logprob_close(ent, rent, 300, "entropy, T = 1e-3")
+    gh, gw = torch.autograd.grad(lp.sum() + ent.sum(), (hd, wd))
+    h64, w64 = h.double().requires_grad_(True), w.double().requires_grad_(True)
+    z = torch.log_softmax((h64 @ w64.t()) / t, -1)
+    loss = z.gather(-1, idx[:, None]).sum() - (z.exp() * z).sum()
+    for got, want, name in zip((gh, gw), torch.autograd.grad(loss, (h64, w64)), ("d hidden", "d weight")):
+        rel = (got.double().cpu() - want).norm() / want.norm()
+        assert rel.item() <= 1e-2, f"{name}: relative error {rel.item():.3g}"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_edge_cases_across_chunks(device, settings_override):
     """Empty inputs with K ids; a vocabulary chunk whose logits are all -inf for a row (its

@@ -1053,6 +1053,35 @@ MUTANTS: list[Mutant] = [
           "                seg0 = seg1\n")],
         ["tests/test_sampler_support.py"],
     ),
+    # 101 / 102: launches the interpreter does not see (compiled for sm_90 by the compile cases):
+    # the fused head's GEMM tiles upcast under EXACT_SHIFT (a GPU launch sets it for T below
+    # 0.0014); the log-prob forward's support branch tested on a local that is not constexpr
+    Mutant(
+        "head-upcast-from-exact-shift", "101 the fused head's GEMM tiles told to upcast by EXACT_SHIFT",
+        "torch_fused/kernels/lm_head.py", CPU,
+        [("    z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, _UPCAST, BM, BN, BK, PROMOTE)\n"
+          "    _stats_epilogue(",
+          "    z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, EXACT_SHIFT, BM, BN, BK, PROMOTE)  # MUTANT\n"
+          "    _stats_epilogue(")],
+        ["tests/test_kernels_compile.py"],
+    ),
+    Mutant(
+        "logprobs-support-branch-not-constexpr", "102 the log-prob forward's support branch on a non-constexpr local",
+        "torch_fused/kernels/logprobs.py", CPU,
+        [("    if HAS_SUP:\n        n_sup = tl.load(p_sup + row * sup_stride)\n        if n_sup >= 0:\n"
+          "            m, s, t = _listed_statistics(p_row, p_sup + row * sup_stride + 1, n_sup, V, c, HAS_ENT, EXACT_SHIFT,\n"
+          "                                         BLOCK_V, EPT)\n"
+          "        else:\n"
+          "            m, s, t = _row_statistics(p_row, V, c, tau, HAS_ENT, EXACT_SHIFT, HAS_TAU, BLOCK_V, EPT)\n"
+          "    else:\n"
+          "        m, s, t = _row_statistics(p_row, V, c, tau, HAS_ENT, EXACT_SHIFT, HAS_TAU, BLOCK_V, EPT)\n",
+          "    n_sup = -1  # MUTANT\n    if HAS_SUP:\n        n_sup = tl.load(p_sup + row * sup_stride)\n    if n_sup >= 0:\n"
+          "        m, s, t = _listed_statistics(p_row, p_sup + row * sup_stride + 1, n_sup, V, c, HAS_ENT, EXACT_SHIFT,\n"
+          "                                     BLOCK_V, EPT)\n"
+          "    else:\n"
+          "        m, s, t = _row_statistics(p_row, V, c, tau, HAS_ENT, EXACT_SHIFT, HAS_TAU, BLOCK_V, EPT)\n")],
+        ["tests/test_kernels_compile.py"],
+    ),
 ]
 
 

@@ -28,9 +28,14 @@ import triton.language as tl
 
 from triton.language.extra import libdevice
 
+from ..settings import INTERPRET
 from ..settings import current as settings
 from .._library import NOMINAL_SMS
 from .logprobs import D_MIN, _shift_diff, _shifted
+
+# the logits tiles' dot upcasts in Triton's interpreter (its dot has no bf16: _interpreter_dot);
+# not EXACT_SHIFT, which a GPU launch also sets (a tensor temperature, or c past FMA_SHIFT_MAX_C)
+_UPCAST = tl.constexpr(INTERPRET)
 
 
 @triton.jit
@@ -160,7 +165,7 @@ def _lm_head_stats_kernel(
     p_h, p_w, p_b, p_idx, p_part, p_u, p_mo,
     N, V, H, K, stride_h, stride_w, n_tiles_n, v_off,
     scale,  # c = log2(e) / T
-    HAS_BIAS: tl.constexpr, EXACT_SHIFT: tl.constexpr,  # EXACT_SHIFT: the interpreter
+    HAS_BIAS: tl.constexpr, EXACT_SHIFT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROMOTE: tl.constexpr,
 ):
     """Rows 0 .. N-1 of hidden against weight rows 0 .. V-1 (vocabulary ids v_off ..). Stores
@@ -170,7 +175,7 @@ def _lm_head_stats_kernel(
     pid = tl.program_id(0)
     n_m = tl.cdiv(N, BM)
     pid_m, pid_n = _tile_of(pid, n_m, n_tiles_n, GROUP_M)
-    z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, EXACT_SHIFT, BM, BN, BK, PROMOTE)
+    z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, _UPCAST, BM, BN, BK, PROMOTE)
     _stats_epilogue(z, o_m, o_n, pid_n, p_idx, p_part, p_u, p_mo, N, V, K, n_tiles_n, v_off, scale,
                     EXACT_SHIFT, BN)
 
@@ -211,7 +216,7 @@ def _lm_head_dlogits_kernel(
     pid = tl.program_id(0)
     n_m = tl.cdiv(N, BM)
     pid_m, pid_n = _tile_of(pid, n_m, n_tiles_n, GROUP_M)
-    z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, EXACT_SHIFT, BM, BN, BK, PROMOTE)
+    z, o_m, o_n = _logits_tile(p_h, p_w, p_b, N, V, H, stride_h, stride_w, pid_m, pid_n, HAS_BIAS, _UPCAST, BM, BN, BK, PROMOTE)
     _dlogits_epilogue(z, o_m, o_n, p_idx, p_g, p_coef, p_dz, N, V, K, stride_dz, v_off, scale,
                       HAS_GLP, EXACT_SHIFT, SUM_G)
 
@@ -499,6 +504,15 @@ def compile_cases():
     yield ("lm_head_dlogits", _lm_head_dlogits_kernel, dl,
            {"HAS_BIAS": False, "HAS_GLP": True, "EXACT_SHIFT": False, "BM": bm, "BN": bn, "BK": bk,
             "GROUP_M": gm, "PROMOTE": False, "SUM_G": True}, warps)
+    # EXACT_SHIFT on a GPU: a temperature whose scale c = log2(e) / T passes FMA_SHIFT_MAX_C
+    bm, bn, bk, gm, warps, _ = CONFIG["stats"]
+    yield ("lm_head_stats exact shift", _lm_head_stats_kernel, stats,
+           {"HAS_BIAS": False, "EXACT_SHIFT": True, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": gm,
+            "PROMOTE": False, "p_b": None}, warps)
+    bm, bn, bk, gm, warps, _ = CONFIG["dlogits"]
+    yield ("lm_head_dlogits exact shift", _lm_head_dlogits_kernel, dl,
+           {"HAS_BIAS": True, "HAS_GLP": True, "EXACT_SHIFT": True, "BM": bm, "BN": bn, "BK": bk,
+            "GROUP_M": gm, "PROMOTE": False, "SUM_G": False}, warps)
     for name, kernel, sig, flags in (("lm_head_stats_tma", _lm_head_stats_tma_kernel, stats, {}),
                                      ("lm_head_dlogits_tma", _lm_head_dlogits_tma_kernel, dl,
                                       {"HAS_GLP": True, "SUM_G": False})):

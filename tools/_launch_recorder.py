@@ -1,0 +1,81 @@
+"""pytest plugin of tools/launch_compile.py: under the Triton interpreter, records every kernel
+launch (module, kernel, argument types, constexpr values, warps) into the JSON file named by
+TORCH_FUSED_LAUNCH_RECORD, one record per distinct launch."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+
+_LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
+                   "launch_pdl", "num_buffers_warp_spec", "num_consumer_groups", "reg_dec_producer",
+                   "reg_inc_consumer"}
+_SEEN: dict = {}
+
+
+def _dtype_code(t):
+    import torch
+
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+            torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
+            torch.bool: "i1"}[t.dtype]
+
+
+def _is_constexpr(param):
+    a = param.annotation
+    return a is not inspect.Parameter.empty and ("constexpr" in a if isinstance(a, str) else
+                                                  getattr(a, "__name__", "") == "constexpr")
+
+
+def _record(fn, args, kwargs):
+    import torch
+
+    sig = inspect.signature(fn)
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in _LAUNCH_OPTIONS}
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    types, cx = {}, {}
+    for name, param in sig.parameters.items():
+        v = bound.arguments[name]
+        v = getattr(v, "value", v)  # a tl.constexpr default
+        if _is_constexpr(param):
+            cx[name] = v
+        elif v is None:
+            cx[name] = None
+        elif isinstance(v, torch.Tensor):
+            types[name] = "*" + _dtype_code(v)
+        elif isinstance(v, bool):
+            types[name] = "i1"
+        elif isinstance(v, int):
+            types[name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+        elif isinstance(v, float):
+            types[name] = "fp32"
+        else:
+            return  # an argument this recorder cannot type: the launch is left out
+    rec = dict(module=fn.__module__, name=fn.__name__, signature=types, constexprs=cx,
+               num_warps=int(options.get("num_warps", 4)))
+    key = json.dumps(rec, sort_keys=True, default=str)
+    _SEEN.setdefault(key, rec)
+
+
+def pytest_configure(config):
+    from triton.runtime import interpreter
+
+    run = interpreter.InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        try:
+            _record(self.fn, args, dict(kwargs))
+        except Exception:  # noqa: BLE001 - recording never changes a test's outcome
+            pass
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interpreter.InterpretedFunction.run = recording_run
+
+
+def pytest_unconfigure(config):
+    path = os.environ.get("TORCH_FUSED_LAUNCH_RECORD")
+    if path:
+        with open(path, "w") as f:
+            json.dump(list(_SEEN.values()), f, default=str)
