@@ -66,7 +66,8 @@ def pytest_collection_modifyitems(config, items):
     # The test that waits for the interpreter run goes last: every other test of this run then
     # runs beside the interpreter run instead of after it (in file order it would wait before
     # most of them).
-    items.sort(key=lambda item: "test_suite_under_triton_interpreter" in item.nodeid)
+    items.sort(key=lambda item: ("test_suite_under_triton_interpreter" in item.nodeid)
+               + 2 * ("test_interpreter_runs_launches_compile" in item.nodeid))  # that one after it
 
 
 # The interpreter run (tests/test_interpreter.py) is a second pytest process. It starts with the
@@ -79,11 +80,14 @@ def interpreter_run(config):
     if "proc" not in _INTERPRETER:
         root = Path(__file__).resolve().parent.parent
         cache = tempfile.mkdtemp(prefix="torch_fused_interp_")
+        launches = os.path.join(cache, "launches.json")  # its kernel launches (tests/_launch_recorder.py)
+        _INTERPRETER["launches"] = launches
         env = dict(os.environ, TRITON_INTERPRET="1", TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", TORCH_FUSED_LAUNCH_RECORD=launches,
+                   PYTHONPATH=os.pathsep.join([str(root / "tests"), os.environ.get("PYTHONPATH", "")]))
         _INTERPRETER["proc"] = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
-             "--deselect", "tests/test_interpreter.py", "tests"],
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_launch_recorder",
+             "-m", "not cuda", "--deselect", "tests/test_interpreter.py", "tests"],
             cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
         )
     return _INTERPRETER["proc"]

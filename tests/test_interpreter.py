@@ -13,6 +13,8 @@ and summary) is printed once, as a section of this run's summary, not inside thi
 progress line.
 """
 
+import os
+
 import pytest
 
 from torch_fused._library import HAS_TRITON, INTERPRET
@@ -30,3 +32,27 @@ def test_suite_under_triton_interpreter(request):
     tail = "".join(out)[-6000:]
     assert proc.returncode == 0, f"interpreter run failed:\n{tail}"
     assert " passed" in tail, tail
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles the interpreter run's launches in a process without it")
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_interpreter_runs_launches_compile_for_sm90(request):
+    """Every distinct kernel launch the interpreter run made (its argument types, constexprs, the
+    pointers it passed as None, warps; tests/_launch_recorder.py) compiles for sm_90, as the same
+    launch would on a GPU: the interpreter runs kernels as Python and passes code that does not
+    compile for the arguments the launchers really pass."""
+    import conftest
+    from _launch_recorder import compile_records, load_records
+
+    proc = conftest.interpreter_run(request.config)
+    if proc.poll() is None:  # (selected without the run's own test: wait for the run here)
+        for _ in proc.stdout:
+            pass
+        proc.wait()
+    path = conftest._INTERPRETER["launches"]
+    if not os.path.exists(path):
+        pytest.skip("the interpreter run did not finish (its own test reports why)")
+    records = load_records(path)
+    assert len(records) > 50, f"only {len(records)} launches recorded"
+    failed = compile_records(records, jobs=os.cpu_count() or 1)
+    assert not failed, f"{len(failed)} of {len(records)} launches do not compile for sm_90:\n" + "\n".join(failed[:10])

@@ -1,6 +1,13 @@
-"""pytest plugin of tools/launch_compile.py: under the Triton interpreter, records every kernel
-launch (module, kernel, argument types, constexpr values, warps) into the JSON file named by
-TORCH_FUSED_LAUNCH_RECORD, one record per distinct launch."""
+"""Every kernel launch of an interpreter run, compiled for a GPU.
+
+As a pytest plugin (``-p _launch_recorder``, under TRITON_INTERPRET=1): records every kernel
+launch (module, kernel, argument types, constexpr values, the pointers passed as None, warps)
+into the JSON file named by TORCH_FUSED_LAUNCH_RECORD, one record per distinct launch.
+``compile_records`` then compiles each for sm_90 in a process without the interpreter
+(tests/test_interpreter.py after the interpreter run; tools/launch_compile.py). The interpreter
+runs kernels as Python and accepts code that the compiler rejects for the arguments the launchers
+really pass (a None pointer left in a branch that is not resolved at compile time, an
+interpreter-only flag set on a GPU launch); this catches it without a GPU."""
 
 from __future__ import annotations
 
@@ -12,6 +19,8 @@ _LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_
                    "launch_pdl", "num_buffers_warp_spec", "num_consumer_groups", "reg_dec_producer",
                    "reg_inc_consumer"}
 _SEEN: dict = {}
+# constexprs whose value under the interpreter is not the GPU's: compiled at the GPU's value
+GPU_VALUES = {"UPCAST": False}  # kernels/lm_head.py _matmul_kernel: the interpreter's dot has no bf16
 
 
 def _dtype_code(t):
@@ -79,3 +88,45 @@ def pytest_unconfigure(config):
     if path:
         with open(path, "w") as f:
             json.dump(list(_SEEN.values()), f, default=str)
+
+
+def _compile_one(r):
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(r["module"]), r["name"])
+    cx = {k: GPU_VALUES.get(k, v) for k, v in r["constexprs"].items()}
+    sig = dict(r["signature"], **{k: "constexpr" for k in cx})
+    try:
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": r["num_warps"]})
+        return None
+    except Exception as e:  # noqa: BLE001 - every compiler error is a finding
+        nones = sorted(k for k, v in cx.items() if v is None)
+        return (f"{r['module'].rsplit('.', 1)[-1]}.{r['name']} warps={r['num_warps']} None={nones} "
+                f"constexprs={r['constexprs']}: " + " ".join(str(e).split())[:600])
+
+
+def load_records(path):
+    """The library's records (a kernel a test defines itself is left out)."""
+    with open(path) as f:
+        return [r for r in json.load(f) if r["module"].startswith("torch_fused.")]
+
+
+def compile_records(records, jobs=1, progress=None):
+    """Compiles each record for sm_90 (``jobs`` processes); returns the failures' descriptions."""
+    if jobs > 1 and len(records) > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            results = pool.map(_compile_one, records, chunksize=8)
+    else:
+        results = []
+        for i, r in enumerate(records):
+            results.append(_compile_one(r))
+            if progress:
+                progress(i, r, results[-1])
+    return [x for x in results if x is not None]
