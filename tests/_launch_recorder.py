@@ -19,16 +19,20 @@ _LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_
                    "launch_pdl", "num_buffers_warp_spec", "num_consumer_groups", "reg_dec_producer",
                    "reg_inc_consumer"}
 _SEEN: dict = {}
+_DROPPED: dict = {}  # (module.kernel, why) of launches this recorder could not record
 # constexprs whose value under the interpreter is not the GPU's: compiled at the GPU's value
-GPU_VALUES = {"UPCAST": False}  # kernels/lm_head.py _matmul_kernel: the interpreter's dot has no bf16
+GPU_VALUES = {("_matmul_kernel", "UPCAST"): False}  # kernels/lm_head.py: the interpreter's dot has no bf16
 
 
 def _dtype_code(t):
     import torch
 
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
-            torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
-            torch.bool: "i1"}[t.dtype]
+    codes = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+             torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
+             torch.bool: "i1"}
+    if t.dtype not in codes:
+        raise TypeError(f"a tensor of {t.dtype}")
+    return codes[t.dtype]
 
 
 def _is_constexpr(param):
@@ -61,7 +65,7 @@ def _record(fn, args, kwargs):
         elif isinstance(v, float):
             types[name] = "fp32"
         else:
-            return  # an argument this recorder cannot type: the launch is left out
+            raise TypeError(f"argument {name}: {type(v).__name__}")
     rec = dict(module=fn.__module__, name=fn.__name__, signature=types, constexprs=cx,
                num_warps=int(options.get("num_warps", 4)))
     key = json.dumps(rec, sort_keys=True, default=str)
@@ -76,8 +80,9 @@ def pytest_configure(config):
     def recording_run(self, *args, grid, warmup, **kwargs):
         try:
             _record(self.fn, args, dict(kwargs))
-        except Exception:  # noqa: BLE001 - recording never changes a test's outcome
-            pass
+        except Exception as e:  # noqa: BLE001 - recording never changes a test's outcome; the drop is reported
+            what = f"{getattr(self.fn, '__module__', '?')}.{getattr(self.fn, '__name__', '?')}"
+            _DROPPED.setdefault(f"{what}: {type(e).__name__}: {e}", what)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     interpreter.InterpretedFunction.run = recording_run
@@ -87,7 +92,7 @@ def pytest_unconfigure(config):
     path = os.environ.get("TORCH_FUSED_LAUNCH_RECORD")
     if path:
         with open(path, "w") as f:
-            json.dump(list(_SEEN.values()), f, default=str)
+            json.dump({"launches": list(_SEEN.values()), "dropped": sorted(_DROPPED)}, f, default=str)
 
 
 def _compile_one(r):
@@ -98,7 +103,7 @@ def _compile_one(r):
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(r["module"]), r["name"])
-    cx = {k: GPU_VALUES.get(k, v) for k, v in r["constexprs"].items()}
+    cx = {k: GPU_VALUES.get((r["name"], k), v) for k, v in r["constexprs"].items()}
     sig = dict(r["signature"], **{k: "constexpr" for k in cx})
     try:
         triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
@@ -111,18 +116,36 @@ def _compile_one(r):
 
 
 def load_records(path):
-    """The library's records (a kernel a test defines itself is left out)."""
+    """(the library's records, the library's launches that could not be recorded, with why): a
+    kernel a test defines itself is left out."""
     with open(path) as f:
-        return [r for r in json.load(f) if r["module"].startswith("torch_fused.")]
+        data = json.load(f)
+    return ([r for r in data["launches"] if r["module"].startswith("torch_fused.")],
+            [d for d in data["dropped"] if d.startswith("torch_fused.")])
 
 
-def compile_records(records, jobs=1, progress=None):
-    """Compiles each record for sm_90 (``jobs`` processes); returns the failures' descriptions."""
+def gpu_variants(records):
+    """The records as a GPU launches them: EXACT_SHIFT, always on under the interpreter
+    (_library.exact_shift), is off in a GPU's usual launch and on for a tensor temperature or one
+    below 0.0014, so a record that has it is compiled both ways."""
+    out = []
+    for r in records:
+        out.append(r)
+        if r["constexprs"].get("EXACT_SHIFT") is True:
+            out.append(dict(r, constexprs=dict(r["constexprs"], EXACT_SHIFT=False)))
+    return out
+
+
+def compile_records(records, jobs=1, progress=None, timeout=600):
+    """Compiles each record for sm_90 (``jobs`` processes, each compile within ``timeout``
+    seconds); returns the failures' descriptions."""
     if jobs > 1 and len(records) > 1:
         import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            results = pool.map(_compile_one, records, chunksize=8)
+        # (a worker that dies raises BrokenProcessPool here instead of leaving the map waiting)
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_compile_one, records, chunksize=8, timeout=timeout * len(records) / jobs))
     else:
         results = []
         for i, r in enumerate(records):

@@ -957,11 +957,17 @@ def test_cuda_head_at_shipped_settings(beta, reduction, scale, shipped_settings)
     rout = rdiv if reduction == "none" else rdiv.sum() / (lab != -100).sum()
     rdh, rdw = torch.autograd.grad(rout.sum(), (hd, wd))
     err = (out.double() - rout).abs().max().item()
-    with torch.no_grad():  # the error an fp32 GEMM's logits (no TF32) carry into the float64 formula
-        r32 = ref_divergence(sh.detach().float() @ sw.detach().float().t(), th.float() @ tw.float().t(), beta)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.no_grad():  # the error an fp32 GEMM's logits (no TF32) carry into the float64 formula
+            r32 = ref_divergence(sh.detach().float() @ sw.detach().float().t(), th.float() @ tw.float().t(), beta)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     r32 = torch.where(lab != -100, r32.double(), torch.zeros_like(rdiv))
     r32 = r32 if reduction == "none" else r32.sum() / (lab != -100).sum()
     gemm_err = (r32 - rout).abs().max().item()
+    assert gemm_err < 3e-5, f"the fp32 GEMM's own error {gemm_err:.3g}: not an fp32 GEMM (TF32?)"
     bound = 1e-5 if scale == 1.0 else 1e-5 + gemm_err
     assert err <= bound, (f"divergence error {err:.3g} > {bound:.3g} (largest value {rout.abs().max().item():.3g} "
                           f"nats; fp32-GEMM logits then float64: {gemm_err:.3g})")

@@ -42,7 +42,7 @@ def test_interpreter_runs_launches_compile_for_sm90(request):
     launch would on a GPU: the interpreter runs kernels as Python and passes code that does not
     compile for the arguments the launchers really pass."""
     import conftest
-    from _launch_recorder import compile_records, load_records
+    from _launch_recorder import compile_records, gpu_variants, load_records
 
     proc = conftest.interpreter_run(request.config)
     if proc.poll() is None:  # (selected without the run's own test: wait for the run here)
@@ -50,9 +50,25 @@ def test_interpreter_runs_launches_compile_for_sm90(request):
             pass
         proc.wait()
     path = conftest._INTERPRETER["launches"]
-    if not os.path.exists(path):
-        pytest.skip("the interpreter run did not finish (its own test reports why)")
-    records = load_records(path)
-    assert len(records) > 50, f"only {len(records)} launches recorded"
-    failed = compile_records(records, jobs=os.cpu_count() or 1)
-    assert not failed, f"{len(failed)} of {len(records)} launches do not compile for sm_90:\n" + "\n".join(failed[:10])
+    assert os.path.exists(path), f"the interpreter run recorded no launches (exit status {proc.returncode})"
+    records, dropped = load_records(path)
+    assert not dropped, "launches the recorder could not record:\n" + "\n".join(dropped[:10])
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import torch_fused.kernels as package
+
+    seen = {(r["module"], r["name"]) for r in records}
+    kernels = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        kernels |= {(module.__name__, n) for n, fn in vars(module).items()
+                    if isinstance(fn, triton.runtime.JITFunction) and n.endswith("_kernel") and "tma" not in n}
+    assert not kernels - seen, f"kernels the interpreter run never launched: {sorted(kernels - seen)}"
+    jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    variants = gpu_variants(records)
+    failed = compile_records(variants, jobs=jobs)
+    assert not failed, (f"{len(failed)} of {len(variants)} launches do not compile for sm_90:\n"
+                        + "\n".join(failed[:10]))
