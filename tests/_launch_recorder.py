@@ -19,7 +19,7 @@ _LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_
                    "launch_pdl", "num_buffers_warp_spec", "num_consumer_groups", "reg_dec_producer",
                    "reg_inc_consumer"}
 _SEEN: dict = {}
-_DROPPED: dict = {}  # (module.kernel, why) of launches this recorder could not record
+_DROPPED: set = set()  # "module.kernel: why" of each launch this recorder could not record
 # constexprs whose value under the interpreter is not the GPU's: compiled at the GPU's value
 GPU_VALUES = {("_matmul_kernel", "UPCAST"): False}  # kernels/lm_head.py: the interpreter's dot has no bf16
 
@@ -82,7 +82,7 @@ def pytest_configure(config):
             _record(self.fn, args, dict(kwargs))
         except Exception as e:  # noqa: BLE001 - recording never changes a test's outcome; the drop is reported
             what = f"{getattr(self.fn, '__module__', '?')}.{getattr(self.fn, '__name__', '?')}"
-            _DROPPED.setdefault(f"{what}: {type(e).__name__}: {e}", what)
+            _DROPPED.add(f"{what}: {type(e).__name__}: {e}")
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     interpreter.InterpretedFunction.run = recording_run
@@ -137,8 +137,8 @@ def gpu_variants(records):
 
 
 def compile_records(records, jobs=1, progress=None, timeout=600):
-    """Compiles each record for sm_90 (``jobs`` processes, each compile within ``timeout``
-    seconds); returns the failures' descriptions."""
+    """Compiles each record for sm_90 (``jobs`` processes, all of them within ``timeout`` seconds
+    a record per process); returns the failures' descriptions."""
     if jobs > 1 and len(records) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor

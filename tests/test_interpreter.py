@@ -43,6 +43,7 @@ def test_interpreter_runs_launches_compile_for_sm90(request):
     compile for the arguments the launchers really pass."""
     import conftest
     from _launch_recorder import compile_records, gpu_variants, load_records
+    from test_kernels_compile import _kernel_modules, _launched_kernels
 
     proc = conftest.interpreter_run(request.config)
     if proc.poll() is None:  # (selected without the run's own test: wait for the run here)
@@ -53,19 +54,8 @@ def test_interpreter_runs_launches_compile_for_sm90(request):
     assert os.path.exists(path), f"the interpreter run recorded no launches (exit status {proc.returncode})"
     records, dropped = load_records(path)
     assert not dropped, "launches the recorder could not record:\n" + "\n".join(dropped[:10])
-    import importlib
-    import pkgutil
-
-    import triton
-
-    import torch_fused.kernels as package
-
     seen = {(r["module"], r["name"]) for r in records}
-    kernels = set()
-    for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        kernels |= {(module.__name__, n) for n, fn in vars(module).items()
-                    if isinstance(fn, triton.runtime.JITFunction) and n.endswith("_kernel") and "tma" not in n}
+    kernels = {(m.__name__, n) for m in _kernel_modules() for n in _launched_kernels(m) if "tma" not in n}
     assert not kernels - seen, f"kernels the interpreter run never launched: {sorted(kernels - seen)}"
     jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     variants = gpu_variants(records)

@@ -958,7 +958,7 @@ MUTANTS: list[Mutant] = [
         "sampler-append-past-capacity-triton", "88 the filter's appends one past the list's capacity",
         "torch_fused/kernels/sampler.py", TRITON,
         [("        ok = cnt <= CAP\n", "        ok = cnt <= CAP + 1  # MUTANT\n"),
-         ("            put = cand & (slot < CAP)\n", "            put = cand & (slot <= CAP)  # MUTANT\n")],
+         ("    put = cand & (slot < CAP)\n", "    put = cand & (slot <= CAP)  # MUTANT\n")],
         ["tests/test_sampler_support.py"],
     ),
     Mutant(

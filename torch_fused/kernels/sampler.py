@@ -226,10 +226,29 @@ def _filter_bound(lanes, delta, top_k, HAS_MINP: tl.constexpr, HAS_TOPK: tl.cons
 
 
 @triton.jit
+def _lanes_update(b_x, lanes, nan):
+    """Each lane's max over a block (a NaN left out), and whether a lane has seen a NaN."""
+    is_nan = b_x != b_x
+    return tl.maximum(lanes, tl.where(is_nan, float("-inf"), b_x)), nan | is_nan
+
+
+@triton.jit
+def _append(b_x, o, V, L, full, p_cnt_row, zero, p_val, p_pos, CAP: tl.constexpr):
+    """A block's elements >= L appended to the working list (the first CAP of the row's kept)
+    through the row's atomic count; returns the lanes that have been handed a slot past the list
+    (they stop counting: the row has overflowed, so a loose bound costs at most CAP + BLOCK
+    atomics on the count)."""
+    cand = (o < V) & (b_x >= L) & ~full
+    slot = tl.atomic_add(p_cnt_row + zero, 1, mask=cand, sem="relaxed")
+    put = cand & (slot < CAP)
+    tl.store(p_pos + slot, o, mask=put)
+    tl.store(p_val + slot, b_x, mask=put)
+    return full | (cand & (slot >= CAP))
+
+
+@triton.jit
 def _list_pass(p_row, V, L, p_cnt_row, p_val, p_pos, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Every element of the row >= L appended to the working list (the first CAP of them kept),
-    through the row's atomic count; a lane handed a slot past the list stops counting (the row
-    has overflowed), so a loose bound costs at most CAP + BLOCK atomics on the count."""
+    """Every element of the row >= L appended to the working list (_append)."""
     o_b = tl.arange(0, BLOCK)
     zero = tl.zeros([BLOCK], dtype=tl.int32)
     full = tl.zeros([BLOCK], dtype=tl.int1)
@@ -239,12 +258,7 @@ def _list_pass(p_row, V, L, p_cnt_row, p_val, p_pos, CAP: tl.constexpr, BLOCK: t
         b_nraw = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf"))
         b_x = b_raw.to(tl.float32)
         b_raw = b_nraw
-        cand = (o < V) & (b_x >= L) & ~full
-        slot = tl.atomic_add(p_cnt_row + zero, 1, mask=cand, sem="relaxed")
-        full = full | (cand & (slot >= CAP))
-        put = cand & (slot < CAP)
-        tl.store(p_pos + slot, o, mask=put)
-        tl.store(p_val + slot, b_x, mask=put)
+        full = _append(b_x, o, V, L, full, p_cnt_row, zero, p_val, p_pos, CAP)
 
 
 @triton.jit
@@ -297,7 +311,7 @@ def _sampler_filter_kernel(
             for start in range(0, WARM * BLOCK, BLOCK):  # the first bound (these blocks are read again below)
                 o = start + o_b
                 b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
-                lanes = tl.maximum(lanes, tl.where(b_x != b_x, float("-inf"), b_x))
+                lanes, nan = _lanes_update(b_x, lanes, nan)
             L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)
             full = tl.zeros([BLOCK], dtype=tl.int1)
             b_raw = tl.load(p_row + o_b, mask=o_b < V, other=float("-inf"))
@@ -311,28 +325,11 @@ def _sampler_filter_kernel(
                     b_nraw = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf"))
                     b_x = b_raw.to(tl.float32)
                     b_raw = b_nraw
-                    is_nan = b_x != b_x
-                    nan = nan | is_nan
-                    lanes = tl.maximum(lanes, tl.where(is_nan, float("-inf"), b_x))
-                    cand = (o < V) & (b_x >= L) & ~full
-                    slot = tl.atomic_add(p_cnt_row + zero, 1, mask=cand, sem="relaxed")
-                    full = full | (cand & (slot >= CAP))
-                    put = cand & (slot < CAP)
-                    tl.store(p_pos + slot, o, mask=put)
-                    tl.store(p_val + slot, b_x, mask=put)
+                    lanes, nan = _lanes_update(b_x, lanes, nan)
+                    full = _append(b_x, o, V, L, full, p_cnt_row, zero, p_val, p_pos, CAP)
                 L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)
                 seg0 = seg1
                 seg1 = seg1 + tl.minimum(tl.maximum(seg1, WARM * BLOCK), V - seg1)  # (no int32 overflow)
-            M = tl.max(lanes, 0)
-            tl.debug_barrier()  # every thread's appends before the count is read
-            cnt = tl.atomic_add(p_cnt_row, 0, sem="relaxed")
-            if cnt <= CAP:
-                cnt = _compact(p_val, p_pos, cnt, L, KEY_MIN, CHUNK)
-                tl.atomic_xchg(p_cnt_row, cnt, sem="relaxed")  # the count the tail reads
-            else:  # listed again with the final bound, as the two-pass route lists
-                tl.atomic_xchg(p_cnt_row, 0, sem="relaxed")
-                tl.debug_barrier()  # the count reset before any thread's appends
-                _list_pass(p_row, V, L, p_cnt_row, p_val, p_pos, CAP, BLOCK)
         else:
             # pass 1: the lanes' maxima (a NaN left out) and whether the row holds a NaN
             b_raw = tl.load(p_row + o_b, mask=o_b < V, other=float("-inf"))
@@ -341,15 +338,22 @@ def _sampler_filter_kernel(
                 b_nraw = tl.load(p_row + o + BLOCK, mask=o + BLOCK < V, other=float("-inf"))  # the next block in flight
                 b_x = b_raw.to(tl.float32)
                 b_raw = b_nraw
-                is_nan = b_x != b_x
-                nan = nan | is_nan
-                lanes = tl.maximum(lanes, tl.where(is_nan, float("-inf"), b_x))
-            M = tl.max(lanes, 0)
+                lanes, nan = _lanes_update(b_x, lanes, nan)
             L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)  # every element >= L is listed
             # pass 2: every element >= L listed
             _list_pass(p_row, V, L, p_cnt_row, p_val, p_pos, CAP, BLOCK)
+        M = tl.max(lanes, 0)
         tl.debug_barrier()  # every thread's appends before the count is read
         cnt = tl.atomic_add(p_cnt_row, 0, sem="relaxed")
+        if ONE_PASS:
+            if cnt <= CAP:
+                cnt = _compact(p_val, p_pos, cnt, L, KEY_MIN, CHUNK)  # cut to the final bound
+            else:  # listed again with the final bound, as the two-pass route lists
+                tl.atomic_xchg(p_cnt_row, 0, sem="relaxed")
+                tl.debug_barrier()  # the count reset before any thread's appends
+                _list_pass(p_row, V, L, p_cnt_row, p_val, p_pos, CAP, BLOCK)
+                tl.debug_barrier()
+                cnt = tl.atomic_add(p_cnt_row, 0, sem="relaxed")
         ok = cnt <= CAP
         p_sup_row = p_sup + row64 * (SUP_CAP + 1)
         tau = tl.full((), float("-inf"), tl.float32)
