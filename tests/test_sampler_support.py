@@ -278,7 +278,13 @@ def _check_thresholds(x, temperature, top_k, top_p, min_p, tau, support, margin=
     return clear
 
 
-ONE_PASS = pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
+# the filter kernel's forms: (sampler_filter_one_pass, sampler_filter_split)
+ONE_PASS = pytest.mark.parametrize("one_pass", [(True, False), (False, False), (True, True), (False, True)],
+                                   ids=["one-pass", "two-pass", "one-pass-split", "two-pass-split"])
+
+
+def _filter_form(settings_override, form):
+    settings_override(sampler_filter_one_pass=form[0], sampler_filter_split=form[1])
 
 
 def _threshold_cases():
@@ -298,7 +304,7 @@ def test_threshold_kernels_match_the_rule(dtype, temperature, kw, one_pass, sett
     and its two."""
     from torch_fused.ops.sampler import threshold_launches
 
-    settings_override(sampler_filter_one_pass=one_pass)
+    _filter_form(settings_override, one_pass)
 
     x = _rows_with_hard_cases(6, 40, dtype, "cpu", seed=7)
     t = torch.tensor(0.7) if temperature == "tensor" else temperature
@@ -421,7 +427,7 @@ def test_filter_list_at_its_capacity(device, one_pass, settings_override):
     from torch_fused.meta import sampler as meta
     from torch_fused.settings import current
 
-    settings_override(sampler_filter_one_pass=one_pass)
+    _filter_form(settings_override, one_pass)
 
     v = 300
     cap = KS.config(2, v, current.small_tiles).cap
@@ -451,7 +457,7 @@ def test_a_row_holding_a_nan_is_not_listed(device, one_pass, settings_override):
     the forward sums a listed row's listed logits alone): the log-prob ops read that row whole,
     and its in-support log-probs are NaN, as without the kernels; the other rows are listed and
     finite."""
-    settings_override(sampler_filter_one_pass=one_pass)
+    _filter_form(settings_override, one_pass)
     g = torch.Generator().manual_seed(8)
     x = (torch.randn(3, 64, generator=g) * 3).to(device)
     x[1, 10] = float("nan")

@@ -1,6 +1,6 @@
 """The sampler's support on CUDA, the threshold routes side by side (the ``sampler_kernels``
-setting on: the Triton kernels, with the filter's one pass and its two; off: the plain-PyTorch
-rule), then the fused head over the support.
+setting on: the Triton kernels, with the filter's one pass and its two, its rows' tails in the
+streaming programs or in a kernel of their own; off: the plain-PyTorch rule), then the fused head over the support.
 
     python tools/sampler_routes.py            # timings
     python tools/sampler_routes.py --profile  # and a kernel-time table of the head with top_k 50
@@ -38,11 +38,13 @@ def logits_op_rows():
         warm_up(f, ms=100.0)
         full = bench_ms(f, warmup=3, rep=30)
         print(f"N{n} V{v} full vocabulary {full:.3f} ms", flush=True)
-        for kernels, one_pass in ((True, True), (True, False), (False, True)):
-            route = f"kernels={kernels}" + (f" one_pass={one_pass}" if kernels else "")
+        for kernels, one_pass, split in ((True, True, False), (True, False, False), (True, True, True),
+                                         (True, False, True), (False, True, False)):
+            route = f"kernels={kernels}" + (f" one_pass={one_pass} split={split}" if kernels else "")
             for kw in OPTIONS:
-                if not kernels or one_pass or "top_p" not in kw or len(kw) > 1:
-                    with override(sampler_kernels=kernels, sampler_filter_one_pass=one_pass):
+                if (not kernels or (one_pass and not split)) or "top_p" not in kw or len(kw) > 1:
+                    with override(sampler_kernels=kernels, sampler_filter_one_pass=one_pass,
+                                  sampler_filter_split=split):
                         fn = lambda kw=kw: f(**kw)  # noqa: E731
                         warm_up(fn, ms=50.0)
                         ms = bench_ms(fn, warmup=2, rep=20)

@@ -8,7 +8,8 @@ configuration's thresholds checked equal to the plain-PyTorch rule's.
     python tools/sampler_sweep.py --configs 2      # the first two configurations
 
 A configuration is (block: the lanes and elements a step, cap: the working list, programs per
-multiprocessor, warps), each with one pass and with two (``sampler_filter_one_pass``); the
+multiprocessor, warps), each with one pass and with two (``sampler_filter_one_pass``), each with
+its rows' tails in the streaming programs and in a kernel of their own (``sampler_filter_split``); the
 defaults are kernels/sampler.py ``config`` and ``FILTER_PROGRAMS_PER_SM``. bf16 logits randn * 3
 at N 4096 / V 151936 and N 16384 / V 32000.
 """
@@ -61,12 +62,12 @@ def main(argv=None):
                   f"listed {(sup[:, 0] >= 0).float().mean().item():.3f}", flush=True)
             first = None
             for c in CONFIGS[:a.configs]:
-                for one_pass in (True, False):
+                for one_pass, split in ((True, False), (False, False), (True, True), (False, True)):
                     K.config = lambda e, vv, small, c=c: base(e, vv, small)._replace(block=c[0], cap=c[1],
                                                                                      filter_warps=c[3])
                     K.FILTER_PROGRAMS_PER_SM = c[2]
                     try:
-                        with override(sampler_filter_one_pass=one_pass):
+                        with override(sampler_filter_one_pass=one_pass, sampler_filter_split=split):
                             fn = lambda: _thresholds(x, opt)  # noqa: E731
                             t, s = fn()
                             first = first or (t.clone(), s.clone())
@@ -75,10 +76,10 @@ def main(argv=None):
                             ms = bench_ms(fn, warmup=2, rep=20)
                     finally:
                         K.config, K.FILTER_PROGRAMS_PER_SM = base, base_pps
-                    passes = "one pass" if one_pass else "two passes"
+                    passes = ("one pass" if one_pass else "two passes") + (", split tail" if split else "")
                     print(f"N{n} V{v} {opt} block {c[0]} cap {c[1]} programs/SM {c[2]} warps {c[3]} {passes}: "
                           f"{ms:.3f} ms = {ms / fl:.2f}x one read; same thresholds and lists: {same}", flush=True)
-                    rows.append(dict(n=n, v=v, options=opt, config=list(c), one_pass=one_pass, ms=ms,
+                    rows.append(dict(n=n, v=v, options=opt, config=list(c), one_pass=one_pass, split=split, ms=ms,
                                      x_read=ms / fl, same=same))
         del x
     if a.out:

@@ -38,6 +38,7 @@ in ``torch.compiler.config.cache_key_tag`` (a torch setting), written while the 
 | ``logprobs_bwd_segment`` | 32768 | | the log-prob backward splits a row into programs of about this many columns (0: one program per row) |
 | ``sampler_kernels`` | True | ``TORCH_FUSED_SAMPLER_KERNELS`` (0: off) | the thresholds of the sampler's support (top_k, top_p, min_p of the log-prob ops and of the fused head, whose list of kept ids with top_k comes from them too) come from the Triton kernels of kernels/sampler.py on CUDA (the rule's thresholds on rows of finite and -inf logits; a row with a NaN or +inf logit may be cut elsewhere, its in-support log-probs NaN either way; on an H100 1.6x to 29x faster than the rule, docs/BENCHMARKS.md "Over the sampler's support"); off: from the plain-PyTorch rule on the device (reference.sampler_threshold: a per-row top-k / sort, [rows, V] temporaries). CPU and float64 logits always take the rule |
 | ``sampler_filter_one_pass`` | False | | the sampler's min-p / top-k filter kernel (kernels/sampler.py ``_sampler_filter_kernel``) reads each row once, listing candidates against a bound it raises after segments of doubling length (a row whose list overflows on the early bounds is listed again); off: two passes, the bound from the first. The same thresholds and lists either way; ``python tools/sampler_sweep.py`` times both |
+| ``sampler_filter_split`` | False | | the filter kernel leaves each row's tail (its list put in order, tau found in it, the support list stored: a chain of small reductions) to a second kernel of one small program per row, in launch pairs over rows of at most 4096 (each row's working list, 12 KiB, lives between the two); off: each streaming program runs its rows' tails itself. The same thresholds and lists either way; ``python tools/sampler_sweep.py`` times both |
 | ``sampler_exact`` | False | | the sampler's support (top_k, top_p, min_p of the log-prob ops) by the exact multi-pass kernel for every row instead of the fast routes (kernels/sampler.py): tests and benchmarks |
 | ``sampler_rule_chunk_bytes`` | {"cuda": 256 MiB} | | the plain-PyTorch rule of the sampler's support (``sampler_kernels`` off; reference.sampler_threshold) on a device type it names works in chunks of rows of about this many bytes of fp32 ``[rows, V]`` (its top-k, sort and cumsum temporaries are a few of these); elsewhere in ``reference_chunk_elems`` chunks. A chunk of a few rows leaves the GPU's top-k and sort nearly idle |
 | ``reference_chunk_elems`` | 2**21 | | the plain-PyTorch implementations (CPU) work in chunks of rows whose float temporaries stay near this many elements |
@@ -126,6 +127,7 @@ DEFAULTS = dict(
     sampler_kernels=_env_flag("TORCH_FUSED_SAMPLER_KERNELS", True),
     sampler_exact=False,
     sampler_filter_one_pass=False,
+    sampler_filter_split=False,
     sampler_rule_chunk_bytes={"cuda": 256 << 20},
     reference_chunk_elems=1 << 21,
     small_tiles=False,

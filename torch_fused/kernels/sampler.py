@@ -262,38 +262,82 @@ def _list_pass(p_row, V, L, p_cnt_row, p_val, p_pos, CAP: tl.constexpr, BLOCK: t
 
 
 @triton.jit
+def _filter_tail(p_row, V, p_tau, p_sup_row, row64, p_val, p_pos, cnt, M, has_nan, delta, c, top_k, top_p,
+                 HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, EXACT_SHIFT: tl.constexpr,
+                 LO_BIT: tl.constexpr, CAP: tl.constexpr, SUP_CAP: tl.constexpr, CHUNK: tl.constexpr,
+                 SORT_R: tl.constexpr):
+    """A filtered row's tau and support list from its working list of cnt entries (every element
+    >= the row's bound, so every kept one; more than CAP: overflowed), its max M and whether it
+    holds a NaN: the list put in position order, tau found in it (top-k's count search, then
+    top-p's mass search over what min-p and top-k kept), the kept positions stored."""
+    ok = cnt <= CAP
+    tau = tl.full((), float("-inf"), tl.float32)
+    if HAS_MINP:
+        tau = M + delta  # exact whether or not the list held
+    if ok:
+        _sort_list(p_row, V, p_val, p_pos, cnt, CAP, SORT_R)
+        if HAS_TOPK:
+            r = _digit_select(p_val, cnt, top_k, float("-inf"), 0.0, 1.0, False, True, LO_BIT, CHUNK)
+            tau = tl.maximum(tau, _key_value(r, LO_BIT))
+        if HAS_TOPP:
+            # the probabilities over what min-p and top-k kept (the list's max is the row's)
+            m_l = _list_max(p_val, cnt, CHUNK)
+            s = _list_sum(p_val, cnt, tau, m_l, c, EXACT_SHIFT, CHUNK)
+            r3 = _digit_select(p_val, cnt, top_p * s, tau, m_l, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+            # KEY_MIN: no key reaches top_p * s in this sum's rounding (top_p within an ulp
+            # of 1): every id the earlier steps kept stays (its key would decode as NaN)
+            tau = tl.where((s > 0.0) & (r3 != KEY_MIN), tl.maximum(tau, _key_value(r3, LO_BIT)), tau)
+        if has_nan == 0:
+            _finish_list(p_tau, p_sup_row, row64, tau, p_val, p_pos, cnt, SUP_CAP, CHUNK)
+        else:  # the log-prob ops read a NaN row whole (its NaN is in no list)
+            tl.store(p_sup_row, NOT_LISTED)
+            tl.store(p_tau + row64, tau)
+    else:
+        if HAS_TOPK or HAS_TOPP:
+            tl.store(p_sup_row, NEEDS_EXACT)
+        else:  # min-p alone: tau is exact, the support too large to list
+            tl.store(p_sup_row, NOT_LISTED)
+            tl.store(p_tau + row64, tau)
+
+
+@triton.jit
 def _sampler_filter_kernel(
-    p_x, p_tau, p_sup, p_val, p_pos, p_cnt, p_temp,
-    n_rows, V, inner_size, stride_outer, stride_inner,
+    p_x, p_tau, p_sup, p_val, p_pos, p_cnt, p_temp, p_ml,
+    row0, n_rows, V, inner_size, stride_outer, stride_inner,
     t_arg,  # float T (a placeholder with T_FROM_PTR)
     min_p_arg,  # T ln(min_p) for a float T, ln(min_p) with T_FROM_PTR
     top_k, top_p,
     HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, T_FROM_PTR: tl.constexpr,
     EXACT_SHIFT: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr, SUP_CAP: tl.constexpr,
     BLOCK: tl.constexpr, CHUNK: tl.constexpr, SORT_R: tl.constexpr,
-    ONE_PASS: tl.constexpr, WARM: tl.constexpr,
+    ONE_PASS: tl.constexpr, WARM: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """min-p and/or top-k (then top-p over their support) in two streaming passes over each row,
-    neither with a reduction or a branch per block; a persistent grid, each program with its own
-    working list (p_val: CAP entries, p_pos: 2 CAP) for the rows pid, pid + grid, ...
+    """min-p and/or top-k (then top-p over their support) in two streaming passes over each of
+    the rows row0 .. n_rows - 1, neither with a reduction or a branch per block; a persistent
+    grid, each program with its own working list (p_val: CAP entries, p_pos: 2 CAP) for the rows
+    row0 + pid, row0 + pid + grid, ...
 
     Pass 1 keeps each of the BLOCK lanes' max (lane j: the row's elements j, j + BLOCK, ...).
     Their max is the row's max M; the k-th largest of them is at most the row's k-th largest (k
     lanes hold a value at least that large). So L = max(M + T ln min_p, that k-th largest) is at
     most tau, and pass 2 lists every element >= L, each through an atomic count of the row
     (p_cnt, zeroed by the caller): a few times k of them for top-k, the support itself for
-    min-p. The list is put in position order (_sort_list), and tau found in it as before.
+    min-p. The list is put in position order (_sort_list), and tau found in it (_filter_tail).
 
     ONE_PASS: the lanes' maxima of the first WARM blocks give a first bound, and a single pass
     then keeps the lanes and lists every element >= the bound so far, over segments of WARM,
     WARM, 2 WARM, 4 WARM, ... blocks, raising the bound after each (_filter_bound: never past
     tau, so every element >= tau is listed; about k more listed a segment for top-k). The list
     is then cut to the final bound; should it have overflowed on the early, looser bounds, the
-    row is listed again by the two-pass route's second pass with the final bound."""
+    row is listed again by the two-pass route's second pass with the final bound.
+
+    SPLIT: each row has its own working list (at its place from row0 in p_val [rows, CAP] and
+    p_pos [rows, 2 CAP]) and no tail here: the list's count goes into p_cnt, the row's max and
+    NaN flag into p_ml [rows, 2], and _sampler_filter_tail_kernel's small programs find tau
+    after this kernel, whose programs stream rows all along (the tail is a chain of small
+    reductions that leaves a streaming program's memory work idle)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    p_val = p_val + pid.to(tl.int64) * CAP
-    p_pos = p_pos + pid.to(tl.int64) * (2 * CAP)  # the list's positions, then their sorted copy
     t = _temperature(t_arg, p_temp, T_FROM_PTR)
     delta = 0.0
     if HAS_MINP:
@@ -301,10 +345,16 @@ def _sampler_filter_kernel(
     c = LOG2E_C / t
     o_b = tl.arange(0, BLOCK)
     zero = tl.zeros([BLOCK], dtype=tl.int32)
-    for row in range(pid, n_rows, nprog):
+    for row in range(row0 + pid, n_rows, nprog):
         row64 = row + tl.zeros((), tl.int64)  # (a Python int in the interpreter)
         p_row = _row_base(p_x, row64, inner_size, stride_outer, stride_inner)
         p_cnt_row = p_cnt + row64
+        if SPLIT:  # the row's own list
+            p_lv = p_val + (row64 - row0) * CAP
+            p_lp = p_pos + (row64 - row0) * (2 * CAP)
+        else:  # the program's list: the positions, then their sorted copy
+            p_lv = p_val + pid.to(tl.int64) * CAP
+            p_lp = p_pos + pid.to(tl.int64) * (2 * CAP)
         lanes = tl.full([BLOCK], float("-inf"), tl.float32)
         nan = tl.zeros([BLOCK], dtype=tl.int1)
         if ONE_PASS:
@@ -326,7 +376,7 @@ def _sampler_filter_kernel(
                     b_x = b_raw.to(tl.float32)
                     b_raw = b_nraw
                     lanes, nan = _lanes_update(b_x, lanes, nan)
-                    full = _append(b_x, o, V, L, full, p_cnt_row, zero, p_val, p_pos, CAP)
+                    full = _append(b_x, o, V, L, full, p_cnt_row, zero, p_lv, p_lp, CAP)
                 L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)
                 seg0 = seg1
                 seg1 = seg1 + tl.minimum(tl.maximum(seg1, WARM * BLOCK), V - seg1)  # (no int32 overflow)
@@ -341,50 +391,57 @@ def _sampler_filter_kernel(
                 lanes, nan = _lanes_update(b_x, lanes, nan)
             L = _filter_bound(lanes, delta, top_k, HAS_MINP, HAS_TOPK, LO_BIT)  # every element >= L is listed
             # pass 2: every element >= L listed
-            _list_pass(p_row, V, L, p_cnt_row, p_val, p_pos, CAP, BLOCK)
+            _list_pass(p_row, V, L, p_cnt_row, p_lv, p_lp, CAP, BLOCK)
         M = tl.max(lanes, 0)
+        has_nan = tl.max(nan.to(tl.int32), 0)
         tl.debug_barrier()  # every thread's appends before the count is read
         cnt = tl.atomic_add(p_cnt_row, 0, sem="relaxed")
         if ONE_PASS:
             if cnt <= CAP:
-                cnt = _compact(p_val, p_pos, cnt, L, KEY_MIN, CHUNK)  # cut to the final bound
+                cnt = _compact(p_lv, p_lp, cnt, L, KEY_MIN, CHUNK)  # cut to the final bound
             else:  # listed again with the final bound, as the two-pass route lists
                 tl.atomic_xchg(p_cnt_row, 0, sem="relaxed")
                 tl.debug_barrier()  # the count reset before any thread's appends
-                _list_pass(p_row, V, L, p_cnt_row, p_val, p_pos, CAP, BLOCK)
+                _list_pass(p_row, V, L, p_cnt_row, p_lv, p_lp, CAP, BLOCK)
                 tl.debug_barrier()
                 cnt = tl.atomic_add(p_cnt_row, 0, sem="relaxed")
-        ok = cnt <= CAP
-        p_sup_row = p_sup + row64 * (SUP_CAP + 1)
-        tau = tl.full((), float("-inf"), tl.float32)
-        if HAS_MINP:
-            tau = M + delta  # exact whether or not the list held
-        if ok:
-            _sort_list(p_row, V, p_val, p_pos, cnt, CAP, SORT_R)
-            if HAS_TOPK:
-                r = _digit_select(p_val, cnt, top_k, float("-inf"), 0.0, 1.0, False, True, LO_BIT, CHUNK)
-                tau = tl.maximum(tau, _key_value(r, LO_BIT))
-            if HAS_TOPP:
-                # the probabilities over what min-p and top-k kept (the list's max is the row's)
-                m_l = _list_max(p_val, cnt, CHUNK)
-                s = _list_sum(p_val, cnt, tau, m_l, c, EXACT_SHIFT, CHUNK)
-                r3 = _digit_select(p_val, cnt, top_p * s, tau, m_l, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
-                # KEY_MIN: no key reaches top_p * s in this sum's rounding (top_p within an ulp
-                # of 1): every id the earlier steps kept stays (its key would decode as NaN)
-                tau = tl.where((s > 0.0) & (r3 != KEY_MIN), tl.maximum(tau, _key_value(r3, LO_BIT)), tau)
-            if tl.max(nan.to(tl.int32), 0) == 0:
-                _finish_list(p_tau, p_sup_row, row64, tau, p_val, p_pos, cnt, SUP_CAP, CHUNK)
-            else:  # the log-prob ops read a NaN row whole (its NaN is in no list)
-                tl.store(p_sup_row, NOT_LISTED)
-                tl.store(p_tau + row64, tau)
+        if SPLIT:  # for the tail kernel
+            if ONE_PASS:
+                tl.atomic_xchg(p_cnt_row, cnt, sem="relaxed")
+            p_ml_row = p_ml + (row64 - row0) * 2
+            tl.store(p_ml_row, M)
+            tl.store(p_ml_row + 1, has_nan.to(tl.float32))
         else:
-            if HAS_TOPK or HAS_TOPP:
-                tl.store(p_sup_row, NEEDS_EXACT)
-            else:  # min-p alone: tau is exact, the support too large to list
-                tl.store(p_sup_row, NOT_LISTED)
-                tl.store(p_tau + row64, tau)
+            p_sup_row = p_sup + row64 * (SUP_CAP + 1)
+            _filter_tail(p_row, V, p_tau, p_sup_row, row64, p_lv, p_lp, cnt, M, has_nan, delta, c, top_k, top_p,
+                         HAS_MINP, HAS_TOPK, HAS_TOPP, EXACT_SHIFT, LO_BIT, CAP, SUP_CAP, CHUNK, SORT_R)
         tl.debug_barrier()  # this row's list reads before the next row's appends
 
+
+@triton.jit
+def _sampler_filter_tail_kernel(
+    p_x, p_tau, p_sup, p_val, p_pos, p_cnt, p_temp, p_ml,
+    row0, V, inner_size, stride_outer, stride_inner, t_arg, min_p_arg, top_k, top_p,
+    HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, T_FROM_PTR: tl.constexpr,
+    EXACT_SHIFT: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr, SUP_CAP: tl.constexpr,
+    CHUNK: tl.constexpr, SORT_R: tl.constexpr,
+):
+    """_sampler_filter_kernel's tail for its SPLIT launch: row row0 + pid's tau and support list
+    from the row's working list, count (p_cnt), max and NaN flag (p_ml)."""
+    i = tl.program_id(0).to(tl.int64)
+    row64 = row0 + i
+    t = _temperature(t_arg, p_temp, T_FROM_PTR)
+    delta = 0.0
+    if HAS_MINP:
+        delta = _min_p_shift(t, min_p_arg, T_FROM_PTR)
+    c = LOG2E_C / t
+    p_row = _row_base(p_x, row64, inner_size, stride_outer, stride_inner)
+    cnt = tl.load(p_cnt + row64)
+    M = tl.load(p_ml + i * 2)
+    has_nan = tl.load(p_ml + i * 2 + 1).to(tl.int32)
+    _filter_tail(p_row, V, p_tau, p_sup + row64 * (SUP_CAP + 1), row64, p_val + i * CAP, p_pos + i * (2 * CAP), cnt,
+                 M, has_nan, delta, c, top_k, top_p, HAS_MINP, HAS_TOPK, HAS_TOPP, EXACT_SHIFT, LO_BIT, CAP,
+                 SUP_CAP, CHUNK, SORT_R)
 
 @triton.jit
 def _list_sum_sq_below(p_val, n, r, m, c, EXACT_SHIFT: tl.constexpr, CHUNK: tl.constexpr):
@@ -655,6 +712,10 @@ class Config(NamedTuple):
     filter_programs: int  # its persistent grid (0: FILTER_PROGRAMS_PER_SM per multiprocessor)
     sort_r: int  # the filter's list is put in order [sort_r, sort_r] comparisons a step
     warm: int  # the one-pass filter's first bound: from this many blocks (its first segments' length)
+    split_rows: int  # the split filter's rows a launch pair (each row's working list: 12 cap bytes)
+    tail_warps: int  # the split filter's tail kernel: warps, list chunk, sort tile
+    tail_chunk: int
+    tail_sort_r: int
 
 
 def config(elem_size: int, v: int, small: bool) -> Config:
@@ -664,10 +725,12 @@ def config(elem_size: int, v: int, small: bool) -> Config:
     if small:
         # (32 lanes: one per thread of the filter's warp, so no thread holds another's atomic)
         return Config(block=32, cap=64, cap_p=64, ept=16 // elem_size, warps=1, exact_block=16, chunk=16, programs=3,
-                      sample=64, filter_warps=1, filter_programs=3, sort_r=16, warm=2)
+                      sample=64, filter_warps=1, filter_programs=3, sort_r=16, warm=2, split_rows=4, tail_warps=1,
+                      tail_chunk=16, tail_sort_r=16)
     block = 4096 // elem_size
     return Config(block=block, cap=1024, cap_p=8192, ept=16 // elem_size, warps=8, exact_block=256, chunk=512,
-                  programs=0, sample=8192, filter_warps=4, filter_programs=0, sort_r=64, warm=4)
+                  programs=0, sample=8192, filter_warps=4, filter_programs=0, sort_r=64, warm=4, split_rows=4096,
+                  tail_warps=2, tail_chunk=128, tail_sort_r=32)
 
 
 def compile_cases():
@@ -676,15 +739,28 @@ def compile_cases():
               "p_temp": "*fp32", "n_rows": "i32", "V": "i32", "inner_size": "i32", "stride_outer": "i64",
               "stride_inner": "i64", "t_arg": "fp32"}
     filt = {"p_x": "*bf16", "p_tau": "*fp32", "p_sup": "*i32", "p_val": "*fp32", "p_pos": "*i32", "p_cnt": "*i32",
-            "p_temp": "*fp32", "n_rows": "i32", "V": "i32", "inner_size": "i32", "stride_outer": "i64",
-            "stride_inner": "i64", "t_arg": "fp32", "min_p_arg": "fp32", "top_k": "i32", "top_p": "fp32"}
-    for mp, tk, tp, tptr, one in [(True, False, False, False, False), (False, True, False, False, False),
-                                  (True, True, True, True, False), (True, False, False, False, True),
-                                  (False, True, False, False, True), (True, True, True, True, True)]:
-        yield (f"sampler_filter minp={mp} topk={tk} topp={tp} t_ptr={tptr} one_pass={one}", _sampler_filter_kernel,
-               filt, {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr,
-                      "LO_BIT": 16, "CAP": 1024, "SUP_CAP": 512, "BLOCK": 2048, "CHUNK": 512, "SORT_R": 64,
-                      "ONE_PASS": one, "WARM": 4, **({} if tptr else {"p_temp": None})}, 4)
+            "p_temp": "*fp32", "p_ml": "*fp32", "row0": "i32", "n_rows": "i32", "V": "i32", "inner_size": "i32",
+            "stride_outer": "i64", "stride_inner": "i64", "t_arg": "fp32", "min_p_arg": "fp32", "top_k": "i32",
+            "top_p": "fp32"}
+    for mp, tk, tp, tptr, one, split in [(True, False, False, False, False, False),
+                                         (False, True, False, False, False, False),
+                                         (True, True, True, True, False, False), (True, False, False, False, True, False),
+                                         (False, True, False, False, True, False), (True, True, True, True, True, False),
+                                         (False, True, False, False, False, True), (True, True, True, True, True, True)]:
+        off = {} if split else {"p_ml": None}
+        if not tptr:
+            off["p_temp"] = None
+        yield (f"sampler_filter minp={mp} topk={tk} topp={tp} t_ptr={tptr} one_pass={one} split={split}",
+               _sampler_filter_kernel, filt,
+               {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr,
+                "LO_BIT": 16, "CAP": 1024, "SUP_CAP": 512, "BLOCK": 2048, "CHUNK": 512, "SORT_R": 64,
+                "ONE_PASS": one, "WARM": 4, "SPLIT": split, **off}, 4)
+    tail = {k: v for k, v in filt.items() if k != "n_rows"}
+    for mp, tk, tp, tptr in [(False, True, False, False), (True, True, True, True), (True, False, False, False)]:
+        yield (f"sampler_filter_tail minp={mp} topk={tk} topp={tp} t_ptr={tptr}", _sampler_filter_tail_kernel, tail,
+               {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr,
+                "LO_BIT": 16, "CAP": 1024, "SUP_CAP": 512, "CHUNK": 128, "SORT_R": 32,
+                **({} if tptr else {"p_temp": None})}, 2)
     topp = dict(common, top_p="fp32", stride_s="i32", n_samples="i32", z_band="fp32")
     for tptr in (False, True):
         yield (f"sampler_top_p t_ptr={tptr}", _sampler_top_p_kernel, topp,

@@ -85,16 +85,8 @@ def threshold_launches(logits, temperature_t, temperature, shift, top_k, top_p, 
     every_row = settings.sampler_exact or (has_topk and top_k > min(cfg.cap // 2, cfg.block))
     if not every_row:
         if has_minp or has_topk:
-            nprog = min(rows, cfg.filter_programs or n_sm(logits.device) * K.FILTER_PROGRAMS_PER_SM)
-            val = torch.empty((nprog, cfg.cap), dtype=torch.float32, device=logits.device)
-            pos = torch.empty((nprog, 2 * cfg.cap), dtype=torch.int32, device=logits.device)
-            count = torch.zeros(rows, dtype=torch.int32, device=logits.device)  # the rows' atomic counts
-            K._sampler_filter_kernel[(nprog,)](
-                x, tau, support, val, pos, count, temperature_t, rows, v, inner, s_outer, s_inner, t, min_p_arg,
-                k_arg, p_arg, HAS_MINP=has_minp, HAS_TOPK=has_topk, HAS_TOPP=has_topp, T_FROM_PTR=t_ptr,
-                EXACT_SHIFT=exact, LO_BIT=lo_bit, CAP=cfg.cap, SUP_CAP=meta.SUPPORT_CAP, BLOCK=cfg.block,
-                CHUNK=cfg.chunk, SORT_R=cfg.sort_r, ONE_PASS=settings.sampler_filter_one_pass, WARM=cfg.warm,
-                num_warps=cfg.filter_warps)
+            _filter_launches(K, cfg, x, tau, support, temperature_t, rows, v, (inner, s_outer, s_inner), t,
+                             min_p_arg, k_arg, p_arg, has_minp, has_topk, has_topp, t_ptr, exact, lo_bit)
         else:
             nprog = min(rows, cfg.programs if cfg.programs else n_sm(logits.device) * K.PROGRAMS_PER_SM)
             cap = cfg.cap_p
@@ -119,6 +111,34 @@ def threshold_launches(logits, temperature_t, temperature, shift, top_k, top_p, 
         return tau, support, exact_rows
     exact_rows()
     return tau, support
+
+
+def _filter_launches(K, cfg, x, tau, support, temperature_t, rows, v, layout, t, min_p_arg, k_arg, p_arg, has_minp,
+                     has_topk, has_topp, t_ptr, exact, lo_bit):
+    """The filter kernel over every row (its tail in each program), or with the
+    ``sampler_filter_split`` setting in launch pairs of at most cfg.split_rows rows: the
+    streaming kernel (a working list per row), then the tail kernel (a small program per row)."""
+    dev = x.device
+    split = settings.sampler_filter_split
+    count = torch.zeros(rows, dtype=torch.int32, device=dev)  # the rows' atomic counts
+    nprog_max = cfg.filter_programs or n_sm(dev) * K.FILTER_PROGRAMS_PER_SM
+    lists = min(rows, cfg.split_rows) if split else min(rows, nprog_max)
+    val = torch.empty((lists, cfg.cap), dtype=torch.float32, device=dev)
+    pos = torch.empty((lists, 2 * cfg.cap), dtype=torch.int32, device=dev)
+    ml = torch.empty((lists, 2), dtype=torch.float32, device=dev) if split else None
+    flags = dict(HAS_MINP=has_minp, HAS_TOPK=has_topk, HAS_TOPP=has_topp, T_FROM_PTR=t_ptr, EXACT_SHIFT=exact,
+                 LO_BIT=lo_bit, CAP=cfg.cap, SUP_CAP=meta.SUPPORT_CAP)
+    step = lists if split else rows
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        K._sampler_filter_kernel[(min(r1 - r0, nprog_max),)](
+            x, tau, support, val, pos, count, temperature_t, ml, r0, r1, v, *layout, t, min_p_arg, k_arg, p_arg,
+            BLOCK=cfg.block, CHUNK=cfg.chunk, SORT_R=cfg.sort_r, ONE_PASS=settings.sampler_filter_one_pass,
+            WARM=cfg.warm, SPLIT=split, num_warps=cfg.filter_warps, **flags)
+        if split:
+            K._sampler_filter_tail_kernel[(r1 - r0,)](
+                x, tau, support, val, pos, count, temperature_t, ml, r0, v, *layout, t, min_p_arg, k_arg, p_arg,
+                CHUNK=cfg.tail_chunk, SORT_R=cfg.tail_sort_r, num_warps=cfg.tail_warps, **flags)
 
 
 def _done(finish, tau, support):
