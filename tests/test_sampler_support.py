@@ -320,6 +320,35 @@ def test_threshold_kernels_match_the_rule(dtype, temperature, kw, one_pass, sett
 
 
 @KERNEL_PATH
+@ONE_PASS
+def test_filter_list_cut_to_the_final_bound(one_pass, settings_override):
+    """Rows of several segments of the one-pass filter (V 300 against 32 lanes, a first bound
+    from 64 elements): the early, lower bounds list ids the final bound cuts, so the list is cut
+    before tau is found in it; thresholds and lists are the rule's and every row is settled by
+    the fast route, with each form of the filter (the one-pass form's first bound is checked
+    below the final one here, so the cut does happen)."""
+    from torch_fused.ops.sampler import threshold_launches
+
+    _filter_form(settings_override, one_pass)
+    g = torch.Generator().manual_seed(21)
+    x = (torch.randn(5, 300, generator=g) * 2).to(torch.bfloat16)
+    for kw in (dict(top_k=5), dict(min_p=0.3), dict(top_k=4, top_p=0.8)):
+        tau, sup, finish = threshold_launches(x, None, 1.0, False, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"),
+                                              finish=False)
+        assert bool((sup[:, 0] >= 0).all()), (kw, sup[:, 0])
+        finish()
+        _check_thresholds(x, 1.0, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"), tau, sup)
+        # the first 64 elements alone bound each row's tau lower than the whole row does
+        first = x[:, :64].float()
+        if "top_k" in kw:
+            early = first.view(5, 2, 32).amax(1).topk(kw["top_k"], -1).values[:, -1]
+            whole = x.float().view(5, -1)
+            assert bool((early < whole.topk(kw["top_k"], -1).values[:, -1]).any())
+        else:
+            assert bool((first.amax(-1) < x.float().amax(-1)).any())
+
+
+@KERNEL_PATH
 def test_top_p_band_settles_the_ordinary_rows(settings_override):
     """top-p alone at a moderate V with the real tiles (a sample of every 8th id): the sampled
     band holds the cut of the ordinary rows, whose support holds hundreds of ids (a sample's own

@@ -1,6 +1,9 @@
 """Compile kernels for a CUDA target on this machine (no GPU needed) and report what the compiler
 made of each: compile seconds, PTX size, the global loads and barriers in one thread's program,
-and the layout conversions of full 2-D tiles inside loops (each one a trip through shared memory).
+the layout conversions of full 2-D tiles inside loops (each one a trip through shared memory),
+the registers a thread takes (ptxas's allocation, read from the cubin by the cuobjdump that ships
+with Triton) and how many programs of that size a multiprocessor's 64K registers hold: a
+persistent grid sized past that number runs its programs in waves.
 
     python tools/kernel_compile.py                   # every compile case of torch_fused/kernels
     python tools/kernel_compile.py --only lm_head    # the cases whose name starts with lm_head
@@ -53,6 +56,23 @@ def _tile_conversions_in_loops(ttgir: str) -> int:
     return n
 
 
+def _registers(cubin: bytes | None) -> int | None:
+    """Registers a thread of the cubin's kernel takes (None where cuobjdump is missing)."""
+    import subprocess
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cubin or not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+)", out)
+    return int(m.group(1)) if m else None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="", help="report the cases whose name starts with this")
@@ -72,7 +92,8 @@ def main(argv=None) -> int:
     target = GPUTarget("cuda", args.arch, 32)
     cases = [c for c in _cases() if c[0].startswith(args.only)]
     w = max([len(c[0]) for c in cases] + [4])
-    print(f"{'case':{w}s} {'s':>6s} {'PTX kB':>7s} {'ld.global':>9s} {'bar':>5s} {'tile cvt in loops':>17s}")
+    print(f"{'case':{w}s} {'s':>6s} {'PTX kB':>7s} {'ld.global':>9s} {'bar':>5s} {'tile cvt in loops':>17s} "
+          f"{'regs':>5s} {'programs/SM':>11s}")
     for name, fn, sig, constexprs, warps in cases:
         constexprs = {k: overrides.get(k, v) for k, v in constexprs.items()}
         sig = dict(sig, **{k: "constexpr" for k in constexprs})
@@ -83,8 +104,11 @@ def main(argv=None) -> int:
         ptx = k.asm["ptx"]
         loads = len(re.findall(r"^\s*(?:@!?%p\d+\s+)?ld\.global", ptx, re.M))
         bars = len(re.findall(r"^\s*(?:@!?%p\d+\s+)?bar\.", ptx, re.M))
+        regs = _registers(k.asm.get("cubin"))
+        per_sm = "" if regs is None else str(min(65536 // (regs * 32 * warps), 64 // warps))
         print(f"{name:{w}s} {dt:6.1f} {len(ptx) / 1e3:7.0f} {loads:9d} {bars:5d} "
-              f"{_tile_conversions_in_loops(k.asm['ttgir']):17d}", flush=True)
+              f"{_tile_conversions_in_loops(k.asm['ttgir']):17d} {'' if regs is None else regs:>5} {per_sm:>11s}",
+              flush=True)
     return 0
 
 

@@ -1033,7 +1033,7 @@ MUTANTS: list[Mutant] = [
         "sampler-one-pass-no-relist-triton", "98 the one-pass filter's overflowed row not listed again",
         "torch_fused/kernels/sampler.py", TRITON,
         [("                tl.debug_barrier()  # the count reset before any thread's appends\n"
-          "                _list_pass(p_row, V, L, p_cnt_row, p_val, p_pos, CAP, BLOCK)\n",
+          "                _list_pass(p_row, V, L, p_cnt_row, p_lv, p_lp, CAP, BLOCK)\n",
           "                tl.debug_barrier()  # MUTANT\n")],
         ["tests/test_sampler_support.py"],
     ),
@@ -1081,6 +1081,21 @@ MUTANTS: list[Mutant] = [
           "    else:\n"
           "        m, s, t = _row_statistics(p_row, V, c, tau, HAS_ENT, EXACT_SHIFT, HAS_TAU, BLOCK_V, EPT)\n")],
         ["tests/test_kernels_compile.py"],
+    ),
+    # 103 / 104: the split filter (kernels/sampler.py, SPLIT): the tail kernel reads another
+    # row's working list; it cuts a one-pass list past the row's threshold
+    Mutant(
+        "sampler-split-tail-wrong-list-triton", "103 the split filter's tail reading the first row's working list",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("    p_lv = p_val + i * CAP\n    p_lp = p_pos + i * (2 * CAP)\n",
+          "    p_lv = p_val  # MUTANT\n    p_lp = p_pos\n")],
+        ["tests/test_sampler_support.py"],
+    ),
+    Mutant(
+        "sampler-split-cut-past-tau-triton", "104 the split one-pass filter's tail cutting its list past the threshold",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("tl.load(p_ml + i * 3 + 2), KEY_MIN, CHUNK)", "tl.load(p_ml + i * 3 + 2) + 0.5, KEY_MIN, CHUNK)")],
+        ["tests/test_sampler_support.py"],
     ),
 ]
 

@@ -17,7 +17,9 @@ Three kernels, one per route (ops/sampler.py picks them):
   max + T ln min_p; the k-th largest lane max); the second appends every element >= L to a
   working list (position and value, in the program's scratch) through an atomic count, with no
   reduction or branch per block. The list, put in position order, holds the whole support: tau
-  comes from it, and top-p then runs over it.
+  comes from it, and top-p then runs over it. Split (the ``sampler_filter_split`` setting):
+  the streaming programs leave each row's list to ``_sampler_filter_tail_kernel``, one small
+  program per row, which finds tau in it.
 - ``_sampler_top_p_kernel`` (top-p alone): the row's statistics (max m and sum s of 2^((x-m)c),
   the log-prob kernels' own numerics) with a strided sample of the row, from which the cut is
   estimated (the sample's mass below it against the exact (1 - top_p) s); a second pass sums the
@@ -332,10 +334,11 @@ def _sampler_filter_kernel(
     row is listed again by the two-pass route's second pass with the final bound.
 
     SPLIT: each row has its own working list (at its place from row0 in p_val [rows, CAP] and
-    p_pos [rows, 2 CAP]) and no tail here: the list's count goes into p_cnt, the row's max and
-    NaN flag into p_ml [rows, 2], and _sampler_filter_tail_kernel's small programs find tau
-    after this kernel, whose programs stream rows all along (the tail is a chain of small
-    reductions that leaves a streaming program's memory work idle)."""
+    p_pos [rows, 2 CAP]) and no tail here: the list's count stays in p_cnt, the row's max, NaN
+    flag and final bound go into p_ml [rows, 3], and _sampler_filter_tail_kernel's small
+    programs cut the list (one pass) and find tau after this kernel, whose programs stream rows
+    all along (the tail is a chain of small reductions that leaves a streaming program's memory
+    work idle)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     t = _temperature(t_arg, p_temp, T_FROM_PTR)
@@ -398,19 +401,19 @@ def _sampler_filter_kernel(
         cnt = tl.atomic_add(p_cnt_row, 0, sem="relaxed")
         if ONE_PASS:
             if cnt <= CAP:
-                cnt = _compact(p_lv, p_lp, cnt, L, KEY_MIN, CHUNK)  # cut to the final bound
+                if not SPLIT:  # (the tail kernel cuts a split row's list)
+                    cnt = _compact(p_lv, p_lp, cnt, L, KEY_MIN, CHUNK)  # cut to the final bound
             else:  # listed again with the final bound, as the two-pass route lists
                 tl.atomic_xchg(p_cnt_row, 0, sem="relaxed")
                 tl.debug_barrier()  # the count reset before any thread's appends
                 _list_pass(p_row, V, L, p_cnt_row, p_lv, p_lp, CAP, BLOCK)
                 tl.debug_barrier()
                 cnt = tl.atomic_add(p_cnt_row, 0, sem="relaxed")
-        if SPLIT:  # for the tail kernel
-            if ONE_PASS:
-                tl.atomic_xchg(p_cnt_row, cnt, sem="relaxed")
-            p_ml_row = p_ml + (row64 - row0) * 2
+        if SPLIT:  # for the tail kernel (the count is in p_cnt)
+            p_ml_row = p_ml + (row64 - row0) * 3
             tl.store(p_ml_row, M)
             tl.store(p_ml_row + 1, has_nan.to(tl.float32))
+            tl.store(p_ml_row + 2, L)
         else:
             p_sup_row = p_sup + row64 * (SUP_CAP + 1)
             _filter_tail(p_row, V, p_tau, p_sup_row, row64, p_lv, p_lp, cnt, M, has_nan, delta, c, top_k, top_p,
@@ -424,10 +427,11 @@ def _sampler_filter_tail_kernel(
     row0, V, inner_size, stride_outer, stride_inner, t_arg, min_p_arg, top_k, top_p,
     HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, T_FROM_PTR: tl.constexpr,
     EXACT_SHIFT: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr, SUP_CAP: tl.constexpr,
-    CHUNK: tl.constexpr, SORT_R: tl.constexpr,
+    CHUNK: tl.constexpr, SORT_R: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """_sampler_filter_kernel's tail for its SPLIT launch: row row0 + pid's tau and support list
-    from the row's working list, count (p_cnt), max and NaN flag (p_ml)."""
+    from the row's working list and count (p_cnt), max, NaN flag and final bound (p_ml); ONE_PASS:
+    the list is first cut to the final bound (the early bounds listed more)."""
     i = tl.program_id(0).to(tl.int64)
     row64 = row0 + i
     t = _temperature(t_arg, p_temp, T_FROM_PTR)
@@ -436,12 +440,16 @@ def _sampler_filter_tail_kernel(
         delta = _min_p_shift(t, min_p_arg, T_FROM_PTR)
     c = LOG2E_C / t
     p_row = _row_base(p_x, row64, inner_size, stride_outer, stride_inner)
+    p_lv = p_val + i * CAP
+    p_lp = p_pos + i * (2 * CAP)
     cnt = tl.load(p_cnt + row64)
-    M = tl.load(p_ml + i * 2)
-    has_nan = tl.load(p_ml + i * 2 + 1).to(tl.int32)
-    _filter_tail(p_row, V, p_tau, p_sup + row64 * (SUP_CAP + 1), row64, p_val + i * CAP, p_pos + i * (2 * CAP), cnt,
-                 M, has_nan, delta, c, top_k, top_p, HAS_MINP, HAS_TOPK, HAS_TOPP, EXACT_SHIFT, LO_BIT, CAP,
-                 SUP_CAP, CHUNK, SORT_R)
+    M = tl.load(p_ml + i * 3)
+    has_nan = tl.load(p_ml + i * 3 + 1).to(tl.int32)
+    if ONE_PASS:
+        if cnt <= CAP:
+            cnt = _compact(p_lv, p_lp, cnt, tl.load(p_ml + i * 3 + 2), KEY_MIN, CHUNK)  # cut to the final bound
+    _filter_tail(p_row, V, p_tau, p_sup + row64 * (SUP_CAP + 1), row64, p_lv, p_lp, cnt, M, has_nan, delta, c,
+                 top_k, top_p, HAS_MINP, HAS_TOPK, HAS_TOPP, EXACT_SHIFT, LO_BIT, CAP, SUP_CAP, CHUNK, SORT_R)
 
 @triton.jit
 def _list_sum_sq_below(p_val, n, r, m, c, EXACT_SHIFT: tl.constexpr, CHUNK: tl.constexpr):
@@ -756,10 +764,12 @@ def compile_cases():
                 "LO_BIT": 16, "CAP": 1024, "SUP_CAP": 512, "BLOCK": 2048, "CHUNK": 512, "SORT_R": 64,
                 "ONE_PASS": one, "WARM": 4, "SPLIT": split, **off}, 4)
     tail = {k: v for k, v in filt.items() if k != "n_rows"}
-    for mp, tk, tp, tptr in [(False, True, False, False), (True, True, True, True), (True, False, False, False)]:
-        yield (f"sampler_filter_tail minp={mp} topk={tk} topp={tp} t_ptr={tptr}", _sampler_filter_tail_kernel, tail,
+    for mp, tk, tp, tptr, one in [(False, True, False, False, False), (True, True, True, True, True),
+                                  (True, False, False, False, True)]:
+        yield (f"sampler_filter_tail minp={mp} topk={tk} topp={tp} t_ptr={tptr} one_pass={one}",
+               _sampler_filter_tail_kernel, tail,
                {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr,
-                "LO_BIT": 16, "CAP": 1024, "SUP_CAP": 512, "CHUNK": 128, "SORT_R": 32,
+                "LO_BIT": 16, "CAP": 1024, "SUP_CAP": 512, "CHUNK": 128, "SORT_R": 32, "ONE_PASS": one,
                 **({} if tptr else {"p_temp": None})}, 2)
     topp = dict(common, top_p="fp32", stride_s="i32", n_samples="i32", z_band="fp32")
     for tptr in (False, True):

@@ -125,16 +125,16 @@ def _filter_launches(K, cfg, x, tau, support, temperature_t, rows, v, layout, t,
     lists = min(rows, cfg.split_rows) if split else min(rows, nprog_max)
     val = torch.empty((lists, cfg.cap), dtype=torch.float32, device=dev)
     pos = torch.empty((lists, 2 * cfg.cap), dtype=torch.int32, device=dev)
-    ml = torch.empty((lists, 2), dtype=torch.float32, device=dev) if split else None
+    ml = torch.empty((lists, 3), dtype=torch.float32, device=dev) if split else None
     flags = dict(HAS_MINP=has_minp, HAS_TOPK=has_topk, HAS_TOPP=has_topp, T_FROM_PTR=t_ptr, EXACT_SHIFT=exact,
-                 LO_BIT=lo_bit, CAP=cfg.cap, SUP_CAP=meta.SUPPORT_CAP)
+                 LO_BIT=lo_bit, CAP=cfg.cap, SUP_CAP=meta.SUPPORT_CAP, ONE_PASS=settings.sampler_filter_one_pass)
     step = lists if split else rows
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         K._sampler_filter_kernel[(min(r1 - r0, nprog_max),)](
             x, tau, support, val, pos, count, temperature_t, ml, r0, r1, v, *layout, t, min_p_arg, k_arg, p_arg,
-            BLOCK=cfg.block, CHUNK=cfg.chunk, SORT_R=cfg.sort_r, ONE_PASS=settings.sampler_filter_one_pass,
-            WARM=cfg.warm, SPLIT=split, num_warps=cfg.filter_warps, **flags)
+            BLOCK=cfg.block, CHUNK=cfg.chunk, SORT_R=cfg.sort_r, WARM=cfg.warm, SPLIT=split,
+            num_warps=cfg.filter_warps, **flags)
         if split:
             K._sampler_filter_tail_kernel[(r1 - r0,)](
                 x, tau, support, val, pos, count, temperature_t, ml, r0, v, *layout, t, min_p_arg, k_arg, p_arg,
