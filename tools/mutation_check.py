@@ -957,7 +957,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "sampler-append-past-capacity-triton", "88 the filter's appends one past the list's capacity",
         "torch_fused/kernels/sampler.py", TRITON,
-        [("        ok = cnt <= CAP\n", "        ok = cnt <= CAP + 1  # MUTANT\n"),
+        [("    ok = cnt <= CAP\n", "    ok = cnt <= CAP + 1  # MUTANT\n"),
          ("    put = cand & (slot < CAP)\n", "    put = cand & (slot <= CAP)  # MUTANT\n")],
         ["tests/test_sampler_support.py"],
     ),
@@ -971,7 +971,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "sampler-nan-row-listed-triton", "90 a row holding a NaN listed (its forward then blind to the NaN)",
         "torch_fused/kernels/sampler.py", TRITON,
-        [("            if tl.max(nan.to(tl.int32), 0) == 0:\n", "            if True:  # MUTANT\n")],
+        [("        if has_nan == 0:\n", "        if True:  # MUTANT\n")],
         ["tests/test_sampler_support.py::test_a_row_holding_a_nan_is_not_listed"],
     ),
     Mutant(
@@ -1095,6 +1095,13 @@ MUTANTS: list[Mutant] = [
         "sampler-split-cut-past-tau-triton", "104 the split one-pass filter's tail cutting its list past the threshold",
         "torch_fused/kernels/sampler.py", TRITON,
         [("tl.load(p_ml + i * 3 + 2), KEY_MIN, CHUNK)", "tl.load(p_ml + i * 3 + 2) + 0.5, KEY_MIN, CHUNK)")],
+        ["tests/test_sampler_support.py"],
+    ),
+    # 105: the wide digit search's per-thread sums keeping only a pass's last block
+    Mutant(
+        "sampler-wide-select-last-block-triton", "105 the wide digit search summing a pass's last block alone",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("                acc2 += tl.where(hit, wt[:, None], 0)\n", "                acc2 = tl.where(hit, wt[:, None], 0)  # MUTANT\n")],
         ["tests/test_sampler_support.py"],
     ),
 ]

@@ -267,7 +267,7 @@ def _list_pass(p_row, V, L, p_cnt_row, p_val, p_pos, CAP: tl.constexpr, BLOCK: t
 def _filter_tail(p_row, V, p_tau, p_sup_row, row64, p_val, p_pos, cnt, M, has_nan, delta, c, top_k, top_p,
                  HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, EXACT_SHIFT: tl.constexpr,
                  LO_BIT: tl.constexpr, CAP: tl.constexpr, SUP_CAP: tl.constexpr, CHUNK: tl.constexpr,
-                 SORT_R: tl.constexpr):
+                 SORT_R: tl.constexpr, WIDE: tl.constexpr):
     """A filtered row's tau and support list from its working list of cnt entries (every element
     >= the row's bound, so every kept one; more than CAP: overflowed), its max M and whether it
     holds a NaN: the list put in position order, tau found in it (top-k's count search, then
@@ -279,13 +279,13 @@ def _filter_tail(p_row, V, p_tau, p_sup_row, row64, p_val, p_pos, cnt, M, has_na
     if ok:
         _sort_list(p_row, V, p_val, p_pos, cnt, CAP, SORT_R)
         if HAS_TOPK:
-            r = _digit_select(p_val, cnt, top_k, float("-inf"), 0.0, 1.0, False, True, LO_BIT, CHUNK)
+            r = _digit_select(p_val, cnt, top_k, float("-inf"), 0.0, 1.0, False, True, LO_BIT, CHUNK, WIDE)
             tau = tl.maximum(tau, _key_value(r, LO_BIT))
         if HAS_TOPP:
             # the probabilities over what min-p and top-k kept (the list's max is the row's)
             m_l = _list_max(p_val, cnt, CHUNK)
             s = _list_sum(p_val, cnt, tau, m_l, c, EXACT_SHIFT, CHUNK)
-            r3 = _digit_select(p_val, cnt, top_p * s, tau, m_l, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+            r3 = _digit_select(p_val, cnt, top_p * s, tau, m_l, c, True, EXACT_SHIFT, LO_BIT, CHUNK, WIDE)
             # KEY_MIN: no key reaches top_p * s in this sum's rounding (top_p within an ulp
             # of 1): every id the earlier steps kept stays (its key would decode as NaN)
             tau = tl.where((s > 0.0) & (r3 != KEY_MIN), tl.maximum(tau, _key_value(r3, LO_BIT)), tau)
@@ -417,7 +417,7 @@ def _sampler_filter_kernel(
         else:
             p_sup_row = p_sup + row64 * (SUP_CAP + 1)
             _filter_tail(p_row, V, p_tau, p_sup_row, row64, p_lv, p_lp, cnt, M, has_nan, delta, c, top_k, top_p,
-                         HAS_MINP, HAS_TOPK, HAS_TOPP, EXACT_SHIFT, LO_BIT, CAP, SUP_CAP, CHUNK, SORT_R)
+                         HAS_MINP, HAS_TOPK, HAS_TOPP, EXACT_SHIFT, LO_BIT, CAP, SUP_CAP, CHUNK, SORT_R, False)
         tl.debug_barrier()  # this row's list reads before the next row's appends
 
 
@@ -449,7 +449,7 @@ def _sampler_filter_tail_kernel(
         if cnt <= CAP:
             cnt = _compact(p_lv, p_lp, cnt, tl.load(p_ml + i * 3 + 2), KEY_MIN, CHUNK)  # cut to the final bound
     _filter_tail(p_row, V, p_tau, p_sup + row64 * (SUP_CAP + 1), row64, p_lv, p_lp, cnt, M, has_nan, delta, c,
-                 top_k, top_p, HAS_MINP, HAS_TOPK, HAS_TOPP, EXACT_SHIFT, LO_BIT, CAP, SUP_CAP, CHUNK, SORT_R)
+                 top_k, top_p, HAS_MINP, HAS_TOPK, HAS_TOPP, EXACT_SHIFT, LO_BIT, CAP, SUP_CAP, CHUNK, SORT_R, True)
 
 @triton.jit
 def _list_sum_sq_below(p_val, n, r, m, c, EXACT_SHIFT: tl.constexpr, CHUNK: tl.constexpr):
@@ -523,15 +523,15 @@ def _sampler_top_p_kernel(
         # its mass below that key, and the band's two ends
         w_tot = _list_sum(p_val, n_samples, float("-inf"), m, c, EXACT_SHIFT, CHUNK)
         t_cut = w_tot - (s - target) / stride_s
-        r0 = _digit_select(p_val, n_samples, t_cut, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+        r0 = _digit_select(p_val, n_samples, t_cut, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK, True)
         # the cut's weight in the sample (the largest, 1, where every sample lies below the cut)
         w_cut = tl.where(t_cut > 0.0, tl.exp2(_shifted(tl.minimum(_key_value(r0, LO_BIT), m), m, c, EXACT_SHIFT)),
                          1.0)
         se = tl.sqrt(_list_sum_sq_below(p_val, n_samples, r0, m, c, EXACT_SHIFT, CHUNK))
         half = z_band * se + 2.0 * w_cut
         has_hi = t_cut - half > 0.0
-        hi = _digit_select(p_val, n_samples, t_cut - half, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
-        lo = _digit_select(p_val, n_samples, t_cut + half, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+        hi = _digit_select(p_val, n_samples, t_cut - half, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK, True)
+        lo = _digit_select(p_val, n_samples, t_cut + half, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK, True)
         lo = tl.where(t_cut + half <= w_tot, lo, KEY_MIN)
         # a band the list cannot hold is no band: lo no lower than the sample's (rank of hi +
         # n_cap)-th largest, n_cap three quarters of the list's capacity in samples (a row whose top
@@ -540,7 +540,7 @@ def _sampler_top_p_kernel(
         n_cap = (CAP // stride_s) * 3 // 4
         rank_hi = tl.where(has_hi, _list_count_ge(p_val, n_samples, hi, CHUNK), 0)
         lo_cap = _digit_select(p_val, n_samples, rank_hi + n_cap, float("-inf"), m, c, False, EXACT_SHIFT, LO_BIT,
-                               CHUNK)
+                               CHUNK, True)
         lo = tl.where(rank_hi + n_cap <= n_samples, tl.maximum(lo, lo_cap), lo)
         tl.debug_barrier()  # the sample's loads before the band list overwrites it
         # pass 2: the mass above the band (key >= hi), the band [lo, hi) listed (lo raised when
@@ -564,7 +564,7 @@ def _sampler_top_p_kernel(
                     # >= target: raise lo there, keep the list's elements >= lo
                     need = target - tl.sum(a_acc, 0)
                     tl.debug_barrier()  # the appends of every thread before these loads
-                    r = _digit_select(p_val, cnt, need, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+                    r = _digit_select(p_val, cnt, need, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK, True)
                     lo = tl.where(need > 0.0, tl.maximum(lo, r), lo)
                     cnt = _compact(p_val, p_pos, cnt, float("-inf"), lo, CHUNK)
                     band = inb & (k_x >= lo) & under
@@ -584,7 +584,7 @@ def _sampler_top_p_kernel(
             found = a + b >= target
         r3 = KEY_MIN
         if found:
-            r3 = _digit_select(p_val, cnt, target - a, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK)
+            r3 = _digit_select(p_val, cnt, target - a, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK, True)
             # the list's sum above and this search add in different orders: where a + b lands
             # within an ulp of the target the search can come back empty (KEY_MIN, which would
             # decode as a NaN threshold): the exact kernel takes the row
@@ -613,11 +613,15 @@ def _row_max(p_row, V, BLOCK: tl.constexpr):
 
 @triton.jit
 def _digit_select(p_row, V, target, floor, m, c, MASS: tl.constexpr, EXACT_SHIFT: tl.constexpr,
-                  LO_BIT: tl.constexpr, BLOCK: tl.constexpr):
+                  LO_BIT: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     """The largest multiple r of 2^(LO_BIT rounded down to 4) with W(r) >= target, where W(r) sums
     over the V values x >= floor at p_row (a row of logits, or a program's working list) with
     key >= r their weight: 1, or (MASS) 2^((x - m) c). Four bits a pass, from the top: a pass
-    counts the 16 candidate digits at once (KEY_MIN where even the whole sum falls short)."""
+    counts the 16 candidate digits at once (KEY_MIN where even the whole sum falls short). WIDE: each
+    thread sums its own elements of the [BLOCK, 16] tile over the blocks and the threads' sums
+    are added once a pass (a pass over a whole row or a sample takes hundreds or tens of blocks,
+    each reduction across the threads a chain of shuffles and a barrier); else one reduction a
+    block (a short list: fewer registers)."""
     NPASS: tl.constexpr = (32 - LO_BIT + 3) // 4
     o_b = tl.arange(0, BLOCK)
     # r ^ (d << shift) is r + (d << shift) on the key's bit pattern (r's bits from shift up to
@@ -630,8 +634,10 @@ def _digit_select(p_row, V, target, floor, m, c, MASS: tl.constexpr, EXACT_SHIFT
         cands = r ^ (d << shift)
         if MASS:
             acc = tl.zeros([16], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK if WIDE else 1, 16], dtype=tl.float32)
         else:
             acc = tl.zeros([16], dtype=tl.int32)
+            acc2 = tl.zeros([BLOCK if WIDE else 1, 16], dtype=tl.int32)
         for start in range(0, V, BLOCK):
             o = start + o_b
             b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
@@ -641,7 +647,12 @@ def _digit_select(p_row, V, target, floor, m, c, MASS: tl.constexpr, EXACT_SHIFT
             else:
                 wt = keep.to(tl.int32)
             hit = _key(b_x)[:, None] >= cands[None, :]
-            acc += tl.sum(tl.where(hit, wt[:, None], 0), 0)
+            if WIDE:
+                acc2 += tl.where(hit, wt[:, None], 0)
+            else:
+                acc += tl.sum(tl.where(hit, wt[:, None], 0), 0)
+        if WIDE:
+            acc = tl.sum(acc2, 0)
         best = tl.max(tl.where(acc >= target, d, 0), 0)
         r = r ^ (best << shift)
     return r
@@ -675,7 +686,7 @@ def _sampler_exact_kernel(
         if HAS_MINP:
             tau = m + _min_p_shift(t, min_p_arg, T_FROM_PTR)
         if HAS_TOPK:
-            r = _digit_select(p_row, V, top_k, float("-inf"), m, c, False, EXACT_SHIFT, LO_BIT, BLOCK)
+            r = _digit_select(p_row, V, top_k, float("-inf"), m, c, False, EXACT_SHIFT, LO_BIT, BLOCK, True)
             tau = tl.maximum(tau, _key_value(r, LO_BIT))
         if HAS_TOPP:
             o_b = tl.arange(0, BLOCK)
@@ -685,7 +696,7 @@ def _sampler_exact_kernel(
                 b_x = tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32)
                 acc += tl.where((o < V) & (b_x >= tau), tl.exp2(_shifted(b_x, m, c, EXACT_SHIFT)), 0.0)
             s = tl.sum(acc, 0)
-            r3 = _digit_select(p_row, V, top_p * s, tau, m, c, True, EXACT_SHIFT, LO_BIT, BLOCK)
+            r3 = _digit_select(p_row, V, top_p * s, tau, m, c, True, EXACT_SHIFT, LO_BIT, BLOCK, True)
             # KEY_MIN: no key reaches top_p * s in this sum's rounding (top_p within an ulp of 1):
             # every id the earlier steps kept stays (its key would decode as NaN)
             tau = tl.where((s > 0.0) & (r3 != KEY_MIN), tl.maximum(tau, _key_value(r3, LO_BIT)), tau)
