@@ -278,13 +278,15 @@ def _check_thresholds(x, temperature, top_k, top_p, min_p, tau, support, margin=
     return clear
 
 
-# the filter kernel's forms: (sampler_filter_one_pass, sampler_filter_split)
+# the filter kernel's forms: (sampler_filter_one_pass, sampler_filter_split); the split forms run
+# the top-p kernel's appending band pass too (sampler_top_p_append)
 ONE_PASS = pytest.mark.parametrize("one_pass", [(True, False), (False, False), (True, True), (False, True)],
                                    ids=["one-pass", "two-pass", "one-pass-split", "two-pass-split"])
+TOP_P_APPEND = pytest.mark.parametrize("append", [False, True], ids=["ordered-band", "appended-band"])
 
 
 def _filter_form(settings_override, form):
-    settings_override(sampler_filter_one_pass=form[0], sampler_filter_split=form[1])
+    settings_override(sampler_filter_one_pass=form[0], sampler_filter_split=form[1], sampler_top_p_append=form[1])
 
 
 def _threshold_cases():
@@ -349,14 +351,47 @@ def test_filter_list_cut_to_the_final_bound(one_pass, settings_override):
 
 
 @KERNEL_PATH
-def test_top_p_band_settles_the_ordinary_rows(settings_override):
+@ONE_PASS
+def test_filter_forms_on_hard_rows_in_every_launch_pair(one_pass, settings_override):
+    """Hard rows in each launch pair of the split forms (4 rows a pair at the small tiles) and in
+    every program's later rows: ties at the top past the list (top-k: the exact kernel takes the
+    row, count -2 from the fast route), a row holding a NaN (not listed), ties at the k-th value;
+    every form gives the default form's thresholds and lists bitwise and the rule's thresholds on
+    the rows without a NaN."""
+    from torch_fused.ops.sampler import threshold_launches
+
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(11, 300, generator=g) * 2
+    for r in (1, 6, 9):  # 80 ties at the top: a list of 64 overflows for top-k
+        x[r, torch.randperm(300, generator=g)[:80]] = 9.0
+    x[[2, 7, 10], [5, 100, 299]] = float("nan")
+    x[8, torch.randperm(300, generator=g)[:6]] = x[8].max() - 0.5  # ties at the 3rd..8th largest
+    x = x.to(torch.bfloat16)
+    fine = torch.isfinite(x.float()).all(-1)
+    for kw in (dict(top_k=3), dict(min_p=0.2), dict(top_k=4, top_p=0.8)):
+        args = (x, None, 1.0, False, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"))
+        settings_override(sampler_filter_one_pass=False, sampler_filter_split=False)
+        want = threshold_launches(*args)
+        _filter_form(settings_override, one_pass)
+        tau, sup, finish = threshold_launches(*args, finish=False)
+        if "top_k" in kw:
+            assert sup[[1, 6, 9], 0].tolist() == [-2, -2, -2], (kw, sup[:, 0])
+        assert sup[[2, 7, 10], 0].tolist() == [-1, -1, -1], (kw, sup[:, 0])
+        finish()
+        assert torch.equal(tau, want[0]) and torch.equal(sup, want[1]), (kw, torch.nonzero(tau != want[0]))
+        _check_thresholds(x[fine], 1.0, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"), tau[fine], sup[fine])
+
+
+@KERNEL_PATH
+@TOP_P_APPEND
+def test_top_p_band_settles_the_ordinary_rows(append, settings_override):
     """top-p alone at a moderate V with the real tiles (a sample of every 8th id): the sampled
     band holds the cut of the ordinary rows, whose support holds hundreds of ids (a sample's own
     mass above a value swings with the few largest ids it holds or misses: the cut is estimated
     from its mass below); the thresholds equal the rule's."""
     from torch_fused.ops.sampler import threshold_launches
 
-    settings_override(small_tiles=False)
+    settings_override(small_tiles=False, sampler_top_p_append=append)
     x = _rows_with_hard_cases(16, 4096, torch.bfloat16, "cpu", seed=11)
     tau, sup, finish = threshold_launches(x, None, 1.0, False, None, 0.9, None, finish=False)
     assert int((sup[4:, 0] == -2).sum()) <= 1, sup[:, 0]
@@ -365,7 +400,31 @@ def test_top_p_band_settles_the_ordinary_rows(settings_override):
 
 
 @KERNEL_PATH
-def test_top_p_next_to_one_gives_no_nan_threshold(settings_override):
+@TOP_P_APPEND
+def test_top_p_band_crowded_past_its_list(append, settings_override):
+    """top-p alone on rows whose cut falls among hundreds of nearly equal logits (ten large
+    ones carry most of the mass, the rest lie within 0.25): the band around the estimated cut
+    holds more than the list (64 at the small tiles), so the fast route leaves such a row to the
+    exact kernel (count -2) rather than cut it from a partial list; every threshold is the rule's,
+    with the band listed in order and appended."""
+    from torch_fused.ops.sampler import threshold_launches
+
+    settings_override(sampler_top_p_append=append)
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(4, 300, generator=g) * 0.25
+    for r in range(4):
+        big = torch.randperm(300, generator=g)[:10]
+        x[r, big] = 5.0 + torch.rand(10, generator=g)
+    x = x.to(torch.bfloat16)
+    tau, sup, finish = threshold_launches(x, None, 1.0, False, None, 0.9, None, finish=False)
+    assert bool((sup[:, 0] == -2).any()), sup[:, 0]
+    finish()
+    _check_thresholds(x, 1.0, None, 0.9, None, tau, sup)
+
+
+@KERNEL_PATH
+@TOP_P_APPEND
+def test_top_p_next_to_one_gives_no_nan_threshold(append, settings_override):
     """top_p within an ulp of 1 in fp32 (the cut's target equals the row's whole mass up to the
     order of a sum): every route gives a real threshold that keeps at least the rule's support
     (a search that comes back empty would decode as NaN and keep no id)."""
@@ -373,7 +432,7 @@ def test_top_p_next_to_one_gives_no_nan_threshold(settings_override):
     from torch_fused.meta import sampler as meta
     from torch_fused.ops.sampler import threshold_launches
 
-    settings_override(small_tiles=False)
+    settings_override(small_tiles=False, sampler_top_p_append=append)
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
         x = (torch.randn(6, 300, generator=g, dtype=torch.float64) * 2).to(dtype)
@@ -559,6 +618,41 @@ def test_threshold_kernels_at_vocabulary_size(v, dtype):
             assert bool(valid.all()), (kw, torch.nonzero(~valid))
         else:
             assert int(clear.sum()) >= 40, kw
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("v", [151936, 32000])
+@pytest.mark.parametrize("form", [(True, False), (False, True), (True, True)],
+                         ids=["one-pass", "two-pass-split", "one-pass-split"])
+def test_filter_forms_agree_at_vocabulary_size(v, form, settings_override, monkeypatch):
+    """The filter's other forms give the default form's thresholds and support lists bitwise at
+    a real vocabulary (the split forms in launch pairs of 16 rows, so that hard rows sit in
+    later pairs too); the top-p kernel's appending band pass gives the rule's thresholds."""
+    from torch_fused.kernels import sampler as KS
+    from torch_fused.ops.sampler import threshold_launches
+
+    base = KS.config
+    monkeypatch.setattr(KS, "config", lambda e, vv, small: base(e, vv, small)._replace(split_rows=16))
+    x = _rows_with_hard_cases(64, v, torch.bfloat16, "cuda", seed=12)
+    x[40:44] = x[:4]  # the hard rows again, in a later launch pair
+    x[45, 7] = float("nan")
+    for t, kw in [(1.0, dict(min_p=0.05)), (1.0, dict(top_k=50)), (0.8, dict(top_k=256)),
+                  (1.0, dict(top_k=50, top_p=0.9)), (0.7, dict(top_k=3, min_p=0.01))]:
+        args = (x, None, t, False, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"))
+        settings_override(sampler_filter_one_pass=False, sampler_filter_split=False)
+        want = threshold_launches(*args)
+        _filter_form(settings_override, form)
+        got = threshold_launches(*args)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (kw, torch.nonzero(got[0] != want[0]))
+    settings_override(sampler_top_p_append=True)
+    keep = torch.ones(64, dtype=torch.bool)
+    keep[45] = False  # (a NaN row's cut is the kernels' own)
+    tau, sup = threshold_launches(x[keep], None, 1.0, False, None, 0.9, None)
+    clear = _check_thresholds(x[keep], 1.0, None, 0.9, None, tau, sup)
+    if v > 100000:  # (see test_threshold_kernels_at_vocabulary_size)
+        assert bool(_top_p_cut_is_valid(x[keep][4:], 1.0, 0.9, tau[4:]).all())
+    else:
+        assert int(clear.sum()) >= 40
 
 
 @pytest.mark.cuda

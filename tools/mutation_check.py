@@ -957,7 +957,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "sampler-append-past-capacity-triton", "88 the filter's appends one past the list's capacity",
         "torch_fused/kernels/sampler.py", TRITON,
-        [("    ok = cnt <= CAP\n", "    ok = cnt <= CAP + 1  # MUTANT\n"),
+        [("    ok = cnt <= CAP\n    tau = tl.full", "    ok = cnt <= CAP + 1  # MUTANT\n    tau = tl.full"),
          ("    put = cand & (slot < CAP)\n", "    put = cand & (slot <= CAP)  # MUTANT\n")],
         ["tests/test_sampler_support.py"],
     ),
@@ -1102,6 +1102,31 @@ MUTANTS: list[Mutant] = [
         "sampler-wide-select-last-block-triton", "105 the wide digit search summing a pass's last block alone",
         "torch_fused/kernels/sampler.py", TRITON,
         [("                acc2 += tl.where(hit, wt[:, None], 0)\n", "                acc2 = tl.where(hit, wt[:, None], 0)  # MUTANT\n")],
+        ["tests/test_sampler_support.py"],
+    ),
+    # 106 / 107: the top-p kernel's appending band pass (APPEND): the ids above the band listed as
+    # well as summed; a listed support cut one key past the threshold (the interpreter's atomics hand out slots in
+    # lane order, so a list left unsorted is not visible there: the CUDA tests see it)
+    Mutant(
+        "sampler-top-p-append-band-open-triton", "106 the appending top-p band pass listing the ids above the band too",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("full = _append_where(inb & (k_x >= lo) & under, ", "full = _append_where(inb & (k_x >= lo), ")],
+        ["tests/test_sampler_support.py"],
+    ),
+    Mutant(
+        "sampler-top-p-append-cut-past-ties-triton", "107 the appending top-p band pass's list cut past the threshold's ties",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("                    kept = _compact(p_val, p_pos, cnt, float(\"-inf\"), r3, CHUNK)\n",
+          "                    kept = _compact(p_val, p_pos, cnt, float(\"-inf\"), r3 + (1 << LO_BIT), CHUNK)\n")],
+        ["tests/test_sampler_support.py"],
+    ),
+    # 108: the filter's overflowed top-k row taken as settled (its tau from a list that lost ids)
+    Mutant(
+        "sampler-filter-overflow-settled-triton", "108 the filter's overflowed top-k row taken as settled",
+        "torch_fused/kernels/sampler.py", TRITON,
+        [("        if HAS_TOPK or HAS_TOPP:\n            tl.store(p_sup_row, NEEDS_EXACT)\n",
+          "        if HAS_TOPK or HAS_TOPP:  # MUTANT\n            tl.store(p_sup_row, NOT_LISTED)\n"
+          "            tl.store(p_tau + row64, tau)\n")],
         ["tests/test_sampler_support.py"],
     ),
 ]

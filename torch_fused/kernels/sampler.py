@@ -236,11 +236,17 @@ def _lanes_update(b_x, lanes, nan):
 
 @triton.jit
 def _append(b_x, o, V, L, full, p_cnt_row, zero, p_val, p_pos, CAP: tl.constexpr):
-    """A block's elements >= L appended to the working list (the first CAP of the row's kept)
-    through the row's atomic count; returns the lanes that have been handed a slot past the list
-    (they stop counting: the row has overflowed, so a loose bound costs at most CAP + BLOCK
-    atomics on the count)."""
-    cand = (o < V) & (b_x >= L) & ~full
+    """A block's elements >= L appended to the working list (_append_where)."""
+    return _append_where((o < V) & (b_x >= L), b_x, o, full, p_cnt_row, zero, p_val, p_pos, CAP)
+
+
+@triton.jit
+def _append_where(sel, b_x, o, full, p_cnt_row, zero, p_val, p_pos, CAP: tl.constexpr):
+    """A block's selected elements appended to the working list (the first CAP of the row's)
+    through the row's atomic count, with neither a reduction nor a branch; returns the lanes that
+    have been handed a slot past the list (they stop counting: the row has overflowed, so a
+    loose selection costs at most CAP + BLOCK atomics on the count)."""
+    cand = sel & ~full
     slot = tl.atomic_add(p_cnt_row + zero, 1, mask=cand, sem="relaxed")
     put = cand & (slot < CAP)
     tl.store(p_pos + slot, o, mask=put)
@@ -465,13 +471,14 @@ def _list_sum_sq_below(p_val, n, r, m, c, EXACT_SHIFT: tl.constexpr, CHUNK: tl.c
 
 @triton.jit
 def _sampler_top_p_kernel(
-    p_x, p_tau, p_sup, p_val, p_pos, p_temp,
+    p_x, p_tau, p_sup, p_val, p_pos, p_temp, p_cnt,
     n_rows, V, inner_size, stride_outer, stride_inner,
     t_arg, top_p,
     stride_s, n_samples,  # every stride_s-th element is sampled: n_samples of them
     z_band,  # the band's half width in standard errors of the sample's estimate of the mass below the cut
     EXACT_SHIFT: tl.constexpr, T_FROM_PTR: tl.constexpr, LO_BIT: tl.constexpr, CAP: tl.constexpr,
     SUP_CAP: tl.constexpr, BLOCK_V: tl.constexpr, EPT: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    APPEND: tl.constexpr, SORT_R: tl.constexpr,
 ):
     """top-p alone: two passes over each row (statistics with a sample; the band around the
     sample's estimate of the cut). A persistent grid as _sampler_filter_kernel; the sample and
@@ -485,6 +492,12 @@ def _sampler_top_p_kernel(
     none. The band [lo, hi) spans z_band standard errors (and two cut weights) of that estimate
     either side of the cut's, in sample masses.
 
+    APPEND: the band pass appends the band's elements through the row's atomic count (p_cnt,
+    zeroed by the caller), with neither a reduction nor a branch per block (_append_where); a row
+    whose band overflows the list goes to the exact kernel, and a listed support (no ids above
+    the band, at most SUP_CAP kept) is put in position order after the cut is found (p_pos holds
+    2 CAP entries a program then, as the filter's). Else:
+
     The band pass lists the band's elements. Should the list fill (a row whose top terms carry
     the mass below the cut too, so that the estimate's error spans most of the row), lo is raised
     to the largest key r where the mass above the band seen so far plus the listed mass >= r
@@ -492,7 +505,7 @@ def _sampler_top_p_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     p_val = p_val + pid.to(tl.int64) * CAP
-    p_pos = p_pos + pid.to(tl.int64) * CAP
+    p_pos = p_pos + pid.to(tl.int64) * (2 * CAP if APPEND else CAP)  # APPEND: room for _sort_list's copy
     t = _temperature(t_arg, p_temp, T_FROM_PTR)
     c = LOG2E_C / t
     NR: tl.constexpr = BLOCK_V // EPT
@@ -500,6 +513,7 @@ def _sampler_top_p_kernel(
     o_v = o_r[:, None] * EPT + tl.arange(0, EPT)[None, :]
     first = tl.arange(0, EPT)[None, :] == 0
     o_b = tl.arange(0, BLOCK)
+    zero_b = tl.zeros([BLOCK], dtype=tl.int32)
     for row in range(pid, n_rows, nprog):
         row64 = row + tl.zeros((), tl.int64)  # (a Python int in the interpreter)
         p_row = _row_base(p_x, row64, inner_size, stride_outer, stride_inner)
@@ -544,38 +558,55 @@ def _sampler_top_p_kernel(
         lo = tl.where(rank_hi + n_cap <= n_samples, tl.maximum(lo, lo_cap), lo)
         tl.debug_barrier()  # the sample's loads before the band list overwrites it
         # pass 2: the mass above the band (key >= hi), the band [lo, hi) listed (lo raised when
-        # the list fills)
+        # the list fills; APPEND: an overflowed list goes to the exact kernel)
         a_acc = tl.zeros([BLOCK], dtype=tl.float32)
         cnt = tl.full((), 0, tl.int32)
         ok = cnt == 0  # the list holds every element of [lo, hi)
-        for start in range(0, V, BLOCK):
-            o = start + o_b
-            inb = o < V
-            b_x = tl.load(p_row + o, mask=inb, other=float("-inf")).to(tl.float32)
-            k_x = _key(b_x)
-            above = tl.where(has_hi, inb & (k_x >= hi), False)
-            a_acc += tl.where(above, tl.exp2(_shifted(b_x, m, c, EXACT_SHIFT)), 0.0)
-            under = tl.where(has_hi, k_x < hi, True)
-            band = inb & (k_x >= lo) & under
-            n = tl.sum(band.to(tl.int32), 0)
-            if ok & (n > 0):
-                if cnt + n > CAP:
-                    # tau >= the largest r with (mass above the band so far) + (listed mass >= r)
-                    # >= target: raise lo there, keep the list's elements >= lo
-                    need = target - tl.sum(a_acc, 0)
-                    tl.debug_barrier()  # the appends of every thread before these loads
-                    r = _digit_select(p_val, cnt, need, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK, True)
-                    lo = tl.where(need > 0.0, tl.maximum(lo, r), lo)
-                    cnt = _compact(p_val, p_pos, cnt, float("-inf"), lo, CHUNK)
-                    band = inb & (k_x >= lo) & under
-                    n = tl.sum(band.to(tl.int32), 0)
-                    ok = (cnt + n <= CAP) & (need > 0.0)
-                if ok:
-                    bi = band.to(tl.int32)
-                    off = cnt + tl.cumsum(bi, 0) - bi
-                    tl.store(p_pos + off, o, mask=band)
-                    tl.store(p_val + off, b_x, mask=band)
-                    cnt += n
+        if APPEND:
+            p_cnt_row = p_cnt + row64
+            full = tl.zeros([BLOCK], dtype=tl.int1)
+            for start in range(0, V, BLOCK):
+                o = start + o_b
+                inb = o < V
+                b_x = tl.load(p_row + o, mask=inb, other=float("-inf")).to(tl.float32)
+                k_x = _key(b_x)
+                above = tl.where(has_hi, inb & (k_x >= hi), False)
+                a_acc += tl.where(above, tl.exp2(_shifted(b_x, m, c, EXACT_SHIFT)), 0.0)
+                under = tl.where(has_hi, k_x < hi, True)
+                full = _append_where(inb & (k_x >= lo) & under, b_x, o, full, p_cnt_row, zero_b, p_val, p_pos, CAP)
+            tl.debug_barrier()  # every thread's appends before the count is read
+            cnt = tl.atomic_add(p_cnt_row, 0, sem="relaxed")
+            ok = cnt <= CAP
+            cnt = tl.minimum(cnt, CAP)
+        else:
+            for start in range(0, V, BLOCK):
+                o = start + o_b
+                inb = o < V
+                b_x = tl.load(p_row + o, mask=inb, other=float("-inf")).to(tl.float32)
+                k_x = _key(b_x)
+                above = tl.where(has_hi, inb & (k_x >= hi), False)
+                a_acc += tl.where(above, tl.exp2(_shifted(b_x, m, c, EXACT_SHIFT)), 0.0)
+                under = tl.where(has_hi, k_x < hi, True)
+                band = inb & (k_x >= lo) & under
+                n = tl.sum(band.to(tl.int32), 0)
+                if ok & (n > 0):
+                    if cnt + n > CAP:
+                        # tau >= the largest r with (mass above the band so far) + (listed mass >= r)
+                        # >= target: raise lo there, keep the list's elements >= lo
+                        need = target - tl.sum(a_acc, 0)
+                        tl.debug_barrier()  # the appends of every thread before these loads
+                        r = _digit_select(p_val, cnt, need, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK, True)
+                        lo = tl.where(need > 0.0, tl.maximum(lo, r), lo)
+                        cnt = _compact(p_val, p_pos, cnt, float("-inf"), lo, CHUNK)
+                        band = inb & (k_x >= lo) & under
+                        n = tl.sum(band.to(tl.int32), 0)
+                        ok = (cnt + n <= CAP) & (need > 0.0)
+                    if ok:
+                        bi = band.to(tl.int32)
+                        off = cnt + tl.cumsum(bi, 0) - bi
+                        tl.store(p_pos + off, o, mask=band)
+                        tl.store(p_val + off, b_x, mask=band)
+                        cnt += n
         tl.debug_barrier()
         a = tl.sum(a_acc, 0)
         found = ok & (a < target) & (s > 0.0)
@@ -594,6 +625,15 @@ def _sampler_top_p_kernel(
             if has_hi:  # the ids above the band are kept too and were not listed
                 tl.store(p_sup_row, NOT_LISTED)
                 tl.store(p_tau + row64, tau)
+            elif APPEND:  # the list in the atomics' order: its kept ids put in position order
+                kept = _list_count_ge(p_val, cnt, r3, CHUNK)
+                if kept <= SUP_CAP:
+                    kept = _compact(p_val, p_pos, cnt, float("-inf"), r3, CHUNK)
+                    _sort_list(p_row, V, p_val, p_pos, kept, CAP, SORT_R)
+                    _finish_list(p_tau, p_sup_row, row64, tau, p_val, p_pos, kept, SUP_CAP, CHUNK)
+                else:
+                    tl.store(p_sup_row, NOT_LISTED)
+                    tl.store(p_tau + row64, tau)
             else:
                 _finish_list(p_tau, p_sup_row, row64, tau, p_val, p_pos, cnt, SUP_CAP, CHUNK)
         else:
@@ -782,11 +822,12 @@ def compile_cases():
                {"HAS_MINP": mp, "HAS_TOPK": tk, "HAS_TOPP": tp, "T_FROM_PTR": tptr, "EXACT_SHIFT": tptr,
                 "LO_BIT": 16, "CAP": 1024, "SUP_CAP": 512, "CHUNK": 128, "SORT_R": 32, "ONE_PASS": one,
                 **({} if tptr else {"p_temp": None})}, 2)
-    topp = dict(common, top_p="fp32", stride_s="i32", n_samples="i32", z_band="fp32")
-    for tptr in (False, True):
-        yield (f"sampler_top_p t_ptr={tptr}", _sampler_top_p_kernel, topp,
+    topp = dict(common, p_cnt="*i32", top_p="fp32", stride_s="i32", n_samples="i32", z_band="fp32")
+    for tptr, append in ((False, False), (True, False), (False, True), (True, True)):
+        yield (f"sampler_top_p t_ptr={tptr} append={append}", _sampler_top_p_kernel, topp,
                {"EXACT_SHIFT": tptr, "T_FROM_PTR": tptr, "LO_BIT": 16, "CAP": 8192, "SUP_CAP": 512,
-                "BLOCK_V": 2048, "EPT": 8, "BLOCK": 2048, "CHUNK": 512}, 8)
+                "BLOCK_V": 2048, "EPT": 8, "BLOCK": 2048, "CHUNK": 512, "APPEND": append, "SORT_R": 64,
+                **({} if append else {"p_cnt": None})}, 8)
     exact = {k: v for k, v in common.items() if k not in ("p_val", "p_pos", "n_rows")}
     exact.update(min_p_arg="fp32", top_k="i32", top_p="fp32")
     for every, fp32 in [(True, False), (False, True)]:

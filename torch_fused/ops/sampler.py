@@ -91,15 +91,18 @@ def threshold_launches(logits, temperature_t, temperature, shift, top_k, top_p, 
             nprog = min(rows, cfg.programs if cfg.programs else n_sm(logits.device) * K.PROGRAMS_PER_SM)
             cap = cfg.cap_p
             val = torch.empty((nprog, cap), dtype=torch.float32, device=logits.device)
-            pos = torch.empty((nprog, cap), dtype=torch.int32, device=logits.device)
+            append = settings.sampler_top_p_append
+            pos = torch.empty((nprog, 2 * cap if append else cap), dtype=torch.int32, device=logits.device)
             # every stride_s-th element sampled (a multiple of the tile rows' width), at most
             # cfg.sample of them
             stride_s = max(cfg.ept, K.triton.next_power_of_2(K.triton.cdiv(v, cfg.sample)))
+            count = torch.zeros(rows, dtype=torch.int32, device=logits.device) if append else None
             K._sampler_top_p_kernel[(nprog,)](
-                x, tau, support, val, pos, temperature_t, rows, v, inner, s_outer, s_inner, t, p_arg, stride_s,
-                K.triton.cdiv(v, stride_s), K.BAND_Z, EXACT_SHIFT=exact,
+                x, tau, support, val, pos, temperature_t, count, rows, v, inner, s_outer, s_inner, t, p_arg,
+                stride_s, K.triton.cdiv(v, stride_s), K.BAND_Z, EXACT_SHIFT=exact,
                 T_FROM_PTR=t_ptr, LO_BIT=lo_bit, CAP=cap, SUP_CAP=meta.SUPPORT_CAP, BLOCK_V=cfg.block,
-                EPT=cfg.ept, BLOCK=cfg.block, CHUNK=cfg.chunk, num_warps=cfg.warps)
+                EPT=cfg.ept, BLOCK=cfg.block, CHUNK=cfg.chunk, APPEND=append, SORT_R=cfg.sort_r,
+                num_warps=cfg.warps)
 
     def exact_rows():
         K._sampler_exact_kernel[(rows,)](
