@@ -105,7 +105,8 @@ def main(argv=None) -> int:
         loads = len(re.findall(r"^\s*(?:@!?%p\d+\s+)?ld\.global", ptx, re.M))
         bars = len(re.findall(r"^\s*(?:@!?%p\d+\s+)?bar\.", ptx, re.M))
         regs = _registers(k.asm.get("cubin"))
-        per_sm = "" if regs is None else str(min(65536 // (regs * 32 * warps), 64 // warps))
+        # (registers go to a warp in units of 256: 8 a thread)
+        per_sm = "" if regs is None else str(min(65536 // (-(-regs // 8) * 8 * 32 * warps), 64 // warps))
         print(f"{name:{w}s} {dt:6.1f} {len(ptx) / 1e3:7.0f} {loads:9d} {bars:5d} "
               f"{_tile_conversions_in_loops(k.asm['ttgir']):17d} {'' if regs is None else regs:>5} {per_sm:>11s}",
               flush=True)

@@ -1,6 +1,7 @@
 """The sampler's support on CUDA, the threshold routes side by side (the ``sampler_kernels``
 setting on: the Triton kernels, with the filter's one pass and its two, its rows' tails in the
-streaming programs or in a kernel of their own; off: the plain-PyTorch rule), then the fused head over the support.
+streaming programs or in a kernel of their own, and top-p's band listed in order or appended; off:
+the plain-PyTorch rule), then the fused head over the support.
 
     python tools/sampler_routes.py            # timings
     python tools/sampler_routes.py --profile  # and a kernel-time table of the head with top_k 50
@@ -38,17 +39,23 @@ def logits_op_rows():
         warm_up(f, ms=100.0)
         full = bench_ms(f, warmup=3, rep=30)
         print(f"N{n} V{v} full vocabulary {full:.3f} ms", flush=True)
-        for kernels, one_pass, split in ((True, True, False), (True, False, False), (True, True, True),
-                                         (True, False, True), (False, True, False)):
-            route = f"kernels={kernels}" + (f" one_pass={one_pass} split={split}" if kernels else "")
+        # the rule; the filter's four forms (min-p / top-k options); top-p alone with the band
+        # listed in order and appended
+        routes = [(False, False, False, False)] + [(True, o, sp, False) for o in (True, False) for sp in (False, True)]
+        routes += [(True, False, False, True)]
+        for kernels, one_pass, split, append in routes:
+            route = (f"kernels={kernels}" + (f" one_pass={one_pass} split={split} top_p_append={append}"
+                                             if kernels else ""))
             for kw in OPTIONS:
-                if (not kernels or (one_pass and not split)) or "top_p" not in kw or len(kw) > 1:
-                    with override(sampler_kernels=kernels, sampler_filter_one_pass=one_pass,
-                                  sampler_filter_split=split):
-                        fn = lambda kw=kw: f(**kw)  # noqa: E731
-                        warm_up(fn, ms=50.0)
-                        ms = bench_ms(fn, warmup=2, rep=20)
-                    print(f"N{n} V{v} {route} {kw}: {ms:.3f} ms = {ms / full:.2f}x the full vocabulary", flush=True)
+                alone = set(kw) == {"top_p"}
+                if kernels and ((alone and (one_pass or split)) or (append and not alone)):
+                    continue  # (top-p alone never runs the filter; the band forms only top-p alone)
+                with override(sampler_kernels=kernels, sampler_filter_one_pass=one_pass, sampler_filter_split=split,
+                              sampler_top_p_append=append):
+                    fn = lambda kw=kw: f(**kw)  # noqa: E731
+                    warm_up(fn, ms=50.0)
+                    ms = bench_ms(fn, warmup=2, rep=20)
+                print(f"N{n} V{v} {route} {kw}: {ms:.3f} ms = {ms / full:.2f}x the full vocabulary", flush=True)
         del x
 
 

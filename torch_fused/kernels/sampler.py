@@ -457,6 +457,7 @@ def _sampler_filter_tail_kernel(
     _filter_tail(p_row, V, p_tau, p_sup + row64 * (SUP_CAP + 1), row64, p_lv, p_lp, cnt, M, has_nan, delta, c,
                  top_k, top_p, HAS_MINP, HAS_TOPK, HAS_TOPP, EXACT_SHIFT, LO_BIT, CAP, SUP_CAP, CHUNK, SORT_R, True)
 
+
 @triton.jit
 def _list_sum_sq_below(p_val, n, r, m, c, EXACT_SHIFT: tl.constexpr, CHUNK: tl.constexpr):
     """sum of (2^((x - m) c))^2 over the list's n values x with a key < r."""
