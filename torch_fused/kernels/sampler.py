@@ -286,7 +286,9 @@ def _filter_tail(p_row, V, p_tau, p_sup_row, row64, p_val, p_pos, cnt, M, has_na
         _sort_list(p_row, V, p_val, p_pos, cnt, CAP, SORT_R)
         if HAS_TOPK:
             r = _digit_select(p_val, cnt, top_k, float("-inf"), 0.0, 1.0, False, True, LO_BIT, CHUNK, WIDE)
-            tau = tl.maximum(tau, _key_value(r, LO_BIT))
+            # KEY_MIN: fewer than k listed (min-p kept fewer): min-p's tau stands (KEY_MIN would
+            # decode as NaN, and whether a max passes a NaN on differs between backends)
+            tau = tl.where(r != KEY_MIN, tl.maximum(tau, _key_value(r, LO_BIT)), tau)
         if HAS_TOPP:
             # the probabilities over what min-p and top-k kept (the list's max is the row's)
             m_l = _list_max(p_val, cnt, CHUNK)
@@ -728,7 +730,7 @@ def _sampler_exact_kernel(
             tau = m + _min_p_shift(t, min_p_arg, T_FROM_PTR)
         if HAS_TOPK:
             r = _digit_select(p_row, V, top_k, float("-inf"), m, c, False, EXACT_SHIFT, LO_BIT, BLOCK, True)
-            tau = tl.maximum(tau, _key_value(r, LO_BIT))
+            tau = tl.where(r != KEY_MIN, tl.maximum(tau, _key_value(r, LO_BIT)), tau)  # (see _filter_tail)
         if HAS_TOPP:
             o_b = tl.arange(0, BLOCK)
             acc = tl.zeros([BLOCK], dtype=tl.float32)
