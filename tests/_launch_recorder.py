@@ -1,8 +1,10 @@
 """Every kernel launch of an interpreter run, compiled for a GPU.
 
 As a pytest plugin (``-p _launch_recorder``, under TRITON_INTERPRET=1): records every kernel
-launch (module, kernel, argument types, constexpr values, the pointers passed as None, warps)
-into the JSON file named by TORCH_FUSED_LAUNCH_RECORD, one record per distinct launch.
+launch (module, kernel, argument types, constexpr values, the pointers passed as None, warps;
+an int argument equal to 1 as the constexpr 1, as Triton's launcher specializes it: no kernel
+here opts out with do_not_specialize) into the JSON file named by TORCH_FUSED_LAUNCH_RECORD, one
+record per distinct launch.
 ``compile_records`` then compiles each for sm_90 in a process without the interpreter
 (tests/test_interpreter.py after the interpreter run; tools/launch_compile.py). The interpreter
 runs kernels as Python and accepts code that the compiler rejects for the arguments the launchers
@@ -60,6 +62,8 @@ def _record(fn, args, kwargs):
             types[name] = "*" + _dtype_code(v)
         elif isinstance(v, bool):
             types[name] = "i1"
+        elif isinstance(v, int) and v == 1:
+            cx[name] = 1  # Triton's launcher specializes an int argument equal to 1 as the constexpr 1
         elif isinstance(v, int):
             types[name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
         elif isinstance(v, float):
