@@ -1110,7 +1110,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "sampler-top-p-append-band-open-triton", "106 the appending top-p band pass listing the ids above the band too",
         "torch_fused/kernels/sampler.py", TRITON,
-        [("full = _append_where(inb & (k_x >= lo) & under, ", "full = _append_where(inb & (k_x >= lo), ")],
+        [("full = _append_where((k_x >= lo) & under, ", "full = _append_where((k_x >= lo) & (o < V), ")],
         ["tests/test_sampler_support.py"],
     ),
     Mutant(

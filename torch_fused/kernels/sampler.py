@@ -473,6 +473,20 @@ def _list_sum_sq_below(p_val, n, r, m, c, EXACT_SHIFT: tl.constexpr, CHUNK: tl.c
 
 
 @triton.jit
+def _band_block(p_row, o, V, has_hi, hi, m, c, EXACT_SHIFT: tl.constexpr):
+    """One block of the top-p band pass: (the logits, their keys, the mass 2^((x - m) c) of those
+    above the band (key >= hi, where the band has a top), the in-range lanes under the band's
+    top), for either form of the pass to list from."""
+    inb = o < V
+    b_x = tl.load(p_row + o, mask=inb, other=float("-inf")).to(tl.float32)
+    k_x = _key(b_x)
+    above = tl.where(has_hi, inb & (k_x >= hi), False)
+    e_above = tl.where(above, tl.exp2(_shifted(b_x, m, c, EXACT_SHIFT)), 0.0)
+    under = inb & tl.where(has_hi, k_x < hi, True)
+    return b_x, k_x, e_above, under
+
+
+@triton.jit
 def _sampler_top_p_kernel(
     p_x, p_tau, p_sup, p_val, p_pos, p_temp, p_cnt,
     n_rows, V, inner_size, stride_outer, stride_inner,
@@ -570,13 +584,9 @@ def _sampler_top_p_kernel(
             full = tl.zeros([BLOCK], dtype=tl.int1)
             for start in range(0, V, BLOCK):
                 o = start + o_b
-                inb = o < V
-                b_x = tl.load(p_row + o, mask=inb, other=float("-inf")).to(tl.float32)
-                k_x = _key(b_x)
-                above = tl.where(has_hi, inb & (k_x >= hi), False)
-                a_acc += tl.where(above, tl.exp2(_shifted(b_x, m, c, EXACT_SHIFT)), 0.0)
-                under = tl.where(has_hi, k_x < hi, True)
-                full = _append_where(inb & (k_x >= lo) & under, b_x, o, full, p_cnt_row, zero_b, p_val, p_pos, CAP)
+                b_x, k_x, e_above, under = _band_block(p_row, o, V, has_hi, hi, m, c, EXACT_SHIFT)
+                a_acc += e_above
+                full = _append_where((k_x >= lo) & under, b_x, o, full, p_cnt_row, zero_b, p_val, p_pos, CAP)
             tl.debug_barrier()  # every thread's appends before the count is read
             cnt = tl.atomic_add(p_cnt_row, 0, sem="relaxed")
             ok = cnt <= CAP
@@ -584,13 +594,9 @@ def _sampler_top_p_kernel(
         else:
             for start in range(0, V, BLOCK):
                 o = start + o_b
-                inb = o < V
-                b_x = tl.load(p_row + o, mask=inb, other=float("-inf")).to(tl.float32)
-                k_x = _key(b_x)
-                above = tl.where(has_hi, inb & (k_x >= hi), False)
-                a_acc += tl.where(above, tl.exp2(_shifted(b_x, m, c, EXACT_SHIFT)), 0.0)
-                under = tl.where(has_hi, k_x < hi, True)
-                band = inb & (k_x >= lo) & under
+                b_x, k_x, e_above, under = _band_block(p_row, o, V, has_hi, hi, m, c, EXACT_SHIFT)
+                a_acc += e_above
+                band = (k_x >= lo) & under
                 n = tl.sum(band.to(tl.int32), 0)
                 if ok & (n > 0):
                     if cnt + n > CAP:
@@ -601,7 +607,7 @@ def _sampler_top_p_kernel(
                         r = _digit_select(p_val, cnt, need, float("-inf"), m, c, True, EXACT_SHIFT, LO_BIT, CHUNK, True)
                         lo = tl.where(need > 0.0, tl.maximum(lo, r), lo)
                         cnt = _compact(p_val, p_pos, cnt, float("-inf"), lo, CHUNK)
-                        band = inb & (k_x >= lo) & under
+                        band = (k_x >= lo) & under
                         n = tl.sum(band.to(tl.int32), 0)
                         ok = (cnt + n <= CAP) & (need > 0.0)
                     if ok:
